@@ -26,3 +26,16 @@ def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None, pp_size=No
     """Global index of the first layer this (pp_rank, vp_stage) builds. Even split for now."""
     pp_rank, pp_size = _pp_rank_and_size(pp_rank, pp_size)
     return pp_rank * (config.num_layers // pp_size)
+
+
+def validate_pipeline_config(config) -> None:
+    """Raise a one-line ValueError when the stages cannot split `config.num_layers`.
+
+    Called from TransformerConfig.__post_init__.
+    """
+    pp_size = config.pipeline_model_parallel_size
+    if config.num_layers % pp_size:
+        raise ValueError(
+            f"num_layers ({config.num_layers}) is not divisible by pipeline_model_parallel_size "
+            f"({pp_size}); choose a layer count that splits evenly or set uneven first/last stages"
+        )
