@@ -1,0 +1,36 @@
+"""Small helpers shared by the package (Megatron: `megatron.core.utils`)."""
+
+import functools
+import math
+
+import torch
+
+
+class _NormalInit(functools.partial):
+    """`torch.nn.init.normal_` with a fixed mean and std.
+
+    A partial, so it pickles; with value equality, so two configs built from the same numbers
+    compare equal (a plain partial or a lambda compares by identity).
+    """
+
+    def __eq__(self, other):
+        if not isinstance(other, _NormalInit):
+            return NotImplemented
+        return (self.func, self.args, self.keywords) == (other.func, other.args, other.keywords)
+
+    def __hash__(self):
+        return hash((self.func, self.args, tuple(sorted(self.keywords.items()))))
+
+
+def init_method_normal(sigma: float) -> _NormalInit:
+    """Init callable: fills a tensor in place from N(0, sigma^2)."""
+    return _NormalInit(torch.nn.init.normal_, mean=0.0, std=sigma)
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0) -> _NormalInit:
+    """Init callable for the projections that write into the residual stream.
+
+    std = sigma / sqrt(multiplier * num_layers): each layer adds `multiplier` such outputs to the
+    residual, so scaling keeps the residual's variance independent of depth (GPT-2's recipe).
+    """
+    return init_method_normal(sigma / math.sqrt(multiplier * num_layers))

@@ -1,0 +1,343 @@
+"""TransformerConfig / MLATransformerConfig: the API reference's fields and defaults, derived
+values, validation errors and the not-yet-supported table."""
+
+import dataclasses
+import math
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from teratron.model_parallel_config import ModelParallelConfig
+from teratron.transformer import transformer_config as tc
+from teratron.transformer.enums import AttnBackend
+from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+SEED = Path("/work/shared/seeds/003_f608d2b89fa5cb49.txt")
+BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8)
+
+FIELD_LINE = re.compile(r"^([a-z_][a-zA-Z0-9_]*): (.+)#$")  # `name: type#`
+INLINE_FIELD_LINE = re.compile(r"^([a-z_][a-zA-Z0-9_]*): [^=]+ = .*#:")  # `name: type = <..>#: doc`
+CLASS_LINE = re.compile(r"^class core\.transformer\.transformer_config\.(\w+)#$")
+NO_DEFAULT = object()
+
+
+def _literal(text):
+    """The Python value of a literal default line of the reference, or NO_DEFAULT."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    if re.fullmatch(r"-?(\d+\.\d*|\d*\.\d+|\d+)([eE][-+]?\d+)?", text):
+        return float(text)
+    quoted = re.fullmatch(r"‘([^’]*)’", text)
+    if quoted:
+        return quoted.group(1)
+    return NO_DEFAULT
+
+
+def parse_seed():
+    """{class name: {field: default or NO_DEFAULT}} from the API reference text."""
+    lines = SEED.read_text(encoding="utf-8").splitlines()
+    classes, current = {}, None
+    for i, line in enumerate(lines):
+        if m := CLASS_LINE.match(line):
+            current = classes.setdefault(m.group(1), {})
+        elif current is None:
+            continue
+        elif m := FIELD_LINE.match(line):
+            following = next((l.strip() for l in lines[i + 1:] if l.strip()), "")
+            current[m.group(1)] = _literal(following)
+        elif m := INLINE_FIELD_LINE.match(line):
+            current[m.group(1)] = NO_DEFAULT
+    return classes
+
+
+SEED_FIELDS = parse_seed()
+
+
+def _default(cls, name):
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+
+
+def test_seed_parser_is_honest():
+    assert set(SEED_FIELDS) == {"TransformerConfig", "MLATransformerConfig"}
+    assert len(SEED_FIELDS["TransformerConfig"]) > 150
+    assert len(SEED_FIELDS["MLATransformerConfig"]) == 17
+    n_defaults = sum(v is not NO_DEFAULT for fields in SEED_FIELDS.values() for v in fields.values())
+    assert n_defaults > 100
+    # spot checks of the parser itself, read off the reference by eye
+    assert SEED_FIELDS["TransformerConfig"]["layernorm_epsilon"] == 1e-05
+    assert SEED_FIELDS["TransformerConfig"]["transformer_impl"] == "transformer_engine"
+    assert SEED_FIELDS["TransformerConfig"]["fp8_margin"] is NO_DEFAULT
+    assert "config_logger_dir" in SEED_FIELDS["TransformerConfig"]
+
+
+@pytest.mark.parametrize("cls_name", ["TransformerConfig", "MLATransformerConfig"])
+def test_every_seed_field_exists_with_its_default(cls_name):
+    cls = {"TransformerConfig": TransformerConfig, "MLATransformerConfig": MLATransformerConfig}[cls_name]
+    ours = {f.name for f in dataclasses.fields(cls)}
+    missing = [name for name in SEED_FIELDS[cls_name] if name not in ours]
+    assert not missing
+    wrong = []
+    for name, seed_default in SEED_FIELDS[cls_name].items():
+        if seed_default is NO_DEFAULT:
+            continue
+        default = _default(cls, name)
+        if seed_default is None or isinstance(seed_default, bool):
+            ok = default is seed_default
+        else:
+            ok = type(default) in (int, float, str) and default == seed_default
+        if not ok:
+            wrong.append((name, seed_default, default))
+    assert not wrong
+
+
+def test_no_invented_fields():
+    seed = set(SEED_FIELDS["TransformerConfig"]) | {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    extra = {f.name for f in dataclasses.fields(TransformerConfig)} - seed
+    assert not extra
+
+
+def test_megatron_defaults_missing_from_the_reference():
+    # Fields the reference lists without a default: Megatron Core's values.
+    expected = dict(fp8_margin=0, fp8_interval=1, fp8_amax_history_len=1, num_layers_at_start_in_bf16=1,
+                    num_layers_at_end_in_bf16=1, moe_layer_freq=1, moe_router_topk=2,
+                    moe_deepep_num_sms=20, moe_hybridep_num_sms=16, cuda_graph_warmup_steps=3,
+                    inference_sampling_seed=42, mamba_head_dim=64, mamba_num_groups=8,
+                    mlp_chunks_for_prefill=1, config_logger_dir="")
+    for name, value in expected.items():
+        assert _default(TransformerConfig, name) == value, name
+    mla = dict(qk_pos_emb_head_dim=64, rotary_scaling_factor=40, beta_fast=32, beta_slow=1)
+    for name, value in mla.items():
+        assert _default(MLATransformerConfig, name) == value, name
+
+
+def test_derived_values():
+    c = TransformerConfig(**BASE)
+    assert c.ffn_hidden_size == 4 * 64
+    assert c.kv_channels == 64 // 8
+    assert c.num_query_groups == 8
+    assert c.activation_func is F.gelu
+    assert c.attention_backend is AttnBackend.auto
+    assert c.recompute_modules == ["core_attn"]
+    assert c.embedding_init_method_std == c.init_method_std
+    assert c.expert_tensor_parallel_size == 1
+    assert c.pipeline_dtype == torch.float32 and c.autocast_dtype == torch.float32
+    assert c.moe_ffn_hidden_size is None
+
+    c = TransformerConfig(**BASE, ffn_hidden_size=100, kv_channels=16, num_query_groups=2,
+                          activation_func=F.silu, gated_linear_unit=True, attention_backend="unfused")
+    assert (c.ffn_hidden_size, c.kv_channels, c.num_query_groups) == (100, 16, 2)
+    assert c.activation_func is F.silu and c.attention_backend is AttnBackend.unfused
+
+    c = TransformerConfig(**BASE, num_moe_experts=4, add_bias_linear=False, tensor_model_parallel_size=2,
+                          sequence_parallel=True)
+    assert c.moe_ffn_hidden_size == c.ffn_hidden_size == 256
+    assert c.expert_tensor_parallel_size == 2
+
+    c = TransformerConfig(**BASE, fp32_residual_connection=True, params_dtype=torch.bfloat16, bf16=True)
+    assert c.pipeline_dtype == torch.float32  # the residual stream crosses stages
+    assert c.autocast_dtype == torch.bfloat16
+
+
+def _std_after_init(init_method):
+    torch.manual_seed(0)
+    w = torch.empty(1000, 1000)
+    init_method(w)
+    return w.std().item()
+
+
+def test_init_methods_have_the_documented_std():
+    c = TransformerConfig(**BASE, init_method_std=0.05)
+    assert _std_after_init(c.init_method) == pytest.approx(0.05, rel=0.02)
+    assert _std_after_init(c.output_layer_init_method) == pytest.approx(0.05 / math.sqrt(2 * 4), rel=0.02)
+    assert _std_after_init(c.embedding_init_method) == pytest.approx(0.05, rel=0.02)
+
+    c = TransformerConfig(**BASE, embedding_init_method_std=1.0)
+    assert _std_after_init(c.embedding_init_method) == pytest.approx(1.0, rel=0.02)
+    assert _std_after_init(c.init_method) == pytest.approx(0.02, rel=0.02)
+
+    def custom(w):
+        return torch.nn.init.constant_(w, 3.0)
+
+    c = TransformerConfig(**BASE, init_method=custom)
+    assert c.embedding_init_method is custom  # same std: the embedding follows the custom init
+
+
+def test_configs_compare_and_pickle():
+    a, b = TransformerConfig(**BASE), TransformerConfig(**BASE)
+    assert a == b
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert a != TransformerConfig(**BASE, init_method_std=0.03)
+    m = MLATransformerConfig(**BASE)
+    assert m.normalization == "RMSNorm" and m.multi_latent_attention
+    assert pickle.loads(pickle.dumps(m)) == m
+    assert dataclasses.replace(a, hidden_dropout=0.0).ffn_hidden_size == 256
+
+
+def test_calls_the_pipeline_validator(monkeypatch):
+    import teratron.pipeline_parallel.layout as layout
+
+    seen = []
+    monkeypatch.setattr(layout, "validate_pipeline_config", seen.append)
+    c = TransformerConfig(**BASE, pipeline_model_parallel_size=2)
+    assert seen == [c]
+
+
+def _build(**overrides):
+    return TransformerConfig(**{**BASE, **overrides})
+
+
+VALUE_ERRORS = [
+    (dict(num_layers=0), "num_layers must be a positive integer"),
+    (dict(hidden_size=-1), "hidden_size must be a positive integer"),
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive integer"),
+    (dict(hidden_size=60, num_attention_heads=8), "hidden_size .60. is not divisible by num_attention_heads"),
+    (dict(num_attention_heads=6, hidden_size=60, tensor_model_parallel_size=4), "num_attention_heads .6. is not divisible by tensor_model_parallel_size"),
+    (dict(num_query_groups=3), r"num_query_groups \(3\) must divide num_attention_heads"),
+    (dict(num_query_groups=2, tensor_model_parallel_size=4), "num_query_groups .2. is not divisible by tensor_model_parallel_size"),
+    (dict(hidden_dropout=1.5), "hidden_dropout must be in"),
+    (dict(attention_dropout=-0.1), "attention_dropout must be in"),
+    (dict(ffn_hidden_size=0), "ffn_hidden_size must be a positive integer"),
+    (dict(softmax_scale=0.0), "softmax_scale must be positive"),
+    (dict(init_method_std=0.0), "init_method_std must be positive"),
+    (dict(normalization="BatchNorm"), "normalization='BatchNorm' is not supported"),
+    (dict(transformer_impl="inference_optimized"), "transformer_impl='inference_optimized' is not supported"),
+    (dict(attention_backend="cudnn"), "attention_backend='cudnn' is not one of"),
+    (dict(attention_backend=3), "attention_backend=3 must be an AttnBackend"),
+    (dict(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False), "apply_query_key_layer_scaling needs attention_softmax_in_fp32"),
+    (dict(multi_latent_attention=True, rotary_interleaved=True), "rotary_interleaved does not work with multi_latent_attention"),
+    (dict(recompute_granularity="partial"), "recompute_granularity='partial' is not valid"),
+    (dict(recompute_granularity="full"), "recompute_granularity='full' needs recompute_method"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "recompute_granularity='full' needs recompute_num_layers"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=5), "needs recompute_num_layers between 1 and num_layers"),
+    (dict(recompute_granularity="full", recompute_method="blocks", recompute_num_layers=1), "recompute_method='blocks' is not valid"),
+    (dict(recompute_granularity="selective", recompute_method="uniform"), "recompute_method is only used with recompute_granularity='full'"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1), "recompute_num_layers is only used with recompute_granularity='full'"),
+    (dict(recompute_num_layers=1), "recompute_num_layers is only used with"),
+    (dict(recompute_granularity="selective", recompute_modules=["attention"]), "recompute_modules has unknown entries"),
+    (dict(expert_model_parallel_size=2), "expert_model_parallel_size=2 needs num_moe_experts"),
+    (dict(moe_ffn_hidden_size=32), "moe_ffn_hidden_size is set but num_moe_experts is None"),
+    (dict(num_moe_experts=0), "num_moe_experts must be a positive integer"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), r"num_moe_experts \(6\) is not divisible by expert_model_parallel_size \(4\)"),
+    (dict(num_moe_experts=4, tensor_model_parallel_size=2, sequence_parallel=True), "need expert_tensor_parallel_size=1"),
+    (dict(num_moe_experts=4, moe_router_topk=5), r"moe_router_topk \(5\) must be between 1 and num_moe_experts \(4\)"),
+    (dict(num_moe_experts=4, moe_router_topk=1), "moe_router_topk=1 with softmax scores needs moe_router_pre_softmax"),
+    (dict(num_moe_experts=4, moe_layer_freq=0), "moe_layer_freq must be >= 1"),
+    (dict(num_moe_experts=4, moe_layer_freq=[1, 0]), "moe_layer_freq as a list needs one 0/1 entry per layer"),
+    (dict(num_moe_experts=4, moe_layer_freq="1"), "moe_layer_freq must be an int or a list"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type="switch"), "moe_router_load_balancing_type 'switch' is not one of"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1), "moe_aux_loss_coeff must be a list as long as"),
+    (dict(num_moe_experts=4, moe_router_score_function="relu"), "moe_router_score_function='relu'"),
+    (dict(num_moe_experts=4, moe_router_dtype="bf16"), "moe_router_dtype='bf16'"),
+    (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'"),
+    (dict(num_moe_experts=4, moe_router_group_topk=1), "moe_router_group_topk needs moe_router_num_groups"),
+    (dict(num_moe_experts=4, moe_router_group_topk=1, moe_router_num_groups=3), r"num_moe_experts \(4\) is not divisible by moe_router_num_groups \(3\)"),
+    (dict(num_moe_experts=4, moe_router_group_topk=3, moe_router_num_groups=2), r"moe_router_group_topk \(3\) exceeds moe_router_num_groups \(2\)"),
+    (dict(num_moe_experts=4, moe_router_group_topk=1, moe_router_num_groups=2, moe_router_topk_limited_devices=1), "moe_router_topk_limited_devices is deprecated and replaced"),
+    (dict(num_moe_experts=4, moe_router_padding_for_fp8=True), "moe_router_padding_for_quantization needs fp8 or fp4"),
+    (dict(num_moe_experts=4, variable_seq_lengths=True), "'allgather' does not support variable_seq_lengths"),
+    (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="sinkhorn", moe_router_topk=1), "moe_expert_capacity_factor does not work with sinkhorn"),
+    (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor"),
+    (dict(num_moe_experts=4, moe_token_dispatcher_type="a2a"), "moe_token_dispatcher_type='a2a' is not valid"),
+    (dict(num_moe_experts=4, moe_token_drop_policy="random"), "moe_token_drop_policy='random'"),
+    (dict(num_moe_experts=4, moe_shared_expert_intermediate_size=0), "moe_shared_expert_intermediate_size must be positive"),
+    (dict(num_moe_experts=4, moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True), "moe_shared_expert_overlap needs moe_token_dispatcher_type='alltoall'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", VALUE_ERRORS)
+def test_validation_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _build(**overrides)
+
+
+def test_mla_validation():
+    with pytest.raises(ValueError, match="rope_type='ntk' is not valid"):
+        MLATransformerConfig(**BASE, rope_type="ntk")
+    assert MLATransformerConfig(**BASE, rope_type="rope").rope_type == "rope"
+
+
+def test_moe_router_conversions():
+    with pytest.warns(UserWarning, match="moe_router_topk_limited_devices is deprecated"):
+        c = _build(num_moe_experts=4, moe_router_topk_limited_devices=1, expert_model_parallel_size=2)
+    assert (c.moe_router_group_topk, c.moe_router_num_groups) == (1, 2)
+    assert dataclasses.replace(c, hidden_dropout=0.0).moe_router_group_topk == 1
+    c = _build(num_moe_experts=4, moe_expert_capacity_factor=-1.0)
+    assert c.moe_expert_capacity_factor is None  # negative means dropless, as in Megatron
+    with pytest.warns(UserWarning, match="moe_layer_recompute is deprecated"):
+        with pytest.raises(NotImplementedError, match="recompute_modules contains 'moe'"):
+            _build(num_moe_experts=4, moe_layer_recompute=True)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="moe_layer_recompute cannot be combined"):
+        _build(num_moe_experts=4, moe_layer_recompute=True, recompute_granularity="full",
+               recompute_method="block", recompute_num_layers=1)
+
+
+def _non_default(value):
+    """A value different from `value` of a plausible type, to switch a field away from its default."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "_other"
+    return 2  # None or an object default
+
+
+@pytest.mark.parametrize("name", list(tc.UNSUPPORTED))
+def test_unsupported_fields_raise(name):
+    value = _non_default(_default(TransformerConfig, name))
+    with pytest.raises(NotImplementedError, match=rf"^{name}=.*is not supported yet; leave it at"):
+        _build(**{name: value})
+
+
+def test_unsupported_table_covers_the_blocked_features():
+    blocked = ["mtp_num_layers", "softmax_type", "window_size", "window_attn_skip_freq", "no_rope_freq",
+               "qk_clip", "fp8", "fp8_recipe", "fp4", "use_kitchen", "cp_comm_type", "cuda_graph_impl",
+               "enable_cuda_graph", "external_cuda_graph", "bias_activation_fusion", "masked_softmax_fusion",
+               "bias_dropout_fusion", "apply_rope_fusion", "flash_decode", "batch_invariant_mode",
+               "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",
+               "mrope_section", "symmetric_ar_type", "init_model_with_meta_device"]
+    assert not [name for name in blocked if name not in tc.UNSUPPORTED]
+    with pytest.raises(NotImplementedError, match="distribute_saved_activations=True"):
+        _build(distribute_saved_activations=True)
+    with pytest.raises(NotImplementedError, match="moe_token_dispatcher_type='flex'"):
+        _build(num_moe_experts=4, moe_token_dispatcher_type="flex")
+    with pytest.raises(NotImplementedError, match="recompute_modules contains 'mla_up_proj'"):
+        _build(recompute_granularity="selective", recompute_modules=["core_attn", "mla_up_proj"])
+
+
+def test_supported_fields_build():
+    from functools import partial
+
+    supported = dict(
+        softmax_scale=0.125, hidden_dropout=0.0, attention_dropout=0.0, fp32_residual_connection=True,
+        apply_residual_connection_post_layernorm=True, layernorm_epsilon=1e-6,
+        layernorm_zero_centered_gamma=True, add_bias_linear=False, add_qkv_bias=True,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", qk_layernorm=True,
+        init_method=partial(torch.nn.init.normal_, std=0.01), init_method_std=0.01,
+        apply_query_key_layer_scaling=True, rotary_interleaved=True, calculate_per_token_loss=True,
+        attention_backend=AttnBackend.local, transformer_impl="local", test_mode=True,
+        distribute_saved_activations=False, recompute_granularity="selective",
+        recompute_modules=["core_attn", "mlp", "layernorm"], num_layers_in_first_pipeline_stage=None,
+        account_for_embedding_in_pipeline_split=False, init_model_with_meta_device=False,
+    )
+    c = _build(**supported)
+    assert c.recompute_modules == ["core_attn", "mlp", "layernorm"]
+    assert _build(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    assert _build(multi_latent_attention=True).multi_latent_attention
+    moe = _build(num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                 expert_model_parallel_size=2, add_bias_linear=False, moe_grouped_gemm=True,
+                 moe_aux_loss_coeff=[1e-2, 1e-3], moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=64,
+                 moe_shared_expert_overlap=True, moe_layer_freq=[1, 0, 1, 0],
+                 moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_expert_capacity_factor=1.5,
+                 moe_pad_expert_input_to_capacity=True, moe_router_score_function="sigmoid",
+                 moe_router_enable_expert_bias=True, moe_router_dtype="fp32")
+    assert moe.moe_ffn_hidden_size == 256
+    # dataclasses.replace re-runs __post_init__ on already-resolved values: it must be idempotent.
+    assert dataclasses.replace(c) == c and dataclasses.replace(moe) == moe
