@@ -1,0 +1,280 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Initialisation is LAYOUT-INVARIANT (a project decision, see docs/design.md): with
+`config.perform_initialization`, each layer builds the FULL fp32 master weight on the
+parameter's device, applies `init_method` to it and keeps only its own shard
+(`utils.shard_tensor`). Every TP rank draws the same numbers from the default generator, so
+the same seed gives the same full model under any TP size, and a TP=2 run equals a TP=1 run
+without copying weights. Biases start at zero.
+
+Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim` and
+`partition_stride`; the bias of a row layer under sequence parallelism carries
+`sequence_parallel=True` (its gradient is summed over TP by finalize_model_grads); expert
+parameters carry `allreduce=False` when expert parallelism is on (they are reduced over the
+expert-data-parallel group instead).
+
+A layer whose TP group has one rank (or none: model parallel not initialised when it was
+built) never communicates, whatever parallel_state holds later. Expert layers
+(`is_expert=True`) communicate nothing: the MoE token dispatcher moves tokens in
+and out of the expert-TP region, as in Megatron.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teratron import parallel_state
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from teratron.tensor_parallel.utils import VocabUtility, gather_shards, shard_tensor
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def param_is_not_tensor_parallel_duplicate(param) -> bool:
+    """True for a TP shard, or for a replicated parameter on TP rank 0 (count it once)."""
+    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
+    for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination, source) -> None:
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def resolve_tp_group(tp_group, is_expert: bool = False):
+    """The group passed in, else parallel_state's (expert-)TP group (None when not initialised)."""
+    if tp_group is not None:
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _param_device(config) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_config(config) -> None:
+    if config.gradient_accumulation_fusion:
+        raise ValueError("gradient_accumulation_fusion=True is not supported by teratron's layers; set it False")
+
+
+def _init_weight(weight, full_shape, partition_dim, stride, init_method, rank, world_size,
+                 keep_master_weight):
+    """Initialise the full fp32 weight, copy this rank's shard into `weight`; returns the full
+    weight if asked to keep it."""
+    master = torch.empty(full_shape, dtype=torch.float32, device=weight.device)
+    init_method(master)
+    with torch.no_grad():
+        weight.copy_(shard_tensor(master, partition_dim, stride, rank, world_size))
+    return master if keep_master_weight else None
+
+
+def _per_partition(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp_size}; "
+                         f"choose a {what} that splits evenly")
+    return size // tp_size
+
+
+def _zero_bias(size, config, device):
+    return nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (the output dim) over TP: [out/tp, in] per rank.
+
+    Input [s, b, in] (or [s/tp, b, in] under sequence parallelism, all-gathered along dim 0);
+    output [s, b, out/tp], or [s, b, out] with gather_output. forward returns
+    (output, bias) where bias is None unless skip_bias_add (then the caller adds it).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = True,
+                 gather_output: bool = False, stride: int = 1, keep_master_weight_for_test: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+                 is_expert: bool = False, tp_group=None):
+        super().__init__()
+        _check_config(config)
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.stride = stride
+        self.skip_bias_add = skip_bias_add
+        self.is_expert = is_expert
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group, is_expert)
+        self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        self.output_size_per_partition = _per_partition(output_size, self.tp_size, "output_size")
+        self.sequence_parallel = config.sequence_parallel and not is_expert
+        allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        device = _param_device(config)
+
+        self.master_weight = None
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                                   dtype=config.params_dtype, device=device))
+            if config.perform_initialization:
+                self.master_weight = _init_weight(
+                    self.weight, (output_size, input_size), 0, stride, init_method,
+                    self.tp_rank, self.tp_size, keep_master_weight_for_test)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.weight.allreduce = allreduce
+        if bias:
+            self.bias = _zero_bias(self.output_size_per_partition, config, device)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.allreduce = allreduce
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("ColumnParallelLinear was built with skip_weight_param_allocation=True; "
+                                   "pass weight= to forward")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(f"supplied weight has shape {tuple(weight.shape)}, expected "
+                               f"{(self.output_size_per_partition, self.input_size)}")
+        if self.is_expert or self.tp_size == 1:
+            input_parallel = input_
+        elif self.sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_, True, self.tp_group)
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(input_parallel, weight, bias)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and not self.is_expert and self.tp_size > 1:
+            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
+            if self.stride > 1:  # rank blocks [r0: a0 b0 | r1: a1 b1] -> full order [a0 a1 b0 b1]
+                output = gather_shards(output.chunk(self.tp_size, dim=-1), -1, self.stride)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (the input dim) over TP: [out, in/tp] per rank.
+
+    Input [s, b, in/tp] when input_is_parallel (else [s, b, in], scattered along the last dim);
+    the partial products are all-reduced to [s, b, out], or reduce-scattered to [s/tp, b, out]
+    under sequence parallelism. The bias is added after the reduction (or returned when
+    skip_bias_add).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool,
+                 input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, is_expert: bool = False, tp_group=None):
+        super().__init__()
+        _check_config(config)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.is_expert = is_expert
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group, is_expert)
+        self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        self.input_size_per_partition = _per_partition(input_size, self.tp_size, "input_size")
+        self.sequence_parallel = config.sequence_parallel and not is_expert
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
+        allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        device = _param_device(config)
+
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=config.params_dtype, device=device))
+        self.master_weight = None
+        if config.perform_initialization:
+            self.master_weight = _init_weight(
+                self.weight, (output_size, input_size), 1, stride, init_method,
+                self.tp_rank, self.tp_size, keep_master_weight_for_test)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.weight.allreduce = allreduce
+        if bias:
+            self.bias = _zero_bias(output_size, config, device)
+            self.bias.sequence_parallel = self.sequence_parallel
+            self.bias.allreduce = allreduce
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_):
+        if self.input_is_parallel or self.is_expert or self.tp_size == 1:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+        output_parallel = F.linear(input_parallel, self.weight)
+        if self.is_expert or self.tp_size == 1:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary over TP: [V/tp, h] per rank.
+
+    Each rank looks up the ids in its vocab range, zeros the rest, and the partial results are
+    all-reduced: [b, s] ids -> [b, s, h]. With reduce_scatter_embeddings the output is
+    transposed to [s, b, h] and reduce-scattered along the sequence to [s/tp, b, h].
+    num_embeddings must be divisible by the TP size (see utils.pad_vocab_size).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method, config,
+                 reduce_scatter_embeddings: bool = False, tp_group=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        self.num_embeddings_per_partition = _per_partition(num_embeddings, self.tp_size, "num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            self.num_embeddings_per_partition, self.tp_rank, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                               dtype=config.params_dtype, device=_param_device(config)))
+        if config.perform_initialization:
+            _init_weight(self.weight, (num_embeddings, embedding_dim), 0, 1, init_method,
+                         self.tp_rank, self.tp_size, False)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, input_):
+        if self.tp_size > 1:
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+            output_parallel = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            output_parallel = F.embedding(input_, self.weight)
+        if self.tp_size == 1:
+            return output_parallel.transpose(0, 1).contiguous() if self.reduce_scatter_embeddings else output_parallel
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)

@@ -1,0 +1,80 @@
+"""Shapes of tensor-parallel shards: divide, shard/gather full tensors, vocab ranges, padding."""
+
+import torch
+
+from teratron import comm, parallel_state
+from teratron.process_groups import get_pg_rank, get_pg_size
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """numerator / denominator, which must divide exactly."""
+    if denominator < 1 or numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by {denominator}; choose sizes that split evenly")
+    return numerator // denominator
+
+
+def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `full` split along `dim` over `world_size` ranks.
+
+    With stride > 1, `full` is `stride` equal sub-blocks along `dim` (e.g. SwiGLU's [gate; up])
+    and each is split separately: rank r holds [block0_r; block1_r; ...].
+    """
+    pieces = full.split(divide(full.shape[dim], stride * world_size), dim=dim)
+    return torch.cat(pieces[rank::world_size], dim=dim).contiguous()
+
+
+def gather_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from every rank's shard (inverse of shard_tensor)."""
+    per_rank = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[block] for block in range(stride) for pieces in per_rank], dim=dim)
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+    chunks = tensor.split(divide(tensor.shape[-1], num_partitions), dim=-1)
+    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, group=None) -> torch.Tensor:
+    """This TP rank's 1/tp of the flattened tensor (a view unless new_buffer)."""
+    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    chunk = divide(tensor.numel(), get_pg_size(group))
+    start = chunk * get_pg_rank(group)
+    piece = tensor.reshape(-1)[start:start + chunk]
+    return piece.clone() if new_buffer else piece
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Inverse of split_tensor_into_1d_equal_chunks: the flat tensor from every TP rank's chunk."""
+    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    output = torch.empty(tensor.numel() * get_pg_size(group), dtype=tensor.dtype, device=tensor.device)
+    comm.all_gather_into_tensor(output, tensor.reshape(-1), group)
+    return output
+
+
+class VocabUtility:
+    """The [first, last) vocabulary range a rank holds when the vocab is split evenly over TP."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> tuple[int, int]:
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(
+            divide(global_vocab_size, world_size), rank, world_size)
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Smallest multiple of make_vocab_size_divisible_by * tp_size that holds vocab_size
+    (Megatron's _vocab_size_with_padding), so every TP rank holds an equal, aligned slice."""
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp_size < 1:
+        raise ValueError(
+            f"pad_vocab_size needs positive sizes, got vocab_size={vocab_size}, "
+            f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, tp_size={tp_size}"
+        )
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
