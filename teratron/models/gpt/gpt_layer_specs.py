@@ -1,0 +1,85 @@
+"""Layer specs for GPT: which modules a transformer layer is built from (Megatron's local spec)."""
+
+from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
+from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from teratron.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from teratron.transformer.dot_product_attention import DotProductAttention
+from teratron.transformer.enums import AttnMaskType
+from teratron.transformer.identity_op import IdentityOp
+from teratron.transformer.mlp import MLP, MLPSubmodules
+from teratron.transformer.moe import get_moe_module_spec, moe_layer_pattern
+from teratron.transformer.norms import NORMALIZATIONS, LayerNorm, Norm, RMSNorm
+from teratron.transformer.spec_utils import ModuleSpec
+from teratron.transformer.transformer_block import TransformerBlockSubmodules
+from teratron.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
+                                                    get_bias_dropout_add)
+
+
+def _norm_class(normalization):
+    """None follows `config.normalization` at build time; a name fixes the norm in the spec."""
+    if normalization is None:
+        return Norm
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}; use one of {NORMALIZATIONS} or None")
+    return LayerNorm if normalization == "LayerNorm" else RMSNorm
+
+
+def get_mlp_module_spec(num_experts=None, moe_grouped_gemm=False) -> ModuleSpec:
+    """The dense MLP, or with num_experts the MoE layer."""
+    if num_experts is not None:
+        return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear))
+
+
+def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                             normalization=None) -> ModuleSpec:
+    """A pre-norm layer of our own modules: self-attention (causal) and an MLP (MoE with
+    num_experts)."""
+    norm = _norm_class(normalization)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=norm if qk_layernorm else IdentityOp,
+                    k_layernorm=norm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=get_mlp_module_spec(num_experts, moe_grouped_gemm),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
+                               vp_stage=None, pp_rank=None, pp_size=None) -> TransformerBlockSubmodules:
+    """This stage's layer specs: MoE layers where `config.moe_layer_freq` puts them (with
+    `num_moe_experts`), dense ones elsewhere. `use_transformer_engine` is accepted for Megatron's
+    signature; both kinds are our own layers."""
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization)
+    pattern = [0] * config.num_layers
+    if config.num_moe_experts is not None:
+        moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                       moe_grouped_gemm=config.moe_grouped_gemm,
+                                       qk_layernorm=config.qk_layernorm, normalization=normalization)
+        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    placement = dict(vp_stage=vp_stage, pp_rank=pp_rank, pp_size=pp_size)
+    offset = get_transformer_layer_offset(config, **placement)
+    local = range(offset, offset + get_num_layers_to_build(config, **placement))
+    return TransformerBlockSubmodules(
+        layer_specs=[moe if pattern[i] else dense for i in local],
+        layer_norm=_norm_class(normalization),
+    )
+
+
+# No Transformer Engine: the "TE" spec is the local one, so Megatron scripts that ask for it run.
+get_gpt_layer_with_transformer_engine_spec = get_gpt_layer_local_spec

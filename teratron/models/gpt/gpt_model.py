@@ -1,0 +1,141 @@
+"""GPTModel: embedding -> transformer block -> output layer (-> vocab-parallel cross entropy).
+
+One instance is one pipeline stage (or virtual stage): `pre_process` holds the embedding,
+`post_process` the final norm and output layer. `vocab_size` is the PADDED vocabulary (as in
+Megatron, callers pad with `tensor_parallel.pad_vocab_size`). With
+`share_embeddings_and_output_weights` the output layer reuses the word embedding; when the two
+live on different stages the last stage holds a copy (attribute `shared_embedding=True`) that
+starts equal to the embedding (both are built under the "embedding" init stream) and whose
+gradient `finalize_model_grads` sums with the first stage's over the embedding group.
+"""
+
+from typing import Literal
+
+import torch
+
+from teratron import tensor_parallel
+from teratron.models.common.language_model_embedding import LanguageModelEmbedding
+from teratron.process_groups import get_pg_size
+from teratron.tensor_parallel import mappings
+from teratron.transformer.init_rng import component_rng
+from teratron.transformer.rope import RotaryEmbedding
+from teratron.transformer.transformer_block import TransformerBlock
+from teratron.transformer.utils import default_pg_collection
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True,
+                 fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
+                 share_embeddings_and_output_weights: bool = False,
+                 position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+                 rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None):
+        super().__init__()
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type={position_embedding_type!r}; use one of {POSITION_EMBEDDING_TYPES}"
+            )
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+        self.pg_collection = default_pg_collection(pg_collection)
+        tp = self.pg_collection.tp
+        if vocab_size % get_pg_size(tp):
+            raise ValueError(
+                f"vocab_size ({vocab_size}) is not divisible by the tensor-parallel size ({get_pg_size(tp)}); "
+                f"pass the padded size tensor_parallel.pad_vocab_size(vocab_size, make_vocab_size_divisible_by, tp)"
+            )
+
+        if pre_process:
+            with component_rng("embedding"):
+                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                        position_embedding_type=position_embedding_type,
+                                                        tp_group=tp)
+        self.rotary_pos_emb = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
+                                                  config.rotary_interleaved, rotary_base)
+        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
+                                        post_process=post_process, pg_collection=self.pg_collection,
+                                        vp_stage=vp_stage)
+        if post_process:
+            tied_copy = share_embeddings_and_output_weights and not pre_process
+            with component_rng("embedding" if tied_copy else "output_layer"):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size, vocab_size, config=config,
+                    init_method=config.embedding_init_method if tied_copy else config.init_method,
+                    bias=False, skip_bias_add=False, gather_output=False,
+                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    tp_group=tp,
+                )
+            if tied_copy:
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor):
+        """The previous pipeline stage's output (Megatron passes a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor from the previous stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self):
+        """The tied weight this stage holds: the word embedding on the first stage, else the
+        output layer's copy."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None, decoder_input=None,
+                runtime_gather_output: bool | None = None):
+        """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
+        bool [b, 1, s, s] (True = masked out) or None for causal. Returns logits [b, s, V/tp]
+        ([b, s, V] when not parallel_output, or as runtime_gather_output says), the per-token
+        loss [b, s] with labels, or on a non-last stage the hidden states [s, b, h]."""
+        if position_ids is None and input_ids is not None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids, position_ids)
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask,
+                                     rotary_pos_emb=self._rotary_pos_emb(decoder_input, position_ids))
+        if not self.post_process:
+            return hidden_states
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
+        if labels is None:
+            gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+            if gather:
+                logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    def _rotary_pos_emb(self, decoder_input, position_ids):
+        if self.rotary_pos_emb is None:
+            return None
+        if position_ids is None:
+            # A middle stage without ids: positions 0..s-1 of the full sequence.
+            hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            seq_len = hidden.shape[0]
+            if self.config.sequence_parallel:
+                seq_len *= get_pg_size(self.pg_collection.tp)
+            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        return self.rotary_pos_emb(position_ids)
+
+    def compute_language_model_loss(self, labels, logits):
+        """labels [b, s], vocab-parallel logits [s, b, V/tp] -> per-token loss [b, s]."""
+        if not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                                            group=self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()

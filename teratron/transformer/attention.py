@@ -1,0 +1,109 @@
+"""Self-attention: fused QKV projection, optional qk-norm and RoPE, core attention, output projection.
+
+linear_qkv is column-parallel and its output rows are interleaved per query group,
+[ng, (np/ng + 2) * hn] = per group its np/ng query heads, then one key and one value head, so a
+contiguous TP shard holds whole groups (MHA: ng = np; MQA: ng = 1 with TP = 1). linear_proj is
+row-parallel: each rank's heads feed its shard of the input dimension.
+"""
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from teratron import tensor_parallel
+from teratron.process_groups import get_pg_size
+from teratron.transformer.enums import AttnMaskType
+from teratron.transformer.identity_op import IdentityOp
+from teratron.transformer.rope import apply_rotary_pos_emb
+from teratron.transformer.spec_utils import ModuleSpec, build_module
+from teratron.transformer.utils import default_pg_collection
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    linear_qkv: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = IdentityOp
+    k_layernorm: Union[ModuleSpec, type] = IdentityOp
+
+
+class SelfAttention(torch.nn.Module):
+    """[s, b, h] -> ([s, b, h], bias of linear_proj or None). Under sequence parallelism input and
+    output are [s/tp, b, h]; linear_qkv gathers the sequence and linear_proj scatters it back."""
+
+    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
+                 attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        if config.multi_latent_attention:
+            raise NotImplementedError(
+                "multi_latent_attention=True (MLA) is not built yet; set multi_latent_attention=False"
+            )
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.pg_collection = default_pg_collection(pg_collection)
+        tp = self.pg_collection.tp
+        tp_size = get_pg_size(tp)
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        if heads % groups:
+            raise ValueError(f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+        if groups % tp_size:
+            raise ValueError(
+                f"num_query_groups ({groups}) must be divisible by the tensor-parallel size ({tp_size}); "
+                f"choose a tensor_model_parallel_size that divides it"
+            )
+        self.hn = config.kv_channels
+        self.np = heads // tp_size  # query heads on this rank
+        self.ng = groups // tp_size  # query groups on this rank
+        query_size, kv_size = heads * self.hn, groups * self.hn
+
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, query_size + 2 * kv_size, config=config,
+            init_method=config.init_method, gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, tp_group=tp,
+        )
+        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=self.hn,
+                                        eps=config.layernorm_epsilon)
+        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=self.hn,
+                                        eps=config.layernorm_epsilon)
+        # Every TP rank normalises different heads with the same weights: sum their grads over TP
+        # (finalize_model_grads does, for parameters marked like sequence-parallel norms).
+        for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+            param.sequence_parallel = True
+        self.core_attention = build_module(
+            submodules.core_attention, config=config, layer_number=layer_number,
+            attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
+            pg_collection=self.pg_collection,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj, query_size, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, tp_group=tp,
+        )
+        self.recompute_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
+        )
+
+    def get_query_key_value_tensors(self, hidden_states):
+        """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        s, b = mixed_qkv.shape[:2]
+        per_group = self.np // self.ng
+        mixed_qkv = mixed_qkv.view(s, b, self.ng, (per_group + 2) * self.hn)
+        query, key, value = mixed_qkv.split([per_group * self.hn, self.hn, self.hn], dim=-1)
+        query = query.reshape(s, b, self.np, self.hn)
+        return self.q_layernorm(query), self.k_layernorm(key), value
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        if self.recompute_core_attention:
+            context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

@@ -1,0 +1,58 @@
+"""The feed-forward block: h -> ffn (column-parallel) -> activation -> h (row-parallel).
+
+With `gated_linear_unit` linear_fc1 produces [gate; up] and the activation is
+act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu). The fused weight is
+`partition_stride=2`: each TP rank holds [gate_shard; up_shard], so the gate and up halves of a
+rank's output line up.
+"""
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from teratron.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MLPSubmodules:
+    linear_fc1: Union[ModuleSpec, type] = None
+    linear_fc2: Union[ModuleSpec, type] = None
+
+
+class MLP(torch.nn.Module):
+    """[s, b, h] -> ([s, b, h], bias of linear_fc2 or None)."""
+
+    def __init__(self, config, submodules: MLPSubmodules, is_expert: bool = False,
+                 input_size: int | None = None, ffn_hidden_size: int | None = None, tp_group=None,
+                 pg_collection=None):
+        super().__init__()
+        self.config = config
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        input_size = config.hidden_size if input_size is None else input_size
+        ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        gated = config.gated_linear_unit
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, input_size, ffn_hidden_size * (2 if gated else 1), config=config,
+            init_method=config.init_method, gather_output=False, bias=config.add_bias_linear,
+            skip_bias_add=True, stride=2 if gated else 1, is_expert=is_expert, tp_group=tp_group,
+        )
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, ffn_hidden_size, input_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, is_expert=is_expert, tp_group=tp_group,
+        )
+
+    def activation(self, x):
+        act = self.config.activation_func
+        if not self.config.gated_linear_unit:
+            return act(x)
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * (up + self.config.glu_linear_offset)
+
+    def forward(self, hidden_states):
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(self.activation(intermediate))

@@ -1,0 +1,112 @@
+"""A pipeline stage's stack of transformer layers, plus the final norm on the last stage.
+
+The stage builds global layers [offset, offset + n) as `pipeline_parallel.layout` places them,
+each under its own init stream (`init_rng`), so a layer's weights do not depend on the layout.
+Activation recompute: 'full' recomputes whole layers in backward (method 'uniform': chunks of
+`recompute_num_layers` layers; 'block': the stage's first `recompute_num_layers` layers);
+'selective' is decided inside each layer (core_attn, mlp, layernorm).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Union
+
+import torch
+
+from teratron import tensor_parallel
+from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.transformer.init_rng import component_rng
+from teratron.transformer.norms import Norm
+from teratron.transformer.spec_utils import ModuleSpec, build_module
+from teratron.transformer.utils import default_pg_collection
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """The specs of this stage's layers (one per local layer) and of the final norm."""
+
+    layer_specs: List[ModuleSpec] = field(default_factory=list)
+    layer_norm: Union[ModuleSpec, type, None] = Norm
+
+
+def _block_submodules(spec, num_layers: int) -> TransformerBlockSubmodules:
+    if isinstance(spec, TransformerBlockSubmodules):
+        if len(spec.layer_specs) != num_layers:
+            raise ValueError(
+                f"the block spec lists {len(spec.layer_specs)} layer specs but this pipeline stage "
+                f"builds {num_layers} layers; give one spec per local layer"
+            )
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers)
+
+
+class TransformerBlock(torch.nn.Module):
+    """[s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
+
+    def __init__(self, config, spec, post_layer_norm: bool = True, pre_process: bool = True,
+                 post_process: bool = True, pg_collection=None, vp_stage=None):
+        super().__init__()
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.vp_stage = vp_stage
+        self.pg_collection = default_pg_collection(pg_collection)
+        self.input_tensor = None
+        pp = self.pg_collection.pp
+        placement = dict(vp_stage=vp_stage, pp_rank=get_pg_rank(pp), pp_size=get_pg_size(pp))
+        num_layers = get_num_layers_to_build(config, **placement)
+        offset = get_transformer_layer_offset(config, **placement)
+        submodules = _block_submodules(spec, num_layers)
+        layers = []
+        for i, layer_spec in enumerate(submodules.layer_specs):
+            layer_number = offset + i + 1
+            with component_rng(f"layer{layer_number}"):
+                layers.append(build_module(layer_spec, config=config, layer_number=layer_number,
+                                           pg_collection=self.pg_collection, vp_stage=vp_stage))
+        self.layers = torch.nn.ModuleList(layers)
+        self.final_layernorm = None
+        if post_process and post_layer_norm and submodules.layer_norm is not None:
+            with component_rng("final_norm"):
+                self.final_layernorm = build_module(submodules.layer_norm, config=config,
+                                                    hidden_size=config.hidden_size,
+                                                    eps=config.layernorm_epsilon)
+
+    def set_input_tensor(self, input_tensor):
+        """The activations received from the previous pipeline stage (used when not pre_process)."""
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
+        else:
+            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def _run_layers(self, start: int, end: int):
+        def run(hidden_states, attention_mask, rotary_pos_emb):
+            for layer in self.layers[start:end]:
+                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            return hidden_states
+        return run
+
+    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        """Full recompute: keep only each chunk's input; rerun the chunk in backward."""
+        config, n = self.config, len(self.layers)
+        distribute = bool(config.distribute_saved_activations)
+        if config.recompute_method == "uniform":
+            chunks = [(s, min(s + config.recompute_num_layers, n)) for s in range(0, n, config.recompute_num_layers)]
+            recomputed = set(chunks)
+        else:  # block: the first recompute_num_layers layers one by one, the rest as usual
+            chunks = [(i, i + 1) for i in range(n)]
+            recomputed = set(chunks[:config.recompute_num_layers])
+        for chunk in chunks:
+            run = self._run_layers(*chunk)
+            if chunk in recomputed:
+                hidden_states = tensor_parallel.checkpoint(run, distribute, hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                hidden_states = run(hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
