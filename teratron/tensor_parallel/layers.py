@@ -74,7 +74,7 @@ def resolve_tp_group(tp_group, is_expert: bool = False):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _param_device(config) -> torch.device:
+def param_device(config) -> torch.device:
     if config.use_cpu_initialization or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -132,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _per_partition(output_size, self.tp_size, "output_size")
         self.sequence_parallel = config.sequence_parallel and not is_expert
         allreduce = not (is_expert and config.expert_model_parallel_size > 1)
-        device = _param_device(config)
+        device = param_device(config)
 
         self.master_weight = None
         if skip_weight_param_allocation:
@@ -204,7 +204,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
         allreduce = not (is_expert and config.expert_model_parallel_size > 1)
-        device = _param_device(config)
+        device = param_device(config)
 
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                dtype=config.params_dtype, device=device))
@@ -259,7 +259,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
             self.num_embeddings_per_partition, self.tp_rank, self.tp_size)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
-                                               dtype=config.params_dtype, device=_param_device(config)))
+                                               dtype=config.params_dtype, device=param_device(config)))
         if config.perform_initialization:
             _init_weight(self.weight, (num_embeddings, embedding_dim), 0, 1, init_method,
                          self.tp_rank, self.tp_size, False)

@@ -144,6 +144,12 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.rng_states = (_get_device_rng_state(), _RNG_STATE_TRACKER.get_states())
         with torch.no_grad():
             outputs = run_function(*args)
+        # Return aliases, never the function's own tensors: a returned parameter would otherwise
+        # get this node as its grad_fn and backward would recurse into itself.
+        if isinstance(outputs, tuple):
+            outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
+        elif torch.is_tensor(outputs):
+            outputs = outputs.detach()
         if distribute_saved_activations:
             ctx.input_0_shape = args[0].shape
             args[0].data = split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True)

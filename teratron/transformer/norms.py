@@ -11,7 +11,7 @@ gradients over TP.
 import torch
 import torch.nn.functional as F
 
-from teratron.tensor_parallel.layers import _param_device as param_device
+from teratron.tensor_parallel.layers import param_device
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

@@ -113,3 +113,23 @@ def test_tracker_errors_and_states():
     assert tracker.is_initialized()
     tracker.reset()
     assert not tracker.is_initialized()
+
+
+def test_checkpoint_of_a_function_returning_a_parameter():
+    """A recomputed function may return one of its parameters (an MLP's skipped bias)."""
+    from teratron.tensor_parallel.random import checkpoint
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def fn(inp):
+        return lin(inp), lin.bias
+
+    out, bias = checkpoint(fn, False, x)
+    (out.sum() + 2 * bias.sum()).backward()
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    x_ref = x.detach().clone().requires_grad_(True)
+    (ref(x_ref).sum() + 2 * ref.bias.sum()).backward()
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)

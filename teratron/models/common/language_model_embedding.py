@@ -9,7 +9,7 @@ import torch
 
 from teratron import tensor_parallel
 from teratron.tensor_parallel import mappings
-from teratron.tensor_parallel.layers import _param_device as param_device
+from teratron.tensor_parallel.layers import param_device
 
 
 class LanguageModelEmbedding(torch.nn.Module):
