@@ -30,7 +30,6 @@ UNSUPPORTED = {
     "mtp_loss_scaling_factor": "multi-token prediction",
     "softmax_type": "off-by-one / learnable softmax",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "glu_linear_offset": "GLU linear offset",
     "activation_func_clamp_value": "clamped activations",
     "window_size": "sliding-window attention",
     "window_attn_skip_freq": "sliding-window attention",

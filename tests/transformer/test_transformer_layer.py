@@ -167,8 +167,7 @@ def test_attention_rejects_mla_and_splits_heads_into_groups():
 
 
 def test_gated_mlp_is_act_gate_times_up_plus_offset():
-    config = make_config(gated_linear_unit=True, activation_func=F.silu)
-    config.glu_linear_offset = 0.5  # set after validation: the config still lists it as unsupported
+    config = make_config(gated_linear_unit=True, activation_func=F.silu, glu_linear_offset=0.5)
     torch.manual_seed(6)
     mlp = build_module(get_gpt_layer_local_spec().submodules.mlp, config=config)
     assert mlp.linear_fc1.weight.shape == (2 * 48, 32) and mlp.linear_fc1.weight.partition_stride == 2
