@@ -1,0 +1,222 @@
+"""DistributedDataParallel: Megatron's DDP with contiguous grad buffers and bucketed reduction.
+
+Each trainable parameter gets `param.main_grad`, a view into a contiguous buffer (fp32 with
+`grad_reduce_in_fp32`); a hook after grad accumulation adds `param.grad` into it and frees
+`param.grad`. Gradients are averaged over the data-parallel (x context-parallel) group, or for
+expert parameters (attribute `allreduce=False`) over the expert-data-parallel group, by one
+all-reduce per bucket, or a reduce-scatter with the distributed optimizer.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from teratron.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from teratron.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from teratron.process_groups import ProcessGroupCollection, get_pg_size
+
+
+def _is_expert_param(param):
+    return not getattr(param, "allreduce", True)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap `module` for data parallelism.
+
+    config: the model's TransformerConfig (reads `calculate_per_token_loss`).
+    disable_bucketing: one bucket per buffer (Megatron passes True for all but the first
+    virtual-pipeline chunk).
+    """
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.pg_collection = pg_collection
+        self.dp_cp_group = pg_collection.dp_cp
+        self.expt_dp_group = pg_collection.expt_dp
+
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * get_pg_size(self.dp_cp_group))
+        # Without overlap one collective per buffer is fastest: nothing to hide it behind.
+        if disable_bucketing or not ddp_config.overlap_grad_reduce:
+            bucket_size = None
+        self.bucket_size = bucket_size
+
+        dense_scale, expert_scale = self._gradient_scaling_factors()
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = self._build_buffers([p for p in params if not _is_expert_param(p)],
+                                           self.dp_cp_group, dense_scale)
+        self.expert_parallel_buffers = self._build_buffers(
+            [p for p in params if _is_expert_param(p)], self.expt_dp_group, expert_scale)
+        self.param_to_bucket = {}
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            for bucket in buffer.buckets:
+                for param in bucket.params:
+                    self.param_to_bucket[param] = bucket
+        self._link_param_gather_order(params)
+
+        self._grad_accumulation_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
+        self._param_gather_hooks = []
+        if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            self.enable_forward_pre_hook()
+
+    # ----- construction -------------------------------------------------------------------------
+
+    def _gradient_scaling_factors(self):
+        """Factors applied before the collective so the result is the data-parallel average.
+
+        Expert grads are reduced over the (smaller) expert-DP group but are still an average
+        over all data-parallel ranks' tokens, hence expt_dp / dp_cp with average_in_collective.
+        """
+        if getattr(self.config, "calculate_per_token_loss", False):
+            return 1.0, 1.0
+        dp_cp_size = get_pg_size(self.dp_cp_group)
+        if self.ddp_config.average_in_collective:
+            return 1.0, get_pg_size(self.expt_dp_group) / dp_cp_size
+        return 1.0 / dp_cp_size, 1.0 / dp_cp_size
+
+    def _tied_embedding_params(self):
+        """Both copies of an embedding tied across pipeline stages: the output layer's copy
+        (attribute `shared_embedding`) and, on the first stage, the word embedding."""
+        tied = {p for p in self.module.parameters() if getattr(p, "shared_embedding", False)}
+        if (getattr(self.module, "share_embeddings_and_output_weights", False)
+                and get_pg_size(self.pg_collection.pp) > 1):
+            weight = self.module.shared_embedding_or_output_weight()
+            if weight is not None:
+                tied.add(weight)
+        return tied
+
+    def _build_buffers(self, params, group, scaling_factor):
+        by_dtype = {}
+        for param in params:
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        tied = self._tied_embedding_params()
+        return [_ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, group_params, group,
+                                    self.bucket_size, scaling_factor, tied)
+                for (param_dtype, grad_dtype), group_params in by_dtype.items()]
+
+    def _link_param_gather_order(self, params):
+        """Chain buckets in forward order (first use of their params) for param-gather prefetch."""
+        position = {param: i for i, param in enumerate(params)}
+        buckets = sorted({id(b): b for b in self.param_to_bucket.values()}.values(),
+                         key=lambda b: min(position[p] for p in b.params))
+        for bucket, nxt in zip(buckets, buckets[1:] + [None]):
+            bucket.next_param_gather_bucket = nxt
+        self._buckets_in_forward_order = buckets
+
+    # ----- hooks --------------------------------------------------------------------------------
+
+    def _grad_hook(self, param):
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.ddp_config.overlap_grad_reduce:
+            self.param_to_bucket[param].register_grad_ready(param)
+
+    def _forward_pre_hook(self, module, args):
+        for param in module.parameters(recurse=False):
+            bucket = self.param_to_bucket.get(param)
+            if bucket is not None:
+                bucket.finish_param_sync()
+
+    def enable_forward_pre_hook(self):
+        """Gather params bucket by bucket just before the modules that use them run."""
+        assert not self._param_gather_hooks, "forward pre-hooks are already enabled"
+        self._param_gather_hooks = [
+            m.register_forward_pre_hook(self._forward_pre_hook) for m in self.module.modules()
+            if any(p in self.param_to_bucket for p in m.parameters(recurse=False))]
+
+    def disable_forward_pre_hook(self, param_sync: bool = True):
+        """Remove the pre-hooks (evaluation, checkpointing); gather all params now if asked."""
+        for handle in self._param_gather_hooks:
+            handle.remove()
+        self._param_gather_hooks = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    # ----- public API ---------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _all_buffers(self):
+        return self.buffers + self.expert_parallel_buffers
+
+    def _all_buckets(self):
+        return [bucket for buffer in self._all_buffers() for bucket in buffer.buckets]
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate grads locally (no reduction) for the microbatches inside the context."""
+        for bucket in self._all_buckets():
+            bucket.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for bucket in self._all_buckets():
+                bucket.is_last_microbatch = True
+
+    def start_grad_sync(self):
+        """Launch every bucket's reduction that a grad hook has not launched yet."""
+        for bucket in self._all_buckets():
+            if not bucket.grad_reduce_started:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Wait until every bucket's grads are reduced (launching any still pending)."""
+        for bucket in self._all_buckets():
+            bucket.finish_grad_sync()
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        """Distributed optimizer: all-gather each rank's updated param slices.
+
+        With overlap_param_gather (and neither force flag) the buckets are only marked stale:
+        the forward pre-hooks gather them bucket by bucket during the next forward.
+        force_dispatch launches all gathers asynchronously now; force_sync gathers and waits.
+        """
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        overlap = self.ddp_config.overlap_param_gather
+        for bucket in self._buckets_in_forward_order:
+            if overlap and not force_sync and not force_dispatch:
+                bucket.mark_params_stale()
+            elif overlap and force_dispatch and not force_sync:
+                bucket.start_param_sync(async_op=True)
+            else:
+                bucket.start_param_sync(async_op=False)
+
+    def zero_grad_buffer(self):
+        """Zero every main_grad and reset the reduction state; call before each iteration."""
+        for param in self.param_to_bucket:
+            param.grad = None
+        for buffer in self._all_buffers():
+            buffer.reset()
+
+    def scale_gradients(self, scaling_factor: float):
+        for buffer in self._all_buffers():
+            buffer.scale_gradients(scaling_factor)
+
+    def broadcast_params(self):
+        """Copy data-parallel rank 0's params to every replica."""
+        for param in self.module.parameters():
+            group = self.expt_dp_group if _is_expert_param(param) else self.dp_cp_group
+            if get_pg_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        # Copies in place: params and grads must stay views into the buffers.
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        return self.module.sharded_state_dict(*args, **kwargs)

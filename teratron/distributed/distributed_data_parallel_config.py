@@ -1,0 +1,65 @@
+"""DistributedDataParallelConfig: how gradients are bucketed and reduced (Megatron's fields)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    grad_reduce_in_fp32: bool = False
+    """Keep the grad buffers (and the reduction) in fp32 even when params are bf16/fp16."""
+
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's reduction from the backward pass as soon as its last grad is ready.
+    Without it, all grads of a buffer form one bucket reduced in `finish_grad_sync()`."""
+
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated params bucket by bucket from forward pre-hooks
+    of the next forward pass instead of right after `optimizer.step()`."""
+
+    align_param_gather: bool = False
+    """Accepted for Megatron compatibility; parameter all-gathers are always issued in the
+    forward order of the buckets, which is what this flag aligns across virtual stages."""
+
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter grads (each DP rank owns an equal contiguous shard of every bucket) so the
+    distributed optimizer keeps master weights and states for its shard only."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Only 1 (one distributed-optimizer instance over the full data-parallel group)."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise before reducing when a local gradient holds NaN or Inf."""
+
+    check_for_large_grads: bool = False
+    """Accepted for Megatron compatibility; must stay False."""
+
+    bucket_size: Optional[int] = None
+    """Bucket size in elements; None picks max(40M, 1M x DP size). Used with overlap_grad_reduce."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad bucket sizes to a multiple of 2^16 x DP size (faster NCCL at large DP)."""
+
+    average_in_collective: bool = False
+    """Average in the collective (ReduceOp.AVG) instead of dividing grads by DP size first."""
+
+    fp8_param_gather: bool = False
+    """Accepted for Megatron compatibility; must stay False (no FP8 params)."""
+
+    use_megatron_fsdp: bool = False
+    """Accepted for Megatron compatibility; must stay False."""
+
+    def __post_init__(self):
+        if self.num_distributed_optimizer_instances != 1:
+            raise ValueError(
+                "num_distributed_optimizer_instances must be 1; partial (multi-instance) "
+                "distributed optimizer is not supported")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "overlap_param_gather needs use_distributed_optimizer=True "
+                "(--use-distributed-optimizer); only the distributed optimizer gathers params")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive element count or None, got {self.bucket_size}")
+        for name in ("check_for_large_grads", "fp8_param_gather", "use_megatron_fsdp"):
+            if getattr(self, name):
+                raise NotImplementedError(f"DistributedDataParallelConfig.{name}=True is not supported; leave it False")

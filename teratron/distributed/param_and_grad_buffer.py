@@ -1,0 +1,223 @@
+"""Contiguous grad (and, for the distributed optimizer, param) buffers cut into buckets.
+
+One `_ParamAndGradBuffer` holds every parameter of one (param dtype, grad dtype) pair of a
+model chunk; each parameter's `main_grad` (and, with the distributed optimizer, its `.data`)
+is a view into it. A buffer is cut into buckets: one collective each. Parameters are laid
+out in reverse registration order, which is roughly the order backward produces their
+grads, so the first bucket is ready first. With the distributed optimizer every bucket is
+padded to a multiple of lcm(DP size, 128), so rank r owns the r-th equal, aligned contiguous
+slice of each bucket (`shard_range`).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from teratron import comm
+from teratron.process_groups import get_pg_rank, get_pg_size
+
+_reduce_scatter_async = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather_async = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _reduce_scatter(output, input, group, op, async_op):
+    # teratron.comm covers backends without the native collective; the async path needs it native.
+    if async_op:
+        return _reduce_scatter_async(output, input, op=op, group=group, async_op=True)
+    comm.reduce_scatter_tensor(output, input, group=group, op=op)
+    return None
+
+
+def _all_gather(output, input, group, async_op):
+    if async_op:
+        return _all_gather_async(output, input, group=group, async_op=True)
+    comm.all_gather_into_tensor(output, input, group=group)
+    return None
+
+
+class _ParamAndGradBucket:
+    """A contiguous slice of a buffer whose grads are reduced (and params gathered) together."""
+
+    def __init__(self, buffer, params, offset, numel, bucket_id):
+        self.buffer = buffer
+        self.params = params
+        self.offset = offset
+        self.numel = numel
+        self.bucket_id = bucket_id
+        self.grad_data = buffer.grad_data[offset:offset + numel]
+        self.param_data = None if buffer.param_data is None else buffer.param_data[offset:offset + numel]
+        self.is_last_microbatch = True
+        self.next_param_gather_bucket = None
+        self.param_gather_dispatched = True   # params start in sync: nothing to gather
+        self.param_gather_handle = None
+        self.reset()
+
+    def reset(self):
+        self.params_with_grad = set()
+        self.grad_reduce_handle = None
+        self.grad_reduce_started = False
+
+    # ----- layout -------------------------------------------------------------------------------
+
+    def shard_range(self):
+        """[start, end) of this data-parallel rank's slice, relative to the bucket."""
+        shard = self.numel // self.buffer.dp_size
+        start = self.buffer.dp_rank * shard
+        return start, start + shard
+
+    def _shard(self, tensor):
+        start, end = self.shard_range()
+        return tensor[start:end]
+
+    # ----- gradient reduction -------------------------------------------------------------------
+
+    def register_grad_ready(self, param):
+        """Called by the grad hook; the last grad of the bucket launches its reduction."""
+        if not self.is_last_microbatch:
+            return
+        assert param not in self.params_with_grad, "a parameter's grad was reported ready twice"
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+    def start_grad_sync(self):
+        assert not self.grad_reduce_started, "grad reduction already started for this bucket"
+        buffer, config = self.buffer, self.buffer.ddp_config
+        if config.check_for_nan_in_grad:
+            norm = self.grad_data.float().norm()
+            if not torch.isfinite(norm):
+                raise RuntimeError(
+                    f"rank {dist.get_rank() if dist.is_initialized() else 0}: NaN or Inf in local "
+                    f"gradients before the data-parallel reduce (bucket {self.bucket_id}, norm {norm.item()})")
+        if buffer.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(buffer.gradient_scaling_factor)
+        op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
+        async_op = config.overlap_grad_reduce and buffer.dp_size > 1
+        self.grad_reduce_started = True
+        if buffer.dp_size == 1:
+            return
+        if config.use_distributed_optimizer:
+            self.grad_reduce_handle = _reduce_scatter(
+                self._shard(self.grad_data), self.grad_data, buffer.data_parallel_group, op, async_op)
+        elif async_op:
+            self.grad_reduce_handle = dist.all_reduce(
+                self.grad_data, op=op, group=buffer.data_parallel_group, async_op=True)
+        else:
+            dist.all_reduce(self.grad_data, op=op, group=buffer.data_parallel_group)
+
+    def finish_grad_sync(self):
+        """Wait for this bucket's reduction, launching it first if no hook did (e.g. no_sync
+        microbatches before, unused params, or overlap off)."""
+        if not self.grad_reduce_started:
+            self.start_grad_sync()
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+        self.reset()
+
+    # ----- parameter all-gather (distributed optimizer) ----------------------------------------
+
+    def start_param_sync(self, async_op=False):
+        """All-gather every rank's updated slice of the bucket's params."""
+        self.param_gather_dispatched = True
+        self.param_gather_handle = None
+        if self.buffer.dp_size == 1:
+            return
+        self.param_gather_handle = _all_gather(
+            self.param_data, self._shard(self.param_data), self.buffer.data_parallel_group, async_op)
+
+    def finish_param_sync(self):
+        """Make this bucket's params current (forward pre-hook), then prefetch the next bucket."""
+        if not self.param_gather_dispatched:
+            self.start_param_sync(async_op=True)
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            nxt = self.next_param_gather_bucket
+            if nxt is not None and not nxt.param_gather_dispatched:
+                nxt.start_param_sync(async_op=True)
+
+    def mark_params_stale(self):
+        """The optimizer wrote new slices: the next forward pre-hook must gather them."""
+        self.param_gather_dispatched = False
+        self.param_gather_handle = None
+
+
+class _ParamAndGradBuffer:
+    """Grad buffer (+ param buffer with the distributed optimizer) for params of one dtype pair."""
+
+    def __init__(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
+                 bucket_size, gradient_scaling_factor, tied_embedding_params=()):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.params = list(params)
+        self.data_parallel_group = data_parallel_group
+        self.dp_size = get_pg_size(data_parallel_group)
+        self.dp_rank = get_pg_rank(data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+
+        self.tied_embedding_params = set(tied_embedding_params)
+        self.param_index_map = {}   # param -> (start, end, bucket_id) in buffer coordinates
+        bucket_ranges = self._layout(bucket_size)
+        self.numel = bucket_ranges[-1][1] if bucket_ranges else 0
+        device = self.params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        with torch.no_grad():
+            for param, (start, end, _) in self.param_index_map.items():
+                if self.param_data is not None:
+                    self.param_data[start:end].copy_(param.data.reshape(-1))
+                    param.data = self.param_data[start:end].view(param.shape)
+                param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets = []
+        for bucket_id, (start, end, bucket_params) in enumerate(bucket_ranges):
+            self.buckets.append(_ParamAndGradBucket(self, bucket_params, start, end - start, bucket_id))
+
+    def _pad(self, numel):
+        """Bucket ends are padded so every DP rank owns an equal, aligned slice."""
+        if not self.ddp_config.use_distributed_optimizer:
+            return numel
+        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
+            divisor = self.dp_size * 2 ** 16
+        else:
+            divisor = math.lcm(self.dp_size, 128)
+        return math.ceil(numel / divisor) * divisor
+
+    def _layout(self, bucket_size):
+        """Assign params (reverse order) to [start, end) ranges and cut buckets."""
+        ranges, bucket_params, bucket_start, index = [], [], 0, 0
+
+        def close_bucket():
+            nonlocal bucket_params, bucket_start, index
+            end = self._pad(index)
+            ranges.append((bucket_start, end, bucket_params))
+            bucket_params, bucket_start, index = [], end, end
+
+        for param in reversed(self.params):
+            # Under the distributed optimizer a tied embedding copy gets a bucket of its own, so
+            # its DP slices cover the same elements on the first and last pipeline stage and the
+            # embedding-group all-reduce of main_grad adds matching slices.
+            own_bucket = self.ddp_config.use_distributed_optimizer and param in self.tied_embedding_params
+            if own_bucket and bucket_params:
+                close_bucket()
+            self.param_index_map[param] = (index, index + param.numel(), len(ranges))
+            index += param.numel()
+            bucket_params.append(param)
+            if own_bucket or (bucket_size is not None and index - bucket_start >= bucket_size):
+                close_bucket()
+        if bucket_params:
+            close_bucket()
+        return ranges
+
+    def reset(self):
+        """Zero the grads and forget reduction state (start of an iteration)."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def scale_gradients(self, scaling_factor):
+        self.grad_data.mul_(scaling_factor)

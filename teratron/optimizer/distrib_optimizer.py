@@ -1,0 +1,131 @@
+"""DistributedOptimizer: each data-parallel rank keeps fp32 master weights and optimizer states
+only for its slice of every DDP bucket (ZeRO-1 over Megatron's grad buffers).
+
+DDP reduce-scatters grads so rank r holds the reduced grads of its slice; the optimizer steps
+that slice (an fp32 master for bf16/fp16 params, or the fp32 param buffer itself), writes it
+into the param buffer, and all-gathers every bucket's params — at once, or (overlap_param_gather)
+bucket by bucket from the next forward's pre-hooks. A param straddling a slice boundary is
+stepped in pieces by two ranks; a rank whose slice misses a param holds an empty piece, so all
+ranks walk the same param list (Muon's full-matrix gather relies on it).
+"""
+
+import torch
+
+from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
+from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attributes
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """make_optimizer(param_groups) builds the torch optimizer over the shard params.
+
+    per_model_buffers: the DDP `_ParamAndGradBuffer`s holding the params of `param_groups`.
+    """
+
+    def __init__(self, make_optimizer, param_groups, config, grad_scaler, per_model_buffers,
+                 data_parallel_group, **kwargs):
+        self.buffers = list(per_model_buffers)
+        self.data_parallel_group = data_parallel_group
+        param_range = self._build_param_ranges(self.buffers)
+        params = [p for group in param_groups for p in group["params"]]
+        missing = [tuple(p.shape) for p in params if p not in param_range]
+        if missing:
+            raise ValueError(f"use_distributed_optimizer: params of shapes {missing[:3]} are not in the "
+                             "DDP grad buffers; wrap every model chunk in DistributedDataParallel with "
+                             "DistributedDataParallelConfig(use_distributed_optimizer=True)")
+        offload = set()
+        if config.optimizer_cpu_offload:
+            numels = [param_range[p][1] - param_range[p][0] for p in params]
+            offload = select_offloaded(numels, config.optimizer_offload_fraction)
+
+        self.shards = []   # (model param, (start, end) in the flat param, main shard, main is a view)
+        main_groups, index = [], 0
+        for group in param_groups:
+            mains = []
+            for param in group["params"]:
+                start, end = param_range[param]
+                model_shard = param.detach().view(-1)[start:end]
+                # fp32 params on the device are stepped in place in the param buffer.
+                as_view = param.dtype == torch.float32 and index not in offload
+                main = model_shard if as_view else make_master(model_shard, index in offload,
+                                                               config.pin_cpu_params)
+                copy_param_attributes(main, param)
+                main.dp_shard = (tuple(param.shape), start, end, data_parallel_group)
+                self.shards.append((param, (start, end), main, as_view))
+                mains.append(main)
+                index += 1
+            main_groups.append({**group, "params": mains})
+        super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
+
+    @staticmethod
+    def _build_param_ranges(buffers):
+        """model param -> [start, end) of its flat elements in this rank's bucket slices."""
+        ranges = {}
+        for buffer in buffers:
+            for bucket in buffer.buckets:
+                shard_start, shard_end = bucket.shard_range()
+                shard_start += bucket.offset
+                shard_end += bucket.offset
+                for param in bucket.params:
+                    p_start, p_end, _ = buffer.param_index_map[param]
+                    lo, hi = max(p_start, shard_start), min(p_end, shard_end)
+                    ranges[param] = (lo - p_start, hi - p_start) if lo < hi else (0, 0)
+        return ranges
+
+    def prepare_grads(self) -> bool:
+        for param, (start, end), main, _ in self.shards:
+            main.grad = main_grad_for(main, param.main_grad.view(-1)[start:end])
+        if self.grad_scaler is not None:
+            return self._found_inf_in_main_grads()
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        for param, (start, end), main, as_view in self.shards:
+            if not as_view:
+                param.detach().view(-1)[start:end].copy_(main)
+        self.start_param_sync()
+        return True
+
+    def start_param_sync(self):
+        """Share the updated slices: all-gather now, or mark the buckets for the forward pre-hooks."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                if buffer.ddp_config.overlap_param_gather:
+                    bucket.mark_params_stale()
+                else:
+                    bucket.start_param_sync()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for param, _, main, _ in self.shards:
+            param.grad = None
+            main.grad = None
+
+    def state_dict(self):
+        """This rank's optimizer state (the slices it owns) and fp32 masters; loads into the same
+        data-parallel layout. `param_state_shards()` exposes the pieces for resharding checkpoints."""
+        state = super().state_dict()
+        state["shard_main_params"] = [main for _, _, main, as_view in self.shards if not as_view]
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        masters = iter(state_dict["shard_main_params"])
+        for _, _, main, as_view in self.shards:
+            if not as_view:
+                main.data.copy_(next(masters))
+
+    def reload_model_params(self):
+        for param, (start, end), main, as_view in self.shards:
+            if not as_view:
+                main.data.copy_(param.detach().view(-1)[start:end])
+
+    def param_state_shards(self):
+        """model param -> (start, end, {"param": fp32 master slice, <optimizer state>: slice}):
+        this rank's piece of each param's flat elements and of its optimizer state."""
+        out = {}
+        for param, (start, end), main, _ in self.shards:
+            tensors = {"param": main}
+            tensors.update({k: v for k, v in self.optimizer.state.get(main, {}).items()
+                            if isinstance(v, torch.Tensor) and v.shape == main.shape})
+            out[param] = (start, end, tensors)
+        return out

@@ -1,0 +1,334 @@
+"""Megatron optimizer wrappers: fp32, mixed precision with fp32 master weights, and chains.
+
+A MegatronOptimizer wraps a torch optimizer that steps "main" params: the model params
+themselves in fp32, or fp32 master copies of bf16/fp16 params. `step()` makes main grads from
+the model's grads (`main_grad` under DDP, `.grad` otherwise), unscales them and checks for
+inf/nan (fp16), clips by the global norm and steps; it returns
+`(update_successful, grad_norm, num_zeros_in_grad)`, with (False, None, None) for a skipped step.
+"""
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from teratron.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, default_device,
+                                           get_grad_norm_fp32, param_is_counted)
+from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
+from teratron.process_groups import get_pg_size
+
+# Attributes a main param inherits from its model param (norm de-duplication, Muon layout).
+_INHERITED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
+                         "shared_embedding", "allreduce", "sequence_parallel", "muon_qkv_layout")
+
+
+def copy_param_attributes(dst, src):
+    for name in _INHERITED_ATTRIBUTES:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+
+
+def _model_grad(param):
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+class MegatronOptimizer(ABC):
+    """Common logic. `grad_stats_groups`: the groups over which grad norms, zero counts and the
+    inf flag are reduced; `tp_group`/`pp_group` decide which params are duplicates."""
+
+    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=(), tp_group=None,
+                 pp_group=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.grad_stats_groups = list(grad_stats_groups)
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+
+    # ----- torch-optimizer surface ---------------------------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def chained_optimizers(self):
+        return [self]
+
+    def get_parameters(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # ----- loss scale ----------------------------------------------------------------------------
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.grad_scaler.scale if self.grad_scaler is not None else torch.tensor(1.0)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale().to(loss.device)
+
+    # ----- grad statistics -----------------------------------------------------------------------
+
+    def get_main_grads_for_grad_norm(self):
+        return [p.grad for p in self.get_parameters()
+                if p.grad is not None and param_is_counted(p, self.tp_group, self.pp_group)]
+
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), grad_stats_groups=self.grad_stats_groups)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.get_parameters(), self.grad_stats_groups, self.tp_group, self.pp_group)
+
+    def _found_inf_in_main_grads(self) -> bool:
+        """Unscale the main grads in place; True if any rank's grads hold inf/nan."""
+        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        found = torch.zeros((), dtype=torch.float32, device=default_device())
+        inv_scale = self.grad_scaler.inv_scale.item()
+        for grad in grads:
+            grad.mul_(inv_scale)
+            found = torch.maximum(found, (~torch.isfinite(grad)).any().float().to(found.device))
+        for group in self.grad_stats_groups:
+            if get_pg_size(group) > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    # ----- the step ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def prepare_grads(self) -> bool:
+        """Fill main grads from model grads; with a grad scaler, unscale and return found_inf."""
+
+    @abstractmethod
+    def step_with_ready_grads(self) -> bool:
+        """Step the main params and copy them back to the model params."""
+
+    @torch.no_grad()
+    def step(self):
+        return _chained_step(self.chained_optimizers, self.grad_scaler, self.config)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.get_parameters():
+            p.grad = None
+
+    # ----- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self):
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def reload_model_params(self):
+        """Refresh main params from the model params (after loading a model checkpoint)."""
+
+    @torch.no_grad()
+    def init_state(self):
+        """Create the optimizer states that do not exist yet (before the first step), so a
+        checkpoint can be loaded into them in place: one step with zero grads at lr 0, which
+        leaves every param unchanged. Collective for Muon (call it on every rank)."""
+        fresh = {id(p) for p in self.get_parameters() if not self.optimizer.state.get(p)}
+        if not fresh:
+            return
+        saved_lr = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        saved_grads = {p: p.grad for p in self.get_parameters()}
+        for p in self.get_parameters():
+            p.grad = torch.zeros_like(p) if id(p) in fresh else None
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, saved_lr):
+            group["lr"] = lr
+        for p, grad in saved_grads.items():
+            p.grad = grad
+
+
+@torch.no_grad()
+def _chained_step(optimizers, grad_scaler, config):
+    """One step over optimizers that share a loss scale and a global grad norm."""
+    found_inf = False
+    for optimizer in optimizers:
+        found_inf |= optimizer.prepare_grads()
+    if grad_scaler is not None:
+        grad_scaler.update(found_inf)
+    if found_inf:
+        return False, None, None
+    grad_norm = math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in optimizers))
+    if config.clip_grad > 0.0:
+        for optimizer in optimizers:
+            clip_grad_by_total_norm_fp32(optimizer.get_parameters(), config.clip_grad, grad_norm)
+    num_zeros = sum(opt.count_zeros() for opt in optimizers) if config.log_num_zeros_in_grad else None
+    success = True
+    for optimizer in optimizers:
+        success &= optimizer.step_with_ready_grads()
+    return success, grad_norm, num_zeros
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Model params are fp32 and are the main params."""
+
+    def prepare_grads(self) -> bool:
+        for p in self.get_parameters():
+            if hasattr(p, "main_grad"):
+                p.grad = p.main_grad
+        if self.grad_scaler is not None:
+            return self._found_inf_in_main_grads()
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        return True
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """bf16/fp16 model params stepped through fp32 master copies; fp32 params are stepped in
+    place, unless CPU offload gives them a master on the host.
+
+    make_optimizer(param_groups) builds the torch optimizer over the main params.
+    """
+
+    def __init__(self, make_optimizer, param_groups, config, grad_scaler=None, **kwargs):
+        params = [p for group in param_groups for p in group["params"]]
+        offload = set()
+        if config.optimizer_cpu_offload:
+            offload = select_offloaded([p.numel() for p in params], config.optimizer_offload_fraction)
+        self.model_to_main = []   # (model param, main param); the same tensor when stepped in place
+        main_groups, index = [], 0
+        for group in param_groups:
+            main_params = []
+            for param in group["params"]:
+                if param.dtype == torch.float32 and index not in offload:
+                    main = param
+                else:
+                    main = make_master(param, index in offload, config.pin_cpu_params)
+                    copy_param_attributes(main, param)
+                self.model_to_main.append((param, main))
+                main_params.append(main)
+                index += 1
+            main_groups.append({**group, "params": main_params})
+        super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
+
+    def prepare_grads(self) -> bool:
+        for model_param, main in self.model_to_main:
+            grad = _model_grad(model_param)
+            main.grad = None if grad is None else main_grad_for(main, grad)
+        if self.grad_scaler is not None:
+            return self._found_inf_in_main_grads()
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        for model_param, main in self.model_to_main:
+            if main is not model_param:
+                model_param.data.copy_(main)
+        return True
+
+    def zero_grad(self, set_to_none: bool = True):
+        for model_param, main in self.model_to_main:
+            model_param.grad = None
+            main.grad = None
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["fp32_from_fp16_params"] = [main for model_param, main in self.model_to_main
+                                          if main is not model_param]
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        masters = iter(state_dict["fp32_from_fp16_params"])
+        for model_param, main in self.model_to_main:
+            if main is not model_param:
+                main.data.copy_(next(masters))
+
+    def reload_model_params(self):
+        for model_param, main in self.model_to_main:
+            if main is not model_param:
+                main.data.copy_(model_param.data)
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Several optimizers stepped as one (dense + expert params, or Muon + its scalar optimizer):
+    one loss scale, one skip decision, one global grad norm."""
+
+    def __init__(self, chained_optimizers):
+        if not chained_optimizers:
+            raise ValueError("ChainedOptimizer needs at least one optimizer")
+        self._chained = list(chained_optimizers)
+        first = self._chained[0]
+        super().__init__(None, first.config, first.grad_scaler)
+
+    @property
+    def chained_optimizers(self):
+        return self._chained
+
+    @property
+    def param_groups(self):
+        return [g for opt in self._chained for g in opt.param_groups]
+
+    @property
+    def state(self):
+        return {p: s for opt in self._chained for p, s in opt.state.items()}
+
+    def get_parameters(self):
+        return [p for opt in self._chained for p in opt.get_parameters()]
+
+    def get_main_grads_for_grad_norm(self):
+        return [g for opt in self._chained for g in opt.get_main_grads_for_grad_norm()]
+
+    def prepare_grads(self) -> bool:
+        found_inf = False
+        for opt in self._chained:
+            found_inf |= opt.prepare_grads()
+        return found_inf
+
+    def step_with_ready_grads(self) -> bool:
+        success = True
+        for opt in self._chained:
+            success &= opt.step_with_ready_grads()
+        return success
+
+    def get_grad_norm(self) -> float:
+        return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self._chained))
+
+    def count_zeros(self) -> int:
+        return sum(opt.count_zeros() for opt in self._chained)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self._chained:
+            opt.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return [opt.state_dict() for opt in self._chained]
+
+    def load_state_dict(self, state_dict):
+        if len(state_dict) != len(self._chained):
+            raise ValueError(f"optimizer checkpoint holds {len(state_dict)} optimizers, this run builds "
+                             f"{len(self._chained)}; load with the same optimizer layout (dense/expert/muon split)")
+        for opt, sd in zip(self._chained, state_dict):
+            opt.load_state_dict(sd)
+
+    def reload_model_params(self):
+        for opt in self._chained:
+            opt.reload_model_params()
+
+    def init_state(self):
+        for opt in self._chained:
+            opt.init_state()

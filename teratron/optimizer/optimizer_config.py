@@ -1,0 +1,127 @@
+"""OptimizerConfig: Megatron Core's optimizer fields, names and defaults."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+_OPTIMIZERS = ("adam", "sgd", "lion", "muon")
+_MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+_MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+_MUON_COEFFICIENTS = ("simple", "quintic", "polar_express")
+_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+@dataclass
+class OptimizerConfig:
+    # ----- general -----
+    optimizer: str = "adam"
+    """'adam' (AdamW with decoupled_weight_decay), 'sgd', 'lion' or 'muon'."""
+    lr: Optional[float] = None
+    """Peak learning rate (the scheduler sets each step's value)."""
+    min_lr: Optional[float] = None
+    """Floor of the decayed learning rate."""
+    decoupled_lr: Optional[float] = None
+    """Separate peak learning rate for the input embedding and output layer."""
+    decoupled_min_lr: Optional[float] = None
+    """Floor of the decoupled learning rate."""
+    weight_decay: float = 0.01
+    """Weight-decay coefficient (biases and 1-D params such as norm weights get none)."""
+    apply_wd_to_qk_layernorm: bool = False
+    """Decay the q/k layernorm weights too (an exception to the 1-D rule)."""
+
+    # ----- precision -----
+    fp16: bool = False
+    """fp16 params with fp32 master weights and loss scaling."""
+    bf16: bool = False
+    """bf16 params with fp32 master weights."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype the model was initialised in."""
+
+    # ----- loss scaling (fp16) -----
+    loss_scale: Optional[float] = None
+    """Static loss scale; None selects dynamic loss scaling."""
+    initial_loss_scale: float = 2 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    """Successful steps between two doublings of the dynamic scale."""
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the dynamic scale is halved."""
+
+    # ----- Adam / SGD / Lion -----
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
+    """AdamW (decay applied to the weights) when True, Adam with L2 in the gradient when False."""
+    sgd_momentum: float = 0.9
+    lion_beta1: float = 0.95
+    """Lion: interpolation between momentum and gradient used for the sign update."""
+    lion_beta2: float = 0.98
+    """Lion: momentum EMA coefficient."""
+
+    # ----- Muon -----
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    """Orthogonalise the Q, K and V parts of the fused QKV weight separately."""
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    """'medium' runs Newton-Schulz in bf16, 'high'/'highest' in fp32 (tf32 allowed for 'high')."""
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    """'blockwise': each TP shard alone (Megatron's default); 'duplicated': gather the full matrix
+    on every TP rank; 'distributed': the full-matrix iteration with all-reduced Gram matrices."""
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
+    """Optimizer for the params Muon does not handle (embeddings, output layer, 1-D): adam|lion."""
+
+    # ----- distributed optimizer -----
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    # ----- CPU offload -----
+    optimizer_cpu_offload: bool = False
+    """Keep a fraction of the fp32 master weights and optimizer states on the CPU and step them there."""
+    optimizer_offload_fraction: float = 0.0
+    """Fraction (by parameter count) of master weights + states offloaded with optimizer_cpu_offload."""
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+
+    # ----- misc -----
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables clipping)."""
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    timers: Optional[Callable] = None
+
+    def __post_init__(self):
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown; choose one of {_OPTIMIZERS}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are both set; choose one (--fp16 or --bf16)")
+        if self.muon_tp_mode not in _MUON_TP_MODES:
+            raise ValueError(f"muon_tp_mode={self.muon_tp_mode!r} is unknown; choose one of {_MUON_TP_MODES}")
+        if self.muon_scale_mode not in _MUON_SCALE_MODES:
+            raise ValueError(f"muon_scale_mode={self.muon_scale_mode!r} is unknown; choose one of {_MUON_SCALE_MODES}")
+        if self.muon_coefficient_type not in _MUON_COEFFICIENTS:
+            raise ValueError(f"muon_coefficient_type={self.muon_coefficient_type!r} is unknown; "
+                             f"choose one of {_MUON_COEFFICIENTS}")
+        if self.muon_fp32_matmul_prec not in _MATMUL_PRECISIONS:
+            raise ValueError(f"muon_fp32_matmul_prec={self.muon_fp32_matmul_prec!r} is unknown; "
+                             f"choose one of {_MATMUL_PRECISIONS}")
+        if self.muon_scalar_optimizer not in ("adam", "lion"):
+            raise ValueError(f"muon_scalar_optimizer={self.muon_scalar_optimizer!r} is unknown; "
+                             "choose 'adam' or 'lion'")
+        if self.muon_num_ns_steps < 1:
+            raise ValueError(f"muon_num_ns_steps={self.muon_num_ns_steps} must be at least 1")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction={self.optimizer_offload_fraction} must be in [0, 1]")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale={self.loss_scale} must be positive, or None for dynamic scaling")
+        if self.hysteresis < 1:
+            raise ValueError(f"hysteresis={self.hysteresis} must be at least 1")

@@ -1,0 +1,154 @@
+"""OptimizerParamScheduler: Megatron's learning-rate and weight-decay schedules.
+
+Steps are whatever unit the caller counts in: Megatron's training loop calls
+`step(increment=global_batch_size)`, so warm-up/decay lengths are in samples there. Each param
+group may carry `max_lr`/`min_lr` (its own peak and floor), `lr_mult` and `wd_mult`.
+
+LR: linear warm-up from init_lr to max_lr over lr_warmup_steps, then by lr_decay_style
+('constant', 'linear', 'cosine', 'inverse-square-root', 'WSD') down to min_lr at lr_decay_steps,
+min_lr after. WSD ("warmup-stable-decay") holds max_lr and anneals over the last
+wsd_decay_steps with lr_wsd_decay_style ('linear', 'cosine', 'exponential', 'minus_sqrt').
+Weight decay: start_wd -> end_wd over wd_incr_steps ('constant', 'linear', 'cosine').
+"""
+
+import math
+
+_LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+_WD_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
+                 lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float,
+                 wd_incr_steps: int, wd_incr_style: str, use_checkpoint_opt_param_scheduler: bool = True,
+                 override_opt_param_scheduler: bool = False, wsd_decay_steps: int | None = None,
+                 lr_wsd_decay_style: str | None = None):
+        self.optimizer = optimizer
+        self.init_lr = init_lr
+        self.max_lr = float(max_lr)
+        self.min_lr = min_lr
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
+        self.start_wd = start_wd
+        self.end_wd = end_wd
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        self._validate()
+        self.step(0)
+
+    def _validate(self):
+        if self.min_lr < 0.0 or self.max_lr < self.min_lr:
+            raise ValueError(f"learning rates must satisfy 0 <= min_lr ({self.min_lr}) <= max_lr ({self.max_lr}); "
+                             "fix --min-lr / --lr")
+        if self.init_lr > self.max_lr:
+            raise ValueError(f"init_lr ({self.init_lr}) must not exceed max_lr ({self.max_lr})")
+        if self.lr_decay_steps <= 0 or self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(f"need 0 <= lr_warmup_steps ({self.lr_warmup_steps}) < lr_decay_steps "
+                             f"({self.lr_decay_steps}); fix --lr-warmup-* / --lr-decay-*")
+        if self.lr_decay_style not in _LR_STYLES:
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r} is unknown; choose one of {_LR_STYLES}")
+        if self.lr_decay_style == "WSD":
+            if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
+                raise ValueError(f"WSD needs 0 < wsd_decay_steps ({self.wsd_decay_steps}) <= lr_decay_steps "
+                                 f"({self.lr_decay_steps}); set --lr-wsd-decay-samples/--lr-wsd-decay-iters")
+            if self.lr_wsd_decay_style not in _WSD_STYLES:
+                raise ValueError(f"lr_wsd_decay_style={self.lr_wsd_decay_style!r} is unknown; "
+                                 f"choose one of {_WSD_STYLES}")
+        if self.start_wd < 0.0 or self.end_wd < self.start_wd:
+            raise ValueError(f"weight decay must satisfy 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd})")
+        if self.wd_incr_style not in _WD_STYLES:
+            raise ValueError(f"wd_incr_style={self.wd_incr_style!r} is unknown; choose one of {_WD_STYLES}")
+        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
+            raise ValueError(f"wd_incr_style='constant' needs start_wd == end_wd, got {self.start_wd} and "
+                             f"{self.end_wd}")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set; "
+                             "choose one")
+
+    def get_wd(self) -> float:
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self, param_group) -> float:
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            return self.init_lr + (max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return max_lr
+        if self.num_steps > self.lr_decay_steps:
+            return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            lr = max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(self.num_steps, 1) ** 0.5
+            return max(min_lr, lr)
+        ratio = (self.num_steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd_coeff()
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def _wsd_coeff(self) -> float:
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if self.num_steps <= anneal_start:
+            return 1.0
+        ratio = (self.num_steps - anneal_start) / self.wsd_decay_steps
+        if self.lr_wsd_decay_style == "linear":
+            return 1.0 - ratio
+        if self.lr_wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if self.lr_wsd_decay_style == "exponential":
+            return 2.0 * 0.5 ** ratio - 1.0
+        return 1.0 - math.sqrt(ratio)
+
+    def step(self, increment: int) -> None:
+        """Advance by `increment` steps and set every param group's lr and weight_decay."""
+        self.num_steps += increment
+        new_wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
+            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+
+    # ----- checkpoints --------------------------------------------------------------------------
+
+    _CHECKPOINTED = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                     "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+
+    def state_dict(self) -> dict:
+        state = {name: getattr(self, name) for name in self._CHECKPOINTED}
+        state["num_steps"] = self.num_steps
+        return state
+
+    def _check_and_set(self, name, checkpoint_value):
+        """Which value wins: the constructor's (override), the checkpoint's (use_checkpoint), or
+        they must agree."""
+        current = getattr(self, name)
+        if self.override_opt_param_scheduler:
+            return current
+        if not self.use_checkpoint_opt_param_scheduler and current != checkpoint_value:
+            raise ValueError(f"OptimizerParamScheduler: {name} is {current} but the checkpoint has "
+                             f"{checkpoint_value}; pass --override-opt_param-scheduler or "
+                             "--use-checkpoint-opt_param-scheduler")
+        return checkpoint_value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for name in self._CHECKPOINTED:
+            if name in state_dict:
+                setattr(self, name, self._check_and_set(name, state_dict[name]))
+        self.num_steps = 0
+        self.step(state_dict["num_steps"])
