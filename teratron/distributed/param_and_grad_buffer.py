@@ -17,25 +17,6 @@ import torch.distributed as dist
 from teratron import comm
 from teratron.process_groups import get_pg_rank, get_pg_size
 
-_reduce_scatter_async = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather_async = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def _reduce_scatter(output, input, group, op, async_op):
-    # teratron.comm covers backends without the native collective; the async path needs it native.
-    if async_op:
-        return _reduce_scatter_async(output, input, op=op, group=group, async_op=True)
-    comm.reduce_scatter_tensor(output, input, group=group, op=op)
-    return None
-
-
-def _all_gather(output, input, group, async_op):
-    if async_op:
-        return _all_gather_async(output, input, group=group, async_op=True)
-    comm.all_gather_into_tensor(output, input, group=group)
-    return None
-
-
 class _ParamAndGradBucket:
     """A contiguous slice of a buffer whose grads are reduced (and params gathered) together."""
 
@@ -98,7 +79,7 @@ class _ParamAndGradBucket:
         if buffer.dp_size == 1:
             return
         if config.use_distributed_optimizer:
-            self.grad_reduce_handle = _reduce_scatter(
+            self.grad_reduce_handle = comm.reduce_scatter_tensor(
                 self._shard(self.grad_data), self.grad_data, buffer.data_parallel_group, op, async_op)
         elif async_op:
             self.grad_reduce_handle = dist.all_reduce(
@@ -123,7 +104,7 @@ class _ParamAndGradBucket:
         self.param_gather_handle = None
         if self.buffer.dp_size == 1:
             return
-        self.param_gather_handle = _all_gather(
+        self.param_gather_handle = comm.all_gather_into_tensor(
             self.param_data, self._shard(self.param_data), self.buffer.data_parallel_group, async_op)
 
     def finish_param_sync(self):
