@@ -1,0 +1,51 @@
+"""The comparison `teratron bench` prints, and the entry it appends to bench/RESULTS.md."""
+
+import subprocess
+import time
+from typing import Optional
+
+from teratron.bench.runs import BaselineResult, TrainResult
+
+
+def _row(name, tokens, tflops, mfu, mem):
+    mfu = "-" if mfu is None else f"{mfu:.1%}"
+    return f"| {name} | {tokens:,.0f} | {tflops:.4g} | {mfu} | {mem:.2f} |"
+
+
+def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size: int,
+               estimated_peak_gib: float, on_gpu: bool) -> list:
+    """Markdown table lines: per-GPU tokens/s, TFLOP/s/GPU, MFU, peak memory; then the ratio and
+    the estimate against the measured peak."""
+    lines = ["| system | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |", "|---|---|---|---|---|",
+             _row("teratron", ours.tokens_per_sec / world_size, ours.tflops_per_gpu, ours.mfu, ours.mem_peak_gib)]
+    if baseline is not None:
+        kind = "torch.compile" if baseline.compile else "eager"
+        lines.append(_row(f"HF Llama, SDPA, {kind}", baseline.tokens_per_sec, baseline.tflops, baseline.mfu,
+                          baseline.peak_mem_gib))
+        ratio = ours.tokens_per_sec / world_size / baseline.tokens_per_sec
+        lines += ["", f"teratron / HF tokens/s per GPU: {ratio:.3f}x"]
+    measured = "peak allocated" if on_gpu else "peak RSS of the CPU process, not comparable"
+    error = (estimated_peak_gib - ours.mem_peak_gib) / ours.mem_peak_gib
+    lines += ["", f"`teratron estimate` peak allocated: {estimated_peak_gib:.2f} GiB; measured {measured}: "
+                  f"{ours.mem_peak_gib:.2f} GiB ({error:+.1%})"]
+    return lines
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def results_entry(command: str, hardware: str, train_argv: list, table: list) -> str:
+    """A RESULTS.md entry: when, on what, which code and command, then the numbers."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return "\n".join([f"## {stamp} — {hardware}", "",
+                      f"- command: `{command}`",
+                      f"- commit: {git_commit()}",
+                      f"- teratron train flags: `{' '.join(train_argv)}`", "", *table, "", ""])

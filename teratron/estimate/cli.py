@@ -1,0 +1,60 @@
+"""`teratron estimate`: peak memory per GPU and FLOPs of a `teratron train` command line.
+
+    teratron estimate --mock-data --tokenizer-type NullTokenizer --vocab-size 50304 \
+        --num-layers 24 --hidden-size 2048 ... --world-size 8 [--json]
+
+Takes every `teratron train` flag (same parser, same YAML --config, same defaults); --train-iters
+and --lr are optional here. Its own flags: --world-size (GPUs of the job), --target-device and
+--json.
+"""
+
+import json
+import sys
+
+from teratron.training.arguments import ArgumentParser, build_train_parser, parse_train_args
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("estimate")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="GPUs of the job; default TP x PP x CP (one data-parallel replica).")
+    g.add_argument("--target-device", default="cuda", choices=["cuda", "cpu"],
+                   help="Whose kernels' saved tensors to count (probed when that device is present).")
+    g.add_argument("--json", action="store_true", help="Print the estimate as JSON.")
+    return parser
+
+
+def parse_args(argv):
+    """Train flags (parse_train_args) plus the estimate's own."""
+    argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        add_arguments(build_train_parser(prog="teratron estimate")).print_help()
+        raise SystemExit(0)
+    own, rest = add_arguments(ArgumentParser(prog="teratron estimate", add_help=False,
+                                             allow_abbrev=False)).parse_known_args(argv)
+    args = parse_train_args(rest)
+    vars(args).update(vars(own))
+    return args
+
+
+def default_world_size(args) -> int:
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+
+
+def run(args) -> int:
+    from teratron.estimate.report import estimate_from_args, format_table
+
+    world_size = args.world_size or default_world_size(args)
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    estimate = estimate_from_args(args, world_size, args.target_device)
+    print(json.dumps(estimate.to_json(), indent=1) if args.json else format_table(estimate))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Measure what autograd keeps for one micro-batch, to check the activation model on a device.
+
+    python -m teratron.estimate.measure [teratron train flags]
+
+builds the model exactly as `teratron train` does (one process, the current device: CUDA when
+present), runs one training micro-batch forward under `saved_tensors_hooks` and prints the bytes
+of the distinct storages autograd keeps (parameters excluded) next to the estimate's bytes for
+that micro-batch with the device's probed kernels. The tests run it on CPU; on a GPU it checks
+the CUDA kernels' assumptions at full size.
+"""
+
+import copy
+import sys
+import weakref
+
+import torch
+
+
+def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
+    """Bytes of the storages autograd keeps after one micro-batch forward through this rank's
+    model (first pipeline stage = last stage: call it without pipeline parallelism)."""
+    from teratron.estimate.report import resolve_vocab_size
+    from teratron.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size
+    from teratron.training.arguments import core_transformer_config_from_args, validate_args
+    from teratron.training.build import gpt_model_provider
+
+    args = copy.copy(args)
+    validate_args(args, world_size)
+    args.padded_vocab_size = pad_vocab_size(resolve_vocab_size(args), args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
+    torch.manual_seed(args.seed)
+    model = gpt_model_provider(args, core_transformer_config_from_args(args), True, True).to(device)
+    model_parallel_cuda_manual_seed(args.seed)
+    model.train()
+    saved = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))
+        return t
+
+    shape = (args.micro_batch_size, args.seq_length)
+    ids = torch.randint(0, args.padded_vocab_size, shape, device=device,
+                        generator=torch.Generator(device).manual_seed(args.seed))
+    positions = torch.arange(args.seq_length, device=device).repeat(args.micro_batch_size, 1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, positions, None, labels=ids)
+    # What the graph still holds (side branches autograd already dropped are gone), by storage.
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (ref() for ref in saved) if t is not None}
+    loss.sum().backward()
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def main(argv=None) -> int:
+    from teratron.estimate.report import estimate_from_args
+    from teratron.training.arguments import parse_train_args
+
+    args = parse_train_args(sys.argv[1:] if argv is None else argv)
+    args.train_iters, args.lr = args.train_iters or 1, args.lr or 0.0
+    if args.pipeline_model_parallel_size != 1 or args.tensor_model_parallel_size != 1:
+        raise ValueError("measure runs one process: drop --tensor/--pipeline-model-parallel-size "
+                         "(tests/estimate measure TP ranks under gloo)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    measured = saved_activation_bytes(args, 1, device)
+    estimated = estimate_from_args(args, 1, device.type).stages[0].chunk_activations[0]
+    print(f"activations of one micro-batch on {device.type}: measured {measured / 2**30:.4f} GiB, "
+          f"estimated {estimated / 2**30:.4f} GiB ({(estimated - measured) / measured:+.2%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Peak device memory of one rank: model states + the activations the pipeline schedule holds.
+
+    peak allocated = weights + grad buffer + master weights + optimizer states
+                     + max(activation peak over the schedule, optimizer-step transients)
+                     + WORKSPACE_BYTES
+    device memory  = peak allocated * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_BYTES
+
+"peak allocated" is what `torch.cuda.max_memory_allocated()` reports (the `mem_peak_gib` of
+`--metrics-file`); "device memory" is what must fit on the GPU. Model states follow
+teratron's optimizer: bf16/fp16 params get fp32 masters (sharded over data parallel by the
+distributed optimizer, partly on the host with CPU offload); the DDP grad buffer holds the
+param dtype, or fp32 with --accumulate-allreduce-grads-in-fp32 (else the optimizer step makes
+fp32 copies of the grads, freed at the next zero_grad). The activation peak walks the
+real schedule (`pipeline_parallel.schedule_plan.rank_actions`): 1F1B holds up to pp
+micro-batches on the first stage, interleaved 1F1B more.
+"""
+
+from dataclasses import dataclass, field
+
+from teratron.estimate.activations import ChunkActivations
+from teratron.estimate.params import ChunkParams
+from teratron.pipeline_parallel.schedule_plan import rank_actions
+
+GiB = 2**30
+# The CUDA context (kernels of torch, cuBLAS, NCCL loaded lazily) lives outside the caching
+# allocator: about 0.5 GiB on H100/H200 with CUDA 12.
+CUDA_CONTEXT_BYTES = GiB // 2
+# Memory the caching allocator reserves beyond what is allocated (block rounding and
+# fragmentation); a few percent for a training loop whose shapes repeat every iteration.
+ALLOCATOR_RESERVE = 0.05
+# cuBLAS/cuBLASLt workspaces, which torch allocates through the caching allocator.
+WORKSPACE_BYTES = 64 * 2**20
+
+# fp32 optimizer-state tensors per master element.
+_STATES = {"adam": 2, "lion": 1, "muon": 1}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Sizes the memory model needs beyond the configs."""
+
+    data_parallel_size: int
+    num_microbatches: int
+
+    def expert_data_parallel_size(self, config) -> int:
+        dense_ranks = config.tensor_model_parallel_size * config.context_parallel_size * self.data_parallel_size
+        return dense_ranks // (config.expert_model_parallel_size * config.expert_tensor_parallel_size)
+
+
+@dataclass
+class StateBytes:
+    weights: int = 0
+    grads: int = 0
+    master_weights: int = 0
+    optimizer_states: int = 0
+    step_transient: int = 0     # live only from the optimizer step to the next zero_grad
+    host: int = 0               # offloaded master weights and states (not on the device)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master_weights + self.optimizer_states
+
+
+def _states_per_element(optimizer_config, part: str) -> int:
+    kind = optimizer_config.optimizer
+    if kind == "sgd":
+        return 1 if optimizer_config.sgd_momentum > 0 else 0
+    if kind == "muon" and part in ("embedding", "output layer", "norms"):
+        return 2  # Muon steps only hidden matrices; the rest uses its scalar optimizer (Adam)
+    return _STATES[kind]
+
+
+def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: ChunkParams) -> StateBytes:
+    """Model and optimizer states of one rank (params summed over its model chunks)."""
+    param_bytes = config.params_dtype.itemsize
+    mixed = param_bytes < 4
+    grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
+    out = StateBytes(weights=params.total * param_bytes, grads=params.total * grad_bytes)
+    distributed = optimizer_config.use_distributed_optimizer
+    dense_shard = config.context_parallel_size * par.data_parallel_size if distributed else 1
+    expert_shard = par.expert_data_parallel_size(config) if distributed else 1
+    offloaded = optimizer_config.optimizer_offload_fraction if optimizer_config.optimizer_cpu_offload else 0.0
+
+    groups = []  # master elements per optimizer (dense, expert): they step one after another
+    for parts, shard in ((params.dense, dense_shard), (params.expert, expert_shard)):
+        masters = sum(parts.values()) / shard
+        states = sum(n / shard * _states_per_element(optimizer_config, p) for p, n in parts.items())
+        on_device = 1.0 - offloaded
+        out.master_weights += int(4 * masters * on_device) if mixed else 0
+        out.optimizer_states += int(4 * states * on_device)
+        out.host += int(4 * (masters * mixed + states) * offloaded)
+        groups.append(masters * on_device)
+    if mixed and grad_bytes != 4:
+        out.step_transient += int(4 * sum(groups))  # fp32 copies of the masters' grads
+    if optimizer_config.optimizer in ("adam", "muon"):
+        out.step_transient += int(4 * max(groups))  # foreach Adam's sqrt(v) temporary
+    return out
+
+
+def activation_peak(chunks: list, pp_rank: int, pp_size: int, num_microbatches: int,
+                    group_size: int) -> tuple:
+    """(peak bytes, most micro-batches in flight) of this rank over one training step."""
+    live = peak = in_flight = most = 0
+    for action in rank_actions(pp_rank, pp_size, len(chunks), num_microbatches, group_size, False):
+        chunk: ChunkActivations = chunks[action.chunk]
+        if action.kind == "F":
+            peak = max(peak, live + chunk.stored + chunk.forward_transient)
+            live += chunk.stored
+            in_flight += 1
+            most = max(most, in_flight)
+        else:
+            peak = max(peak, live + chunk.backward_transient)
+            live -= chunk.stored
+            in_flight -= 1
+    return peak, most
+
+
+@dataclass
+class RankMemory:
+    states: StateBytes
+    activation_peak: int
+    microbatches_in_flight: int
+    peak_allocated: int = field(init=False)
+    device_memory: int = field(init=False)
+
+    def __post_init__(self):
+        busy = max(self.activation_peak, self.states.step_transient)
+        self.peak_allocated = self.states.total + busy + WORKSPACE_BYTES
+        self.device_memory = int(self.peak_allocated * (1 + ALLOCATOR_RESERVE)) + CUDA_CONTEXT_BYTES

@@ -1,0 +1,119 @@
+"""Parameter counts per rank, by part, for one model chunk (a pipeline stage or virtual stage).
+
+The counts follow the layers teratron builds (Megatron's local spec): fused QKV
+[(q + 2 kv) / tp, h], linear_proj [h, q / tp], linear_fc1 [ffn * (2 if gated) / tp, h],
+linear_fc2 [h, ffn / tp], norms of h (+ h bias for LayerNorm), the vocab-parallel word
+embedding [V / tp, h], a replicated learned position table, and under MoE a replicated router
+[E, h], E / ep local experts sharded over expert-TP and an optional TP-sharded shared expert.
+Tests compare them with the numel of real GPTModels.
+"""
+
+from dataclasses import dataclass, field
+
+from teratron.transformer.moe.moe_logging import moe_layer_pattern
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the parameter and activation counts need beyond the TransformerConfig."""
+
+    padded_vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    position_embedding_type: str = "rope"
+    share_embeddings_and_output_weights: bool = False
+    rotary_percent: float = 1.0
+
+
+@dataclass
+class ChunkParams:
+    """Elements per part on one rank of one model chunk; `expert` parts are expert-parallel."""
+
+    dense: dict = field(default_factory=dict)   # part -> elements, reduced over data parallel
+    expert: dict = field(default_factory=dict)  # part -> elements, reduced over expert-data parallel
+    largest: int = 0                            # elements of the biggest single parameter
+
+    def add(self, part: str, elements: int, is_expert: bool = False) -> None:
+        if elements:
+            target = self.expert if is_expert else self.dense
+            target[part] = target.get(part, 0) + elements
+            self.largest = max(self.largest, elements)
+
+    @property
+    def total(self) -> int:
+        return sum(self.dense.values()) + sum(self.expert.values())
+
+
+def _norm(config, width: int) -> int:
+    return width * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def _mlp(config, ffn: int, tp: int) -> list:
+    """[(elements, ...)] of one MLP's weights and biases: fc1, fc2 (and their biases)."""
+    fc1 = ffn * (2 if config.gated_linear_unit else 1)
+    weights = [fc1 // tp * config.hidden_size, config.hidden_size * (ffn // tp)]
+    if config.add_bias_linear:
+        weights += [fc1 // tp, config.hidden_size]
+    return weights
+
+
+def attention_params(config) -> list:
+    tp, h, hn = config.tensor_model_parallel_size, config.hidden_size, config.kv_channels
+    q, kv = config.num_attention_heads * hn, config.num_query_groups * hn
+    sizes = [(q + 2 * kv) // tp * h, h * (q // tp)]
+    if config.add_bias_linear or config.add_qkv_bias:
+        sizes.append((q + 2 * kv) // tp)
+    if config.add_bias_linear:
+        sizes.append(h)
+    if config.qk_layernorm:
+        sizes += [_norm(config, hn), _norm(config, hn)]
+    return sizes
+
+
+def moe_params(config) -> tuple:
+    """(router and shared expert sizes, local expert sizes) of one MoE layer."""
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
+    local = config.num_moe_experts // ep
+    ffn, h = config.moe_ffn_hidden_size, config.hidden_size
+    if config.moe_grouped_gemm:
+        # GroupedMLP stacks the local experts: one weight1, one weight2 (biases unsharded).
+        fc1 = ffn * (2 if config.gated_linear_unit else 1)
+        experts = [local * h * (fc1 // etp), local * (ffn // etp) * h]
+        if config.add_bias_linear:
+            experts += [local * fc1, local * h]
+    else:
+        experts = _mlp(config, ffn, etp) * local
+    dense = [config.num_moe_experts * h]
+    if config.moe_shared_expert_intermediate_size is not None:
+        dense += _mlp(config, config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size)
+    return dense, experts
+
+
+def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bool,
+                 post_process: bool) -> ChunkParams:
+    """Parameters on one rank of the chunk holding global layers `layer_numbers` (1-based)."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    params = ChunkParams()
+    if pre_process:
+        params.add("embedding", shape.padded_vocab_size // tp * h)
+        if shape.position_embedding_type == "learned_absolute":
+            params.add("embedding", shape.max_position_embeddings * h)
+    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq) if config.num_moe_experts else None
+    for number in layer_numbers:
+        params.add("norms", 2 * _norm(config, h))
+        for size in attention_params(config):
+            params.add("attention", size)
+        if pattern and pattern[number - 1]:
+            dense, experts = moe_params(config)
+            for size in dense:
+                params.add("moe router+shared", size)
+            for size in experts:
+                params.add("moe experts", size, is_expert=True)
+        else:
+            for size in _mlp(config, config.ffn_hidden_size, tp):
+                params.add("mlp", size)
+    if post_process:
+        params.add("norms", _norm(config, h))
+        if not (pre_process and shape.share_embeddings_and_output_weights):
+            params.add("output layer", shape.padded_vocab_size // tp * h)
+    return params
