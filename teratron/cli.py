@@ -1,0 +1,88 @@
+"""The `teratron` command (also `python -m teratron`).
+
+    teratron train [flags]          pretrain a GPT (Megatron pretrain_gpt.py flags); no data
+                                    flags runs the embedded demo
+    teratron preprocess [flags]     JSONL -> Megatron .bin/.idx
+    teratron convert import-hf|export-hf [flags]   Hugging Face <-> teratron checkpoints
+    teratron merge [flags]          weighted average of checkpoints
+
+Bad input (a flag, a config value, a file) ends the command with one line on stderr,
+`teratron: error: <message>`, and exit status 2; no traceback.
+"""
+
+import argparse
+import importlib
+import sys
+
+import teratron
+
+# Exceptions that mean "the user asked for something wrong or impossible": printed as one line.
+USER_ERRORS = (ValueError, NotImplementedError, OSError)
+
+
+def _train(argv) -> int:
+    from teratron.training import demo
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.training import pretrain
+
+    args = parse_train_args(argv)
+    if args.demo:
+        demo.prepare(args)
+        pretrain(args, after_training=demo.finish)
+    else:
+        demo.check_not_demo(args)
+        pretrain(args)
+    return 0
+
+
+def _module_command(module_name: str, prog: str, description: str):
+    """A subcommand whose module provides `add_arguments(parser)` and `run(args) -> int`."""
+    def command(argv) -> int:
+        from teratron.training.arguments import ArgumentParser
+
+        module = importlib.import_module(module_name)
+        parser = ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+        return module.run(module.add_arguments(parser).parse_args(argv))
+    return command
+
+
+COMMANDS = {
+    "train": _train,
+    "preprocess": _module_command("teratron.datasets.preprocess", "teratron preprocess",
+                                  "Tokenize JSONL into Megatron .bin/.idx datasets."),
+    "convert": _module_command("teratron.convert.cli", "teratron convert",
+                               "Hugging Face folders <-> teratron checkpoints."),
+    "merge": _module_command("teratron.dist_checkpointing.merge", "teratron merge",
+                             "Weighted average of checkpoints of one model."),
+}
+
+
+def _top_parser():
+    from teratron.training.arguments import ArgumentParser
+
+    parser = ArgumentParser(prog="teratron", description="Train transformer language models at scale.",
+                            epilog="Run `teratron COMMAND --help` for a command's flags.")
+    parser.add_argument("--version", action="version", version=f"teratron {teratron.__version__}")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    from teratron.training.training import NonFiniteLossError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        ns = _top_parser().parse_args(argv)
+        return COMMANDS[ns.command](ns.args)
+    except USER_ERRORS + (NonFiniteLossError,) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"teratron: error: {message}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("teratron: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,466 @@
+"""`teratron train`'s flags (Megatron `pretrain_gpt.py` names and defaults) and the configs
+built from them.
+
+    args = parse_train_args(argv)              # flags, --config YAML, the demo's defaults
+    validate_args(args, world_size)            # derived values; one-line errors
+    config = core_transformer_config_from_args(args)
+
+`--config run.yaml` holds the same keys as the flags (dashes or underscores, no leading
+`--`); flags on the command line override it. A switch is `key: true`. Without --data-path,
+--mock-data or --train-data-path, `teratron train` runs the embedded demo, whose shape and
+schedule are defaults that flags and YAML still override.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from teratron.training.microbatches import build_num_microbatches_calculator
+
+_DATA_SOURCE_FLAGS = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so the CLI prints one line."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def _add_network_args(parser):
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size; default 4 * hidden (8/3 * hidden rounded down to 64 with --swiglu).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head projection size; default hidden-size // num-attention-heads.")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Key/value groups with --group-query-attention.")
+    g.add_argument("--seq-length", type=int, default=None, help="Sequence length of a training sample.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Size of the learned position table; default --seq-length.")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"], help="Position encoding.")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base.")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head RoPE rotates.")
+    g.add_argument("--rotary-interleaved", action="store_true", help="Rotate even/odd pairs (RoFormer style).")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="Normalisation layer.")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="No biases in the linear layers.")
+    g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate input embedding and output layer weights.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="Scale Q*K^T by 1/layer-number (fp16 stability).")
+    g.add_argument("--no-attention-softmax-in-fp32", action="store_false", dest="attention_softmax_in_fp32",
+                   help="Run the attention softmax in the compute dtype.")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="Activation recomputation.")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="Which layers --recompute-granularity full recomputes.")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: dense MLP).")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Hidden size of the shared experts (None: none).")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="Load balancing.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Auxiliary loss weight.")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
+                   help="How tokens reach their experts.")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="Grouped GEMM over local experts.")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size.")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Layers per virtual stage (interleaved 1F1B).")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Layers on the first pipeline stage (uneven split).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Layers on the last pipeline stage (uneven split).")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="CP size.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="TP size of the experts (default: --tensor-model-parallel-size).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Shard norm/dropout activations along the sequence over TP.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Overlap the param all-gather with forward (distributed optimizer).")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, help="Grad bucket size in elements.")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Average grads inside the collective.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="fp32 grad buffers and reduction with bf16/fp16 params.")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="torch.distributed backend; default nccl on GPU, gloo on CPU.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Timeout of collectives.")
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per rank.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step; default micro-batch-size * data-parallel size.")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Grow the global batch from START by INCREMENT over SAMPLES samples.")
+    g.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (init, dropout, data order).")
+    g.add_argument("--deterministic-mode", "--deterministic", action="store_true", dest="deterministic_mode",
+                   help="Deterministic algorithms only (bit-reproducible CPU runs).")
+    g.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 master weights.")
+    g.add_argument("--fp16", action="store_true", help="fp16 params and compute with loss scaling.")
+    g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="Initial dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="Steps between loss-scale raises.")
+    g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before lowering the scale.")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="Do not stop on a NaN/Inf loss or grad norm.")
+    g.add_argument("--skip-nan-steps", action="store_true",
+                   help="On a NaN/Inf loss skip the optimizer step instead of stopping.")
+
+
+def _add_optimizer_args(parser):
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "lion", "muon"],
+                   help="Optimizer (adam is AdamW).")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], help="Decay shape.")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay length; default --train-iters.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of decay.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD's final decay.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="Length of WSD's final decay.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay.")
+    g.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay (increment).")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay (increment).")
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
+                   help="How the weight decay moves from start to end.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0: off).")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Dataset prefixes, optionally weighted: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2'.")
+    g.add_argument("--split", default=None, help="Train/valid/test shares of --data-path, e.g. 969,30,1.")
+    g.add_argument("--train-data-path", nargs="*", default=None, help="Training dataset prefixes.")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="Validation dataset prefixes.")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefixes.")
+    g.add_argument("--mock-data", action="store_true", help="Synthetic data; no files needed.")
+    g.add_argument("--data-cache-path", default=None, help="Where dataset indices are cached.")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="Read .bin files instead of memory-mapping them.")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")
+    g.add_argument("--reset-attention-mask", action="store_true", help="No attention across EOD.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="Checkpoint folder to write.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
+    g.add_argument("--no-save-optim", action="store_true", help="Save without optimizer/scheduler state.")
+    g.add_argument("--no-save-rng", action="store_true", help="Save without RNG states.")
+    g.add_argument("--load", default=None, help="Checkpoint folder to resume from.")
+    g.add_argument("--no-load-optim", action="store_true", help="Load without optimizer/scheduler state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Load without RNG states.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load only the model weights and start at iteration 0.")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write checkpoints on a background thread while training continues.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Stop (after saving) at iterations divisible by this.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM, save and stop after the current iteration.")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation (0: no evaluation).")
+    g.add_argument("--metrics-file", default=None, help="Append one JSON object per logged iteration.")
+    g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    g.add_argument("--no-progress-bar", action="store_false", dest="progress_bar",
+                   help="No tqdm progress bar (it only shows on a terminal anyway).")
+
+
+def _add_demo_args(parser):
+    g = parser.add_argument_group("embedded demo (no data flags)")
+    g.add_argument("--demo-dir", default=None,
+                   help="Demo output folder: checkpoints, loss.png, samples.txt (default runs/demo).")
+    g.add_argument("--demo-samples", type=int, default=None,
+                   help="Lines the demo samples after training (default 4).")
+
+
+def build_train_parser(prog="teratron train") -> ArgumentParser:
+    from teratron.tokenizers import add_tokenizer_args
+
+    parser = ArgumentParser(prog=prog, description="Pretrain a GPT model (Megatron pretrain_gpt.py flags).",
+                            allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of flag values; flags override it.")
+    _add_network_args(parser)
+    _add_parallel_args(parser)
+    _add_training_args(parser)
+    _add_optimizer_args(parser)
+    _add_data_args(parser)
+    add_tokenizer_args(parser)
+    _add_checkpoint_args(parser)
+    _add_logging_args(parser)
+    _add_demo_args(parser)
+    return parser
+
+
+def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
+    """Turn a YAML mapping of flag names to values into command-line tokens."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    argv = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        action = parser._option_string_actions.get(flag)
+        if action is None or flag == "--config":
+            raise ValueError(f"--config {path}: unknown key {key!r}; keys are flag names such as "
+                             "num-layers or num_layers")
+        if value is None:
+            continue
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} is a switch; give true or false")
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag] + [str(v) for v in value]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def demo_argv() -> list:
+    """The embedded demo's run: a small GPT on the shipped English text, ~3 minutes on 2 cores."""
+    return [
+        "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "128", "--max-position-embeddings", "128",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--disable-bias-linear", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", "600",
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
+        "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+        "--log-interval", "50", "--eval-interval", "200", "--eval-iters", "5",
+        "--split", "98,2,0", "--num-workers", "0",
+    ]
+
+
+def parse_train_args(argv) -> argparse.Namespace:
+    """Flags over YAML over (demo) defaults; `args.demo` says whether this is the demo run."""
+    parser = build_train_parser()
+    first = parser.parse_args(argv)
+    config_argv = config_file_to_argv(first.config, parser) if first.config else []
+    given = parser.parse_args(config_argv + argv)
+    demo = not any(getattr(given, name) for name in _DATA_SOURCE_FLAGS)
+    args = parser.parse_args((demo_argv() if demo else []) + config_argv + argv)
+    args.demo = demo
+    return args
+
+
+def _require(args, names):
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"missing required flag(s) {', '.join(missing)} (or set them in --config)")
+
+
+def validate_args(args, world_size: int) -> argparse.Namespace:
+    """Check the flags against each other and fill in Megatron's derived values."""
+    _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                    "micro_batch_size", "train_iters", "lr"])
+    _validate_model(args)
+    _validate_parallel(args, world_size)
+    _validate_schedule(args)
+    _validate_data_and_io(args)
+    return args
+
+
+def _validate_model(args):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            raise ValueError(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+                             f"({args.num_attention_heads}); change one or set --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+        if args.ffn_hidden_size < 1:
+            raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
+                             "set --ffn-hidden-size")
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+                         f"--num-query-groups ({args.num_query_groups})")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        raise ValueError(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
+                         f"--seq-length ({args.seq_length}); raise it")
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 both given; choose one")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _validate_parallel(args, world_size):
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                       ("--context-parallel-size", cp),
+                       ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+        if size < 1:
+            raise ValueError(f"{flag} must be >= 1, got {size}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"the world size ({world_size} processes) is not divisible by TP ({tp}) x PP ({pp}) "
+                         f"x CP ({cp}) = {tp * pp * cp}; change the sizes or the number of processes")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.sequence_parallel and tp == 1:
+        print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled",
+              flush=True)
+        args.sequence_parallel = False
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if pp < 2:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs "
+                             "--pipeline-model-parallel-size > 1")
+        per_stage = args.num_layers // pp
+        if args.num_layers % pp or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage "
+                             f"({args.num_layers_per_virtual_pipeline_stage}) must divide the layers per "
+                             f"pipeline stage ({args.num_layers} / {pp})")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
+                                      args.data_parallel_size, args.rampup_batch_size)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_schedule(args):
+    if args.train_iters < 1:
+        raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both given; choose one")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+                         f"({args.lr_decay_iters}; default --train-iters)")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the final decay)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.weight_decay_incr_style == "constant":
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                         "--start-weight-decay and --end-weight-decay")
+    for name in ("log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.skip_nan_steps and not args.check_for_nan_in_loss_and_grad:
+        raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
+
+
+def _validate_data_and_io(args):
+    if args.mock_data and (args.data_path or args.train_data_path):
+        raise ValueError("--mock-data and --data-path/--train-data-path both given; choose one")
+    if args.data_path and args.train_data_path:
+        raise ValueError("--data-path and --train-data-path both given; use one (per-split paths "
+                         "go with --train/valid/test-data-path)")
+    if args.split is None:
+        args.split = "969,30,1"
+    if args.save_interval is not None:
+        if args.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+        if args.save is None:
+            raise ValueError("--save-interval given without --save; add --save DIR")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ValueError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save given without --save; add --save DIR")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if args.load is not None and not os.path.isdir(args.load) and os.path.exists(args.load):
+        raise ValueError(f"--load {args.load}: not a directory; pass the checkpoint folder")
+
+
+def core_transformer_config_from_args(args):
+    """TransformerConfig from the flags: every field named like a flag, plus the renamed ones."""
+    from dataclasses import fields
+
+    from teratron.transformer import TransformerConfig
+
+    kwargs = {f.name: getattr(args, f.name) for f in fields(TransformerConfig)
+              if f.init and hasattr(args, f.name)}
+    kwargs.update(
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        num_moe_experts=args.num_experts,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        pipeline_dtype=args.params_dtype,
+    )
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,95 @@
+"""Model, optimizer and LR scheduler of a run, built from the validated args (Megatron's
+`setup_model_and_optimizer`)."""
+
+from dataclasses import fields
+
+import torch
+
+from teratron import parallel_state
+
+
+def gpt_model_provider(args, config, pre_process: bool, post_process: bool, vp_stage=None):
+    from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+                                    qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return GPTModel(
+        config, spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, vp_stage=vp_stage,
+    )
+
+
+def build_model(args, config, device) -> list:
+    """This rank's model chunks (one per virtual stage), on `device`, each wrapped in DDP.
+
+    The seed is set right before building: initialisation is layout-invariant (every component
+    draws from a stream derived from it), so any TP/PP layout starts from the same full model.
+    """
+    from teratron.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from teratron.tensor_parallel import model_parallel_cuda_manual_seed
+
+    vpp = args.virtual_pipeline_model_parallel_size
+    torch.manual_seed(args.seed)
+    chunks = []
+    for i in range(vpp or 1):
+        vp_stage = i if vpp else None
+        chunks.append(gpt_model_provider(
+            args, config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        ).to(device))
+    model_parallel_cuda_manual_seed(args.seed)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)]
+
+
+def attach_model_hooks(config, model, optimizer) -> None:
+    """The callbacks the schedules use (Megatron sets the same ones on the config)."""
+    from teratron.distributed import finalize_model_grads
+
+    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+
+def build_optimizer(args, model):
+    from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    kwargs = {f.name: getattr(args, f.name) for f in fields(OptimizerConfig)
+              if f.init and hasattr(args, f.name)}
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), model)
+
+
+def build_scheduler(args, optimizer):
+    """LR and weight-decay schedule in samples, so batch-size ramp-up moves it correctly."""
+    from teratron.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = args.global_batch_size
+    decay_steps = args.lr_decay_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup_steps = args.lr_warmup_fraction * decay_steps
+    else:
+        warmup_steps = args.lr_warmup_iters * gbs
+    wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )

@@ -1,0 +1,187 @@
+"""Training checkpoints: Megatron's folder layout, written as sharded checkpoints
+(`teratron.dist_checkpointing`) that load into any parallel layout.
+
+    SAVE/latest_checkpointed_iteration.txt      the last complete iteration (written last)
+    SAVE/iter_0000100/                          torch.distributed.checkpoint files, metadata.json
+                                                (format version, model args, layout), common.pt
+
+A checkpoint holds the model, the optimizer (states, fp32 masters, param groups, loss scaler)
+and scheduler, every rank's RNG states, the iteration, the consumed train/valid samples (the data
+loaders resume after them) and the args. With an unchanged layout and `--deterministic` a resumed
+CPU run continues the same loss curve bit for bit; with another TP/PP/VPP/DP/EP layout, or with
+or without the distributed optimizer, the model and optimizer load exactly and the RNG streams
+start fresh.
+
+Saving writes into a hidden temporary folder that is renamed once every rank has finished, and
+only then names it in the tracker: an interrupted save never looks complete. `--async-save`
+snapshots the state and writes it on a background thread; the save is published by a later
+`maybe_finalize_async_save` (every iteration, before the next save and at the end).
+`--exit-signal-handler` turns SIGTERM into "save and stop after this iteration";
+`--exit-interval N` stops (after saving) at iterations divisible by N.
+"""
+
+import os
+import shutil
+import signal
+import tempfile
+
+import torch.distributed as dist
+
+from teratron import dist_checkpointing
+from teratron.dist_checkpointing import storage
+from teratron.dist_checkpointing.checkpoint import all_ranks_true
+from teratron.dist_checkpointing.model_args import model_args_from_args
+
+# Model args that may differ between the saving and the loading run: vocabulary sizes follow the
+# tokenizer and the TP size (the loader pads or trims vocabulary rows), and only a learned
+# position table has a shape (which the loader checks).
+_MAY_DIFFER = ("vocab_size", "padded_vocab_size", "max_position_embeddings")
+
+
+def check_save_dir_writable(save: str) -> None:
+    """Fail before training when --save cannot be created or written; creates nothing."""
+    path = os.path.abspath(save)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {save}: exists and is not a directory; pass a directory path")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--save {save}: {existing} is not a directory, so the folder cannot be "
+                         "created; pass a directory path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".teratron-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"--save {save}: cannot write in {existing} ({e.strerror}); "
+                              "choose a writable directory") from None
+
+
+def read_tracker(load: str):
+    """The iteration named by load's tracker file, or None when there is no tracker."""
+    try:
+        return storage.read_tracker(load)
+    except ValueError as e:
+        raise ValueError(f"--load {load}: {e}") from None
+
+
+_pending_save = None  # the --async-save in flight
+
+
+def maybe_finalize_async_save(blocking: bool = False) -> None:
+    """Publish the background save once every rank has written it (a collective when one is in
+    flight); with `blocking`, wait for it."""
+    global _pending_save
+    if _pending_save is not None and _pending_save.finalize(blocking):
+        _pending_save = None
+
+
+def _copy_hf_files(args) -> None:
+    """Keep the Hugging Face config/tokenizer files of an imported checkpoint with its descendants."""
+    if not args.load or dist.is_initialized() and dist.get_rank() != 0:
+        return
+    src, dst = os.path.join(args.load, storage.HF_DIRNAME), os.path.join(args.save, storage.HF_DIRNAME)
+    if os.path.isdir(src) and not os.path.exists(dst) and os.path.abspath(src) != os.path.abspath(dst):
+        shutil.copytree(src, dst)
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
+                    consumed_valid_samples=0) -> str:
+    """Write iteration `iteration`'s checkpoint under args.save (a collective); returns its folder
+    (published now, or by maybe_finalize_async_save with --async-save)."""
+    global _pending_save
+    maybe_finalize_async_save(blocking=True)
+    common = {"args": args, "iteration": iteration, "consumed_train_samples": consumed_samples,
+              "consumed_valid_samples": consumed_valid_samples}
+    if not args.no_save_optim:
+        common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    save = dict(root=args.save, iteration=iteration, model_chunks=model,
+                optimizer=None if args.no_save_optim else optimizer, common=common,
+                metadata={"model_args": model_args_from_args(args)}, with_rng=not args.no_save_rng)
+    _copy_hf_files(args)
+    if args.async_save:
+        _pending_save = dist_checkpointing.start_async_save(**save)
+        return storage.iteration_dir(args.save, iteration)
+    return dist_checkpointing.save_checkpoint(**save)
+
+
+def _check_model_args(saved: dict, args, checkpoint_dir: str) -> None:
+    current = model_args_from_args(args)
+    differ = [f"{k} (saved {saved[k]}, now {current[k]})" for k in current
+              if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]]
+    if differ:
+        raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
+                         "pass the architecture flags it was saved with")
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, args):
+    """Restore args.load's latest checkpoint into model/optimizer/scheduler and the RNGs.
+
+    Returns (iteration, consumed_train_samples, consumed_valid_samples); (0, 0, 0) when args.load
+    holds no checkpoint yet (a fresh run that saves to the same folder), or with --finetune.
+    """
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        print(f"WARNING: no {storage.TRACKER_FILENAME} in --load {args.load}; starting from scratch",
+              flush=True)
+        return 0, 0, 0
+    checkpoint_dir = storage.iteration_dir(args.load, iteration)
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"--load {args.load}: the tracker names iteration {iteration} but "
+                                f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
+    _check_model_args(storage.read_metadata(checkpoint_dir).get("model_args", {}), args, checkpoint_dir)
+    load_optimizer = not (args.finetune or args.no_load_optim)
+    metadata, common = dist_checkpointing.load_checkpoint(
+        checkpoint_dir, model, optimizer, load_optimizer=load_optimizer,
+        load_rng=not (args.finetune or args.no_load_rng))
+    if args.finetune:
+        return 0, 0, 0
+    if load_optimizer:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
+            common.get("consumed_valid_samples", 0))
+
+
+class ExitSignalHandler:
+    """Records SIGTERM (Megatron's --exit-signal-handler) instead of dying, so the run can save
+    and stop at the end of the iteration."""
+
+    def __init__(self, signum=signal.SIGTERM):
+        self.received = False
+        self.previous = signal.signal(signum, self._handle)
+        self.signum = signum
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank_received(self) -> bool:
+        """A collective: True on every rank when any rank got the signal."""
+        return not all_ranks_true(not self.received)
+
+    def restore(self) -> None:
+        signal.signal(self.signum, self.previous)
+
+
+def checkpoint_and_decide_exit(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
+                               consumed_valid_samples, exit_handler=None):
+    """After an iteration: save on --save-interval, publish a finished async save, and decide
+    whether to stop (SIGTERM under --exit-signal-handler, or --exit-interval), saving first.
+    Returns (saved, stop)."""
+    maybe_finalize_async_save(blocking=False)
+    saved = False
+
+    def save():
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
+                        consumed_valid_samples)
+        return True
+
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        saved = save()
+    stop = bool(args.exit_interval and iteration % args.exit_interval == 0)
+    stop = (exit_handler is not None and exit_handler.any_rank_received()) or stop
+    if stop:
+        if args.save and not saved:
+            saved = save()
+        maybe_finalize_async_save(blocking=True)
+    return saved, stop

@@ -1,0 +1,58 @@
+"""One GPT micro-batch: fetch it, run the model, define its loss (Megatron's pretrain_gpt.py)."""
+
+from functools import partial
+
+import torch
+
+from teratron import parallel_state
+
+
+def get_batch(data_iterator, device):
+    """Next micro-batch as tensors on `device`; every rank of a data-parallel replica reads the
+    same samples (the sampler is keyed by DP rank only), so nothing is broadcast."""
+    batch = next(data_iterator)
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()
+            if isinstance(value, torch.Tensor)}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """(sum of masked per-token losses, token count, log) for one micro-batch.
+
+    The schedule turns the sum into the micro-batch mean; the log keeps [sum, count] so the
+    training loop can average over micro-batches and data-parallel ranks by tokens.
+    """
+    losses = output_tensor.float().reshape(-1)  # [b * s]
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), num_tokens.float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model, device):
+    """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask)."""
+    batch = get_batch(data_iterator, device)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def reduce_log_dicts(log_dicts: list, device) -> dict:
+    """Average the schedule's per-micro-batch logs over micro-batches and data-parallel ranks.
+
+    [sum, count] pairs are averaged by count; anything else by micro-batch. Call on every rank of
+    the last pipeline stage; returns {} elsewhere.
+    """
+    if not log_dicts:
+        return {}
+    keys = sorted(log_dicts[0])
+    totals = []
+    for key in keys:
+        values = torch.stack([d[key].detach().float().reshape(-1) for d in log_dicts]).to(device)
+        totals.append(values.sum(0) if values.shape[1] == 2 else
+                      torch.stack([values.mean(), torch.ones((), device=device)]))
+    stacked = torch.stack(totals)  # [keys, 2]
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group is not None:
+        torch.distributed.all_reduce(stacked, group=group)
+    return {key: (stacked[i, 0] / stacked[i, 1]).item() for i, key in enumerate(keys)}

@@ -1,0 +1,189 @@
+"""Throughput accounting and the three outputs of a logged iteration.
+
+Each logged iteration goes to: the console (a tqdm progress bar plus Megatron's log line),
+`--metrics-file` (one JSON object per line, keys as in ARCHITECTURE.md) and, when asked,
+TensorBoard (`--tensorboard-dir`). Only the logging rank (the last rank, which holds the
+loss) writes any of them.
+"""
+
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peak, TFLOP/s per GPU, by device-name substring.
+_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """Training FLOPs of one global batch, by Megatron-LM's `num_floating_point_operations`.
+
+    Counts matrix multiplies only. Each GEMM runs three times (forward, weight gradient, input
+    gradient) and a [m, n] x [n, k] GEMM costs 2mnk, hence the factor 3 * 2 = 6 per
+    multiply-accumulate. Per token and layer, with q = kv_channels * heads and
+    k = v = kv_channels * query_groups:
+      attention = 6 * (h * (q + k + v)          QKV projection
+                       + q * s / 2 * 2          QK^T and PV; a causal mask halves the s x s work
+                       + q * h)                 output projection
+      mlp       = 6 * h * ffn * (3 if SwiGLU else 2) * experts routed to (+ shared experts)
+    plus the output layer, 6 * h * padded_vocab, once per token.
+    """
+    fb_fma = 3 * 2
+    h, s = args.hidden_size, args.seq_length
+    query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    q_size = args.kv_channels * args.num_attention_heads
+    kv_size = args.kv_channels * query_groups
+    attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
+
+    ffn_factor = 3 if args.swiglu else 2
+    if getattr(args, "num_experts", None):
+        ffn = args.moe_ffn_hidden_size * args.moe_router_topk
+        ffn += getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    else:
+        ffn = args.ffn_hidden_size
+    mlp = fb_fma * h * ffn * ffn_factor
+
+    logits = fb_fma * h * args.padded_vocab_size
+    return batch_size * s * (args.num_layers * (attention + mlp) + logits)
+
+
+def device_peak_tflops() -> Optional[float]:
+    """Dense bf16 peak of this process's GPU, or None (CPU or an unlisted device)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in _PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gib() -> float:
+    """Peak allocated GPU memory, or on CPU the process's peak resident set size."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def _tag(key: str) -> str:
+    return key.replace(" ", "_")
+
+
+class TrainingLogger:
+    """Console, metrics-file and TensorBoard output of the training loop."""
+
+    def __init__(self, args, is_logging_rank: bool, world_size: int, start_iteration: int):
+        self.args = args
+        self.enabled = is_logging_rank
+        self.world_size = world_size
+        self.peak_tflops = device_peak_tflops()
+        self.metrics_file = None
+        self.writer = None
+        self.bar = None
+        if not self.enabled:
+            return
+        if args.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics_file = open(args.metrics_file, "a")
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        # Without a terminal the log lines already show progress; a bar would only add noise.
+        # shutil's width falls back to 80 where a terminal reports 0 columns (tqdm then prints nothing).
+        self.bar = tqdm(total=args.train_iters, initial=start_iteration, desc="train", unit="it",
+                        ncols=shutil.get_terminal_size().columns,
+                        disable=None if args.progress_bar else True)
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            tqdm.write(line, file=sys.stdout)
+            sys.stdout.flush()
+
+    def log_iteration(self, iteration: int, losses: dict, grad_norm, lr: float, elapsed_s: float,
+                      iters: int, samples: int, global_batch_size: int, consumed_samples: int,
+                      skipped: int, loss_scale: Optional[float] = None) -> dict:
+        """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
+        (losses already averaged over them)."""
+        args = self.args
+        time_per_iter = elapsed_s / max(iters, 1)
+        tokens_per_sec = samples * args.seq_length / elapsed_s
+        flops = num_floating_point_operations(args, samples)
+        tflops_per_gpu = flops / (elapsed_s * self.world_size * 1e12)
+        record = {
+            "iteration": iteration,
+            "lm_loss": losses.get("lm loss"),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "lr": lr,
+            "tokens_per_sec": tokens_per_sec,
+            "tflops_per_gpu": tflops_per_gpu,
+            "mfu": None if self.peak_tflops is None else tflops_per_gpu / self.peak_tflops,
+            "mem_peak_gib": peak_memory_gib(),
+            "skipped": skipped,
+        }
+        record.update({_tag(k): v for k, v in losses.items() if k != "lm loss"})
+        if not self.enabled:
+            return record
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        if self.writer:
+            for key, value in record.items():
+                if key != "iteration" and value is not None:
+                    self.writer.add_scalar(f"train/{key}", value, iteration)
+            self.writer.flush()
+        self.print(self._console_line(record, time_per_iter, global_batch_size,
+                                      consumed_samples, loss_scale))
+        return record
+
+    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale):
+        tflops = r["tflops_per_gpu"]
+        parts = [
+            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/"
+            f"{self.args.train_iters:8d}",
+            f"consumed samples: {consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {time_per_iter * 1000:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.{1 if tflops >= 10 else 3}f}",
+            f"tokens/s: {r['tokens_per_sec']:.0f}",
+            f"learning rate: {r['lr']:.6E}",
+            f"global batch size: {global_batch_size:5d}",
+        ]
+        if r["lm_loss"] is not None:
+            parts.append(f"lm loss: {r['lm_loss']:.6E}")
+        if loss_scale is not None:
+            parts.append(f"loss scale: {loss_scale:.1f}")
+        if r["grad_norm"] is not None:
+            parts.append(f"grad norm: {r['grad_norm']:.3f}")
+        parts.append(f"number of skipped iterations: {r['skipped']:3d}")
+        return " | ".join(parts) + " |"
+
+    def log_eval(self, iteration: int, losses: dict, split: str = "validation") -> None:
+        if not self.enabled:
+            return
+        pieces = []
+        for key, value in losses.items():
+            ppl = math.exp(min(20.0, value))
+            pieces.append(f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E}")
+            if self.writer:
+                self.writer.add_scalar(f"{split}/{_tag(key)}", value, iteration)
+                self.writer.add_scalar(f"{split}/{_tag(key)}_ppl", ppl, iteration)
+        line = f" {split} loss at iteration {iteration} | " + " | ".join(pieces)
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+    def advance(self, iteration: int, loss: Optional[float]) -> None:
+        if self.bar is not None:
+            self.bar.n = iteration
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.writer:
+            self.writer.close()

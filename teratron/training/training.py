@@ -1,0 +1,274 @@
+"""`pretrain(args)`: set up a run from validated flags and train it (Megatron's training.py).
+
+    pretrain(parse_train_args(argv))
+
+One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
+(gradient accumulation), stop (or skip the step) on a non-finite loss, step the optimizer and the
+LR schedule, then log, evaluate and save on their intervals.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from teratron.training.arguments import core_transformer_config_from_args, validate_args
+from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_scheduler
+from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_writable,
+                                             checkpoint_and_decide_exit, load_checkpoint,
+                                             maybe_finalize_async_save, save_checkpoint)
+from teratron.training.data import build_data_loader, build_datasets
+from teratron.training.gpt_step import forward_step, reduce_log_dicts
+from teratron.training.initialize import (get_device, initialize_distributed, initialize_model_parallel,
+                                          set_random_seed, shutdown)
+from teratron.training.metrics import TrainingLogger
+from teratron.training.microbatches import build_num_microbatches_calculator
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN/Inf and the run was told to stop on it."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    loss_history: list = field(default_factory=list)  # (iteration, lm loss), logging rank only
+    eval_history: list = field(default_factory=list)  # (iteration, validation lm loss)
+
+
+@dataclass
+class Run:
+    """Everything a finished run hands to an `after_training` hook (the demo samples from it)."""
+    args: object
+    model: list
+    tokenizer: object
+    state: TrainState
+    device: torch.device
+    is_logging_rank: bool
+
+
+def is_logging_rank() -> bool:
+    """The last rank: it sits on the last pipeline stage, where the loss is known."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def pretrain(args, after_training: Optional[Callable[[Run], None]] = None) -> TrainState:
+    world_size = initialize_distributed(args)
+    try:
+        return _pretrain(args, world_size, after_training)
+    finally:
+        shutdown()
+
+
+def _pretrain(args, world_size, after_training):
+    from teratron.tensor_parallel import pad_vocab_size
+    from teratron.tokenizers import build_tokenizer
+
+    validate_args(args, world_size)
+    if args.context_parallel_size > 1:
+        raise NotImplementedError("--context-parallel-size > 1 is not supported by teratron train yet; "
+                                  "use 1")
+    if args.save:
+        check_save_dir_writable(args.save)
+    initialize_model_parallel(args)
+    set_random_seed(args.seed, args.deterministic_mode)
+    device = get_device()
+
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
+    config = core_transformer_config_from_args(args)
+    model = build_model(args, config, device)
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
+    attach_model_hooks(config, model, optimizer)
+    if is_logging_rank():
+        params = sum(p.numel() for chunk in model for p in chunk.parameters())
+        print(f"model: {params:,} parameters on this rank (TP {args.tensor_model_parallel_size} x "
+              f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
+              f"{args.world_size} process(es))", flush=True)
+
+    state = TrainState()
+    if args.load:
+        (state.iteration, state.consumed_train_samples,
+         state.consumed_valid_samples) = load_checkpoint(model, optimizer, scheduler, args)
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    if train_ds is None:
+        raise ValueError("no training data: --split gives the train set no share; fix --split or "
+                         "pass --train-data-path")
+    chunks = len(model)
+    train_iters = [iter(build_data_loader(args, train_ds, state.consumed_train_samples))
+                   for _ in range(chunks)]
+    valid_iters = None
+    if valid_ds is not None and args.eval_iters > 0:
+        valid_iters = [iter(build_data_loader(args, valid_ds, state.consumed_valid_samples))
+                       for _ in range(chunks)]
+
+    logger = TrainingLogger(args, is_logging_rank(), world_size, state.iteration)
+    try:
+        train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device)
+    finally:
+        logger.close()
+    if after_training is not None:
+        after_training(Run(args, model, tokenizer, state, device, is_logging_rank()))
+    return state
+
+
+def _iterators(iterators):
+    return iterators if len(iterators) > 1 else iterators[0]
+
+
+def train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device):
+    exit_handler = ExitSignalHandler() if args.exit_signal_handler else None
+    try:
+        _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
+                    exit_handler)
+    finally:
+        if exit_handler is not None:
+            exit_handler.restore()
+
+
+def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
+                exit_handler):
+    calculator = build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
+                                                   args.data_parallel_size, args.rampup_batch_size)
+    step_func = partial(forward_step, device=device)
+    for chunk in model:
+        chunk.train()
+    window = {"losses": {}, "iters": 0, "samples": 0, "skipped": 0, "start": time.perf_counter()}
+    last_saved = last_evaluated = state.iteration
+    stop = False
+    while state.iteration < args.train_iters and not stop:
+        calculator.update(state.consumed_train_samples)
+        global_batch = calculator.get_current_global_batch_size()
+        losses, grad_norm, skipped = train_step(args, model, optimizer, scheduler, step_func,
+                                                _iterators(train_iters), calculator.get(), global_batch,
+                                                state.iteration + 1, device)
+        state.iteration += 1
+        state.consumed_train_samples += global_batch
+        state.skipped_iterations += skipped
+        if "lm loss" in losses:
+            state.loss_history.append((state.iteration, losses["lm loss"]))
+        if not skipped:
+            for key, value in losses.items():
+                window["losses"][key] = window["losses"].get(key, 0.0) + value
+        window["iters"] += 1
+        window["samples"] += global_batch
+        window["skipped"] += skipped
+        logger.advance(state.iteration, losses.get("lm loss"))
+
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            _log(args, logger, window, state, optimizer, grad_norm, global_batch, device)
+        paused = time.perf_counter()  # evaluation and saving do not count as training time
+        if valid_iters and state.iteration % args.eval_interval == 0:
+            evaluate_and_log(args, model, step_func, valid_iters, logger, state, device)
+            last_evaluated = state.iteration
+        saved, stop = checkpoint_and_decide_exit(
+            state.iteration, model, optimizer, scheduler, args, state.consumed_train_samples,
+            state.consumed_valid_samples, exit_handler)
+        if saved:
+            last_saved = state.iteration
+        window["start"] += time.perf_counter() - paused
+
+    if stop:
+        logger.print(f"exiting after iteration {state.iteration} (--exit-interval or a signal)")
+    elif valid_iters and last_evaluated != state.iteration:
+        evaluate_and_log(args, model, step_func, valid_iters, logger, state, device)
+    if args.save and last_saved != state.iteration:
+        save_checkpoint(state.iteration, model, optimizer, scheduler, args,
+                        state.consumed_train_samples, state.consumed_valid_samples)
+    maybe_finalize_async_save(blocking=True)
+
+
+def _log(args, logger, window, state, optimizer, grad_norm, global_batch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    now = time.perf_counter()
+    counted = max(window["iters"] - window["skipped"], 1)
+    losses = {k: v / counted for k, v in window["losses"].items()}
+    logger.log_iteration(
+        state.iteration, losses, grad_norm, optimizer.param_groups[0]["lr"], now - window["start"],
+        window["iters"], window["samples"], global_batch, state.consumed_train_samples,
+        state.skipped_iterations,
+        loss_scale=optimizer.get_loss_scale().item() if args.fp16 else None,
+    )
+    window.update(losses={}, iters=0, samples=0, skipped=0, start=time.perf_counter())
+
+
+def _any_rank_true(flag: bool, device) -> bool:
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def train_step(args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches,
+               global_batch, iteration, device):
+    """One optimizer step over `num_microbatches` micro-batches; returns (losses, grad norm, skipped)."""
+    from teratron.pipeline_parallel.schedules import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    log_dicts = get_forward_backward_func()(
+        forward_step_func=step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    losses = reduce_log_dicts(log_dicts, device)
+    if args.check_for_nan_in_loss_and_grad:
+        bad = _any_rank_true(any(not math.isfinite(v) for v in losses.values()), device)
+        if bad and not args.skip_nan_steps:
+            raise NonFiniteLossError(
+                f"iteration {iteration}: the loss is NaN/Inf ({_fmt(losses)}); lower --lr, check the "
+                "data, or pass --skip-nan-steps to skip such steps")
+        if bad:
+            return losses, None, 1
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=global_batch)
+    if (args.check_for_nan_in_loss_and_grad and grad_norm is not None
+            and not math.isfinite(float(grad_norm))):
+        raise NonFiniteLossError(f"iteration {iteration}: the gradient norm is {float(grad_norm)}; "
+                                 "lower --lr or set --clip-grad")
+    return losses, grad_norm, 0 if update_successful else 1
+
+
+def _fmt(losses):
+    return ", ".join(f"{k} = {v}" for k, v in losses.items()) or "on another pipeline stage"
+
+
+@torch.no_grad()
+def evaluate(args, model, step_func, valid_iters, state, device) -> dict:
+    """Mean validation losses over --eval-iters full global batches (forward only)."""
+    from teratron.pipeline_parallel.schedules import get_forward_backward_func
+
+    for chunk in model:
+        chunk.eval()
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    log_dicts = []
+    for _ in range(args.eval_iters):
+        log_dicts += get_forward_backward_func()(
+            forward_step_func=step_func, data_iterator=_iterators(valid_iters), model=model,
+            num_microbatches=num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=True,
+        )
+        state.consumed_valid_samples += args.global_batch_size
+    for chunk in model:
+        chunk.train()
+    return reduce_log_dicts(log_dicts, device)
+
+
+def evaluate_and_log(args, model, step_func, valid_iters, logger, state, device):
+    losses = evaluate(args, model, step_func, valid_iters, state, device)
+    if "lm loss" in losses:
+        state.eval_history.append((state.iteration, losses["lm loss"]))
+    logger.log_eval(state.iteration, losses)

@@ -1,0 +1,201 @@
+"""`teratron train` end to end: mock data single-process vs TP=2 under torchrun, resume from a
+checkpoint (same layout and TP=2), the metrics file, the shortened embedded demo, NaN handling,
+and every bad-input case."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from teratron import cli
+
+METRIC_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_gpu", "mfu",
+               "mem_peak_gib", "skipped"}
+# Vocab 100 pads to 128 both alone and with TP = 2 (multiple of 64 x TP), so both runs hold the
+# same model; with Megatron's default of 128 x TP, TP = 2 would add 128 padding logits.
+TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+        "--make-vocab-size-divisible-by", "64",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
+        "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--num-workers", "0",
+        "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--seed", "7"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _teratron(args, cwd, launcher=None):
+    cmd = (launcher or [sys.executable, "-m", "teratron"]) + ["train"] + args
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_mock_data_single_process_tp2_torchrun_and_resume(tmp_path):
+    single = tmp_path / "single.jsonl"
+    _teratron(TINY + NO_DROPOUT + ["--train-iters", "10", "--metrics-file", str(single),
+                                   "--save", str(tmp_path / "ckpt"), "--save-interval", "5"], tmp_path)
+    records = _metrics(single)
+    assert [r["iteration"] for r in records] == list(range(1, 11))
+    for r in records:
+        assert set(r) == METRIC_KEYS
+        assert r["skipped"] == 0 and r["mfu"] is None and r["tokens_per_sec"] > 0
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+
+    # TP = 2 under torchrun (gloo): the same losses as the single process.
+    tp2 = tmp_path / "tp2.jsonl"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--standalone", "-m", "teratron"]
+    _teratron(TINY + NO_DROPOUT + ["--train-iters", "10", "--tensor-model-parallel-size", "2",
+                                   "--metrics-file", str(tp2)], tmp_path, launcher=torchrun)
+    tp_records = _metrics(tp2)
+    assert [r["iteration"] for r in tp_records] == list(range(1, 11))
+    for a, b in zip(records, tp_records):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+    # Resume from iteration 5: iterations 6..10 repeat the uninterrupted run.
+    resume_dir = tmp_path / "resume"
+    shutil.copytree(tmp_path / "ckpt", resume_dir)
+    (resume_dir / "latest_checkpointed_iteration.txt").write_text("5")
+    resumed = tmp_path / "resumed.jsonl"
+    _teratron(TINY + NO_DROPOUT + ["--train-iters", "10", "--load", str(resume_dir),
+                                   "--metrics-file", str(resumed)], tmp_path)
+    again = _metrics(resumed)
+    assert [r["iteration"] for r in again] == list(range(6, 11))
+    for a, b in zip(records[5:], again):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
+
+    # The same checkpoint resumed with TP = 2: the sharded format reshards on load.
+    resharded = tmp_path / "resharded.jsonl"
+    _teratron(TINY + NO_DROPOUT + ["--train-iters", "10", "--load", str(resume_dir),
+                                   "--tensor-model-parallel-size", "2", "--metrics-file", str(resharded)],
+              tmp_path, launcher=torchrun)
+    for a, b in zip(records[5:], _metrics(resharded)):
+        assert b["iteration"] == a["iteration"]
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+
+
+def test_shortened_demo(tmp_path):
+    demo_dir = tmp_path / "demo"
+    proc = _teratron(["--train-iters", "20", "--log-interval", "10", "--eval-interval", "10",
+                      "--save-interval", "20", "--demo-dir", str(demo_dir), "--demo-samples", "2",
+                      "--no-progress-bar"], tmp_path)
+    assert (demo_dir / "loss.png").stat().st_size > 1000
+    assert (demo_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "20"
+    samples = (demo_dir / "samples.txt").read_text().splitlines()
+    assert len(samples) == 2 and all(samples)
+    assert samples[0] in proc.stdout.replace("  > ", "")
+    losses = [r["lm_loss"] for r in _metrics(demo_dir / "metrics.jsonl")]
+    assert losses[-1] < losses[0]
+
+
+def _write_corrupt_dataset(tmp_path):
+    prefix = tmp_path / "corrupt"
+    (tmp_path / "corrupt.bin").write_bytes(b"\x00" * 64)
+    (tmp_path / "corrupt.idx").write_bytes(b"NOT-AN-INDEX" * 4)
+    return str(prefix)
+
+
+def _bad_input_cases(tmp_path):
+    """name -> (flags, a phrase the one-line message must contain)."""
+    data = TINY[TINY.index("--tokenizer-type"):]  # the tiny run without --mock-data
+    return {
+        "missing .bin/.idx": (data + ["--data-path", str(tmp_path / "nothing")], "nothing.bin"),
+        "corrupt .bin/.idx": (data + ["--data-path", _write_corrupt_dataset(tmp_path)], "corrupt.idx"),
+        "unparsable --data-path": (data + ["--data-path", "0.5", "a", "0.5"], "--data-path"),
+        "unknown tokenizer": (TINY + ["--tokenizer-type", "NoSuchTokenizer"], "NoSuchTokenizer"),
+        "missing vocab files": (TINY + ["--tokenizer-type", "GPT2BPETokenizer",
+                                        "--vocab-file", str(tmp_path / "no-vocab.json"),
+                                        "--merge-file", str(tmp_path / "no-merges.txt")], "--vocab-file"),
+        "global batch not divisible": (TINY + ["--global-batch-size", "3"], "--global-batch-size (3)"),
+        "shape the config rejects": (TINY + ["--hidden-size", "30"], "--hidden-size (30)"),
+        "config field out of range": (TINY + ["--hidden-dropout", "1.5"], "hidden_dropout"),
+        "warm-up longer than training": (TINY + ["--lr-warmup-iters", "5"], "--lr-warmup-iters (5)"),
+        "unknown flag": (TINY + ["--num-layer", "2"], "--num-layer"),
+        "missing config file": (TINY + ["--config", str(tmp_path / "none.yaml")], "none.yaml"),
+        "load from a corrupt checkpoint": (TINY + ["--load", _write_corrupt_checkpoint(tmp_path)],
+                                           "iter_0000003"),
+    }
+
+
+def _write_corrupt_checkpoint(tmp_path):
+    """A tracker naming iteration 3, whose folder holds only garbage."""
+    folder = tmp_path / "bad-ckpt"
+    (folder / "iter_0000003").mkdir(parents=True)
+    for name in ("metadata.json", "common.pt", "__0_0.distcp", ".metadata"):
+        (folder / "iter_0000003" / name).write_bytes(b"not a checkpoint")
+    (folder / "latest_checkpointed_iteration.txt").write_text("3")
+    return str(folder)
+
+
+def test_bad_input_in_process(tmp_path, capsys):
+    """Each case: exit status 2, one `teratron: error:` line naming the problem, no traceback,
+    no checkpoint folder."""
+    for i, (name, (argv, phrase)) in enumerate(_bad_input_cases(tmp_path).items()):
+        save = tmp_path / f"ckpt-{i}"
+        status = cli.main(["train"] + argv + ["--train-iters", "4", "--save", str(save)])
+        out, err = capsys.readouterr()
+        assert status == 2, name
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("teratron: error: "), (name, err)
+        assert phrase in lines[0], (name, lines[0])
+        assert "Traceback" not in out + err, name
+        assert not save.exists(), name
+
+
+def test_bad_input_subprocess_unwritable_save(tmp_path):
+    """A real process: an unwritable --save fails before training, one line, status 2."""
+    save = "/proc/teratron-cannot-write-here"
+    proc = subprocess.run([sys.executable, "-m", "teratron", "train"] + TINY + [
+        "--train-iters", "4", "--save", save], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("teratron: error: --save"), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "iteration" not in proc.stdout
+
+
+def test_non_finite_loss_stops_or_skips(tmp_path, capsys):
+    """A huge learning rate blows the weights up: the run stops with one line, or with
+    --skip-nan-steps skips those steps and finishes."""
+    blow_up = TINY + ["--train-iters", "6", "--lr", "1e30", "--min-lr", "1e30", "--clip-grad", "0"]
+    assert cli.main(["train"] + blow_up) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("teratron: error: iteration ") and "NaN/Inf" in err and "--skip-nan-steps" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err
+
+    metrics = tmp_path / "skip.jsonl"
+    assert cli.main(["train"] + blow_up + ["--skip-nan-steps", "--metrics-file", str(metrics)]) == 0
+    records = _metrics(metrics)
+    assert records[-1]["iteration"] == 6 and records[-1]["skipped"] > 0
+    assert records[0]["skipped"] == 0 and math.isfinite(records[0]["lm_loss"])
+
+
+def test_top_level_command_errors(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("teratron ")
+    for argv, phrase in [(["bogus"], "invalid choice: 'bogus'"), ([], "command"),
+                         (["preprocess", "--input", "x.jsonl"], "--output-prefix"),
+                         (["merge"], "--inputs"), (["convert", "nope"], "invalid choice: 'nope'")]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], (argv, err)
