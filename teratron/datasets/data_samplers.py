@@ -60,5 +60,8 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
                                          data_parallel_rank, data_parallel_size)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
+    # An own generator keeps iterator creation off the global RNG, so a resumed run draws the
+    # same dropout masks as an uninterrupted one.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                                       pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                       generator=torch.Generator())

@@ -1,0 +1,55 @@
+"""`teratron convert import-hf | export-hf`: Hugging Face folders <-> teratron checkpoints (CPU only).
+
+    teratron convert import-hf --hf-path DIR --save CKPT [--tensor-model-parallel-size N
+                                                          --pipeline-model-parallel-size M]
+    teratron convert export-hf --load CKPT --out DIR [--max-shard-size 5GB] [--dtype bf16]
+"""
+
+import re
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: give a positive size such as 5GB, 500MB or 1000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def add_arguments(parser):
+    sub = parser.add_subparsers(dest="convert_command", required=True, metavar="{import-hf,export-hf}")
+    imp = sub.add_parser("import-hf", help="Hugging Face folder -> teratron checkpoint.")
+    imp.add_argument("--hf-path", required=True, help="Folder with config.json and *.safetensors.")
+    imp.add_argument("--save", required=True, help="Checkpoint folder to write (iteration 0).")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size the model must split into.")
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size the model must split into.")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="Pad the vocabulary to a multiple of this times the TP size (as training does).")
+    exp = sub.add_parser("export-hf", help="teratron checkpoint -> Hugging Face folder.")
+    exp.add_argument("--load", required=True, help="Checkpoint folder (its latest iteration) or an iter_* folder.")
+    exp.add_argument("--out", required=True, help="New folder for the Hugging Face model.")
+    exp.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file (e.g. 5GB, 500MB).")
+    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="Cast the weights (default: as saved).")
+    return parser
+
+
+def run(args) -> int:
+    from teratron.convert.hf import export_hf, import_hf
+
+    if args.convert_command == "import-hf":
+        for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                            ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        folder = import_hf(args.hf_path, args.save, args.tensor_model_parallel_size,
+                           args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+        print(f"imported {args.hf_path} -> {folder}")
+    else:
+        out = export_hf(args.load, args.out, parse_size(args.max_shard_size), _DTYPES.get(args.dtype))
+        print(f"exported {args.load} -> {out}")
+    return 0

@@ -1,0 +1,118 @@
+"""Hugging Face <-> teratron: a model in memory, or a checkpoint on disk.
+
+    model, config = from_hf("path/to/llama")          single-process GPTModel (fp32 by default)
+    import_hf("path/to/llama", "ckpt", tp=2, pp=2)   a sharded checkpoint (loads into any layout)
+    export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
+
+Weights map through `hf_mapping.TABLE`; the config through `hf_config`. The vocabulary of
+`from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
+padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+
+from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.convert.hf_mapping import hf_to_teratron, teratron_to_hf
+from teratron.convert.safetensors_io import open_hf_weights, save_hf_weights
+from teratron.dist_checkpointing import serialization, storage
+from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.process_groups import ProcessGroupCollection
+
+# Files of an HF model folder besides the weights: config, generation defaults, tokenizer.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja")
+
+
+def read_hf_config(path: str) -> dict:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"--hf-path {path}: no config.json; pass a Hugging Face model folder")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def _read_hf(path, model_args):
+    names, read = open_hf_weights(path)
+    return hf_to_teratron(names, read, model_args, f"--hf-path {path}")
+
+
+def from_hf(path: str, params_dtype: torch.dtype = torch.float32):
+    """(GPTModel, TransformerConfig) of the HF model in `path`, in this process alone."""
+    model_args = model_args_from_hf(read_hf_config(path), f"--hf-path {path}")
+    config = transformer_config(model_args, params_dtype=params_dtype, perform_initialization=False)
+    model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
+    model.load_state_dict(_read_hf(path, model_args), strict=True)
+    return model.eval(), config
+
+
+def _copy_side_files(src: str, dst: str, skip=()) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if name not in skip and os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+              make_vocab_size_divisible_by: int = 128) -> str:
+    """Write the HF model as iteration 0 of the save directory `save`; returns its folder.
+
+    The sharded format is layout-free (any TP/PP loads it); the given sizes are checked against
+    the model (heads, groups, layers must split) and recorded as the layout it was made for."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    model_args = model_args_from_hf(read_hf_config(hf_path), f"--hf-path {hf_path}",
+                                    make_vocab_size_divisible_by, tp)
+    transformer_config(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if model_args["ffn_hidden_size"] % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the MLP size "
+                         f"({model_args['ffn_hidden_size']}); choose a TP size that does")
+    if os.path.exists(save) and os.listdir(save):
+        raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
+    state = _read_hf(hf_path, model_args)
+    os.makedirs(save, exist_ok=True)
+    tmp = storage.temporary_dir(save, 0)
+    shutil.rmtree(tmp, ignore_errors=True)
+    items = [ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in state.items()]
+    serialization.save(items, tmp, no_dist=True)
+    storage.write_metadata(tmp, {
+        "iteration": 0, "model_args": model_args, "has_optimizer": False,
+        "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "source": {"huggingface": os.path.abspath(hf_path)},
+    })
+    _copy_side_files(hf_path, os.path.join(save, storage.HF_DIRNAME))
+    return storage.publish(save, 0)
+
+
+def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtype: torch.dtype | None = None) -> str:
+    """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
+    folder `out`, published by renaming a finished temporary folder."""
+    checkpoint_dir = storage.resolve_checkpoint_dir(load)
+    model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"--out {out}: exists and is not empty; choose a new folder")
+    hf_side = os.path.join(storage.checkpoint_root(checkpoint_dir), storage.HF_DIRNAME)
+    base = read_hf_config(hf_side) if os.path.isfile(os.path.join(hf_side, "config.json")) else None
+    if base is not None:  # a training run records the padded size; the imported config the real one
+        model_args = {**model_args, "vocab_size": base.get("vocab_size", model_args["vocab_size"])}
+    hf_config = hf_config_from_model_args(model_args, base)
+    tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_hf_weights(tensors, tmp, max_shard_size_bytes)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    if os.path.isdir(hf_side):
+        _copy_side_files(hf_side, tmp, skip=("config.json",))
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out

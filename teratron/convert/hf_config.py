@@ -1,0 +1,123 @@
+"""Hugging Face `config.json` <-> teratron model args, for the Llama-style families.
+
+Llama 2/3, Mistral, Qwen2 and Qwen3 are one architecture to teratron: RMSNorm, SwiGLU, RoPE
+(rotate-half, as Megatron's default), grouped-query attention, no position table. They differ in
+biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection), qk-norm
+(Qwen3) and tied embeddings. Features teratron does not build (RoPE scaling, sliding windows that
+bite, other activations) are refused with the field's name.
+"""
+
+import warnings
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rope(hf: dict, source: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope type {rope_type!r} (rope_scaling) is not supported by teratron's "
+                         "RoPE; only the default (unscaled) rotary embedding converts")
+    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def _biases(hf: dict, family: str, source: str) -> tuple:
+    """(add_bias_linear, add_qkv_bias) for the family's bias flags."""
+    if family == "qwen2":
+        return False, True
+    attention_bias = bool(hf.get("attention_bias", False))
+    mlp_bias = bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise ValueError(f"{source}: attention_bias={attention_bias} with mlp_bias={mlp_bias}; teratron "
+                         "puts biases on all linear layers or none (add_bias_linear)")
+    return attention_bias, False
+
+
+def _check_window(hf: dict, source: str) -> None:
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", hf.get("model_type") == "mistral")
+    if uses_window and window is not None and window < hf.get("max_position_embeddings", 0):
+        warnings.warn(f"{source}: sliding_window={window} is ignored; teratron attends over the full "
+                      f"sequence, which equals the model for sequences up to {window} tokens")
+
+
+def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int = 1,
+                       tensor_model_parallel_size: int = 1) -> dict:
+    """teratron model args (see dist_checkpointing.model_args) from an HF config dict."""
+    from teratron.tensor_parallel import pad_vocab_size
+
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only SwiGLU (silu) MLPs convert")
+    _check_window(hf, source)
+    heads = hf["num_attention_heads"]
+    add_bias_linear, add_qkv_bias = _biases(hf, family, source)
+    vocab = hf["vocab_size"]
+    return {
+        "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "normalization": "RMSNorm", "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "swiglu": True,
+        "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias, "qk_layernorm": family == "qwen3",
+        "position_embedding_type": "rope", "rotary_base": _rope(hf, source), "rotary_percent": 1.0,
+        "rotary_interleaved": False,
+        "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
+        "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
+        "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": None, "moe_grouped_gemm": False,
+    }
+
+
+def _fits(family: str, a: dict) -> bool:
+    qkv_only = a["add_qkv_bias"] and not a["add_bias_linear"]
+    return {
+        "llama": not a["qk_layernorm"] and not qkv_only,
+        "mistral": not a["qk_layernorm"] and not a["add_bias_linear"] and not a["add_qkv_bias"],
+        "qwen2": not a["qk_layernorm"] and qkv_only,
+        "qwen3": a["qk_layernorm"] and not qkv_only,
+    }[family]
+
+
+def _export_family(a: dict, base_type) -> str:
+    """The imported family when the model still fits it, else the first that does."""
+    for family in ((base_type,) if base_type in FAMILIES else ()) + ("llama", "qwen2", "qwen3"):
+        if _fits(family, a):
+            return family
+    raise ValueError("the checkpoint combines qk-layernorm with a QKV-only bias; no Hugging Face "
+                     "family (llama, mistral, qwen2, qwen3) has that shape")
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_config_from_model_args(a: dict, base: dict | None = None) -> dict:
+    """An HF config dict for the model; `base` (the imported config) keeps the model type and its
+    extra fields (token ids, ...)."""
+    if a.get("num_experts"):
+        raise ValueError("the checkpoint holds an MoE model; Hugging Face export covers dense models only")
+    if a["normalization"] != "RMSNorm" or not a["swiglu"] or a["position_embedding_type"] != "rope" \
+            or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
+        raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
+                         "rotate-half RoPE); it has no Hugging Face counterpart to export to")
+    hf = dict(base or {})
+    family = _export_family(a, hf.get("model_type"))
+    hf.pop("rope_parameters", None)
+    hf.update({
+        "model_type": family, "architectures": [_ARCHITECTURES[family]],
+        "num_hidden_layers": a["num_layers"], "hidden_size": a["hidden_size"],
+        "intermediate_size": a["ffn_hidden_size"], "num_attention_heads": a["num_attention_heads"],
+        "num_key_value_heads": a["num_query_groups"], "head_dim": a["kv_channels"],
+        "hidden_act": "silu", "rms_norm_eps": a["norm_epsilon"], "rope_theta": a["rotary_base"],
+        "rope_scaling": None, "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
+        "max_position_embeddings": a["max_position_embeddings"], "vocab_size": a["vocab_size"],
+    })
+    if family in ("llama", "qwen3"):
+        hf["attention_bias"] = a["add_bias_linear"]
+    if family == "llama":
+        hf["mlp_bias"] = a["add_bias_linear"]
+    return hf

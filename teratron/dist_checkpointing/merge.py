@@ -1,0 +1,146 @@
+"""Weighted merge of checkpoints: `teratron merge --inputs A B C --weights 0.5 0.3 0.2 --output OUT`.
+
+CPU only, one process, no model built: the structure comes from the checkpoints' metadata.
+The output holds sum_i w_i * x_i for every floating-point model tensor (accumulated in float64,
+stored in the inputs' dtype); non-floating tensors must be equal in every input and are copied.
+Weights are used as given (they need not sum to 1) unless `--normalize` divides them by their sum.
+
+Fail-closed: the inputs must have the same model args, the same saved layout and the same model
+tensors (keys, global shapes, dtypes, chunking); any difference refuses with the reason before
+anything is written. The output is a new save directory, written beside OUT and renamed into
+place when complete; it loads like any checkpoint (its optimizer state and RNG states are
+dropped: resume from it with --no-load-optim --no-load-rng, or --finetune), and its
+metadata.json records the inputs, the weights and that the optimizer state was dropped.
+"""
+
+import math
+import os
+import shutil
+
+import torch
+
+from teratron.dist_checkpointing import serialization, storage
+from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.model_state import is_model_key
+
+
+def _model_tensors(checkpoint_dir):
+    """key -> (global shape, dtype, sorted chunk boxes) of the model's tensors."""
+    out = {}
+    for key, md in serialization.read_metadata(checkpoint_dir).state_dict_metadata.items():
+        if is_model_key(key):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(md, "chunks", []))
+            dtype = md.properties.dtype if hasattr(md, "properties") else None
+            out[key] = (tuple(md.size) if hasattr(md, "size") else None, dtype, chunks)
+    return out
+
+
+def _differences(a: dict, b: dict) -> list:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def check_compatible(checkpoint_dirs: list) -> dict:
+    """The shared model structure; raises ValueError naming the first incompatibility."""
+    first, first_meta = checkpoint_dirs[0], storage.read_metadata(checkpoint_dirs[0])
+    first_tensors = _model_tensors(first)
+    if any(shape is None for shape, _, _ in first_tensors.values()):
+        raise ValueError(f"{first}: model entries that are not tensors cannot be merged")
+    for other in checkpoint_dirs[1:]:
+        meta, tensors = storage.read_metadata(other), _model_tensors(other)
+        diff = _differences(first_meta.get("model_args", {}), meta.get("model_args", {}))
+        if diff:
+            raise ValueError(f"{other} holds another model than {first}: model args differ in {', '.join(diff)}")
+        if first_meta.get("layout") != meta.get("layout"):
+            raise ValueError(f"{other} was saved with layout {meta.get('layout')}, {first} with "
+                             f"{first_meta.get('layout')}; merge checkpoints of the same layout")
+        missing = sorted(set(first_tensors) ^ set(tensors))
+        if missing:
+            raise ValueError(f"{other} and {first} hold different tensors ({len(missing)}), e.g. {missing[0]}")
+        for key, (shape, dtype, chunks) in first_tensors.items():
+            other_shape, other_dtype, other_chunks = tensors[key]
+            if other_shape != shape:
+                raise ValueError(f"{key}: shape {other_shape} in {other}, {shape} in {first}")
+            if other_dtype != dtype:
+                raise ValueError(f"{key}: dtype {other_dtype} in {other}, {dtype} in {first}")
+            if other_chunks != chunks:
+                raise ValueError(f"{key}: saved in other chunks in {other} than in {first}; merge "
+                                 "checkpoints of the same layout")
+    return first_tensors
+
+
+def _check_weights(inputs, weights, normalize) -> list:
+    if len(inputs) < 2:
+        raise ValueError("--inputs: give at least two checkpoints to merge")
+    if len(weights) != len(inputs):
+        raise ValueError(f"--weights: {len(weights)} weights for {len(inputs)} --inputs; give one per input")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"--weights {weights}: every weight must be a positive finite number")
+    total = sum(weights)
+    return [w / total for w in weights] if normalize else list(weights)
+
+
+def _merge_tensor(key, checkpoint_dirs, coefficients):
+    tensors = [serialization.load_full(d, lambda k: k == key)[key] for d in checkpoint_dirs]
+    if not tensors[0].is_floating_point():
+        if not all(torch.equal(tensors[0], t) for t in tensors[1:]):
+            raise ValueError(f"{key}: a non-floating tensor differs between the inputs; it cannot be averaged")
+        return tensors[0]
+    acc = torch.zeros(tensors[0].shape, dtype=torch.float64)
+    for c, t in zip(coefficients, tensors):
+        acc += c * t.to(torch.float64)
+    return acc.to(tensors[0].dtype)
+
+
+def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool = False) -> str:
+    """Write the weighted merge of `inputs` (save dirs or iteration folders) as the new save
+    directory `output`; returns its iteration folder."""
+    coefficients = _check_weights(inputs, weights, normalize)
+    if os.path.exists(output):
+        raise FileExistsError(f"--output {output}: already exists; merge into a new folder")
+    dirs = [os.path.abspath(storage.resolve_checkpoint_dir(path, "--inputs")) for path in inputs]
+    structure = check_compatible(dirs)
+    metas = [storage.read_metadata(d) for d in dirs]
+    iteration = max(m.get("iteration", 0) for m in metas)
+    merged = {key: _merge_tensor(key, dirs, coefficients) for key in structure}
+
+    staging = output.rstrip("/") + ".tmp-merge"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        os.makedirs(storage.temporary_dir(staging, iteration))
+        items = [ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in merged.items()]
+        serialization.save(items, storage.temporary_dir(staging, iteration), no_dist=True)
+        source = dirs[[m.get("iteration", 0) for m in metas].index(iteration)]
+        common_file = os.path.join(source, storage.COMMON_FILENAME)
+        common = torch.load(common_file, weights_only=False) if os.path.isfile(common_file) else {}
+        common.pop("optimizer", None)
+        common.pop("opt_param_scheduler", None)
+        torch.save(common, os.path.join(storage.temporary_dir(staging, iteration), storage.COMMON_FILENAME))
+        storage.write_metadata(storage.temporary_dir(staging, iteration), {
+            "iteration": iteration, "model_args": metas[0].get("model_args"), "layout": metas[0].get("layout"),
+            "has_optimizer": False, "has_rng": False,
+            "merge": {"inputs": dirs, "weights": list(weights), "coefficients": coefficients,
+                      "normalized": normalize, "optimizer_state": "dropped"},
+        })
+        storage.publish(staging, iteration)
+        hf_side = os.path.join(storage.checkpoint_root(dirs[0]), storage.HF_DIRNAME)
+        if os.path.isdir(hf_side):
+            shutil.copytree(hf_side, os.path.join(staging, storage.HF_DIRNAME))
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return storage.iteration_dir(output, iteration)
+
+
+def add_arguments(parser):
+    parser.add_argument("--inputs", nargs="+", required=True, help="Checkpoints (save dirs or iter_* folders).")
+    parser.add_argument("--weights", nargs="+", type=float, required=True, help="One positive weight per input.")
+    parser.add_argument("--output", required=True, help="New save directory for the merged checkpoint.")
+    parser.add_argument("--normalize", action="store_true", help="Divide the weights by their sum.")
+    return parser
+
+
+def run(args) -> int:
+    folder = merge_checkpoints(args.inputs, args.weights, args.output, args.normalize)
+    print(f"merged {len(args.inputs)} checkpoints -> {folder} (model weights only; optimizer state dropped)")
+    return 0

@@ -1,0 +1,116 @@
+"""The optimizer's sharded state: every per-parameter state in the parameter's own global layout.
+
+    optimizer.state.<name>.<param key>    exp_avg, exp_avg_sq, momentum_buffer, ... sharded like
+                                          the parameter (TP shard, or a distributed-optimizer
+                                          flat slice of it); 0-d states (Adam's step) replicated
+    optimizer.state.fp32_param.<key>      fp32 master weights, where the optimizer keeps them
+
+Because the keys and global shapes do not depend on the layout, optimizer state saved with one
+TP/PP/DP/EP layout, with or without the distributed optimizer, loads into any other. Param-group
+hyper-parameters and the loss scaler go into the common state.
+"""
+
+import torch
+
+from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+PREFIX = "optimizer.state."
+
+
+def _pieces(opt):
+    """(model param, main param, flat range or None) for each main param of one optimizer."""
+    if hasattr(opt, "shards"):  # DistributedOptimizer: a flat slice of each param
+        return [(param, main, rng) for param, rng, main, _ in opt.shards]
+    if hasattr(opt, "model_to_main"):  # fp32 masters of bf16/fp16 params
+        return [(param, main, None) for param, main in opt.model_to_main]
+    return [(param, param, None) for param in opt.get_parameters()]
+
+
+def _state_items(name, key, value, main, param, layout, flat):
+    full_key = f"{PREFIX}{name}.{key}"
+    if not isinstance(value, torch.Tensor):
+        return [ShardedObject(full_key, value)]
+    if value.shape == main.shape and value.dim() > 0:
+        kwargs = dict(flat_range=flat, local_shape=tuple(param.shape)) if flat is not None else {}
+        return layout.items(full_key, value.detach(), **kwargs)
+    return [ShardedTensor(full_key, value.detach(), tuple(value.shape), (0,) * value.dim(), replica=layout.replica)]
+
+
+def optimizer_sharded_items(optimizer, layouts) -> list:
+    """Items of every optimizer state of this rank (views into the live state)."""
+    items = []
+    for opt in optimizer.chained_optimizers:
+        for param, main, flat in _pieces(opt):
+            layout = layouts[param]
+            states = {} if main is param else {"fp32_param": main}
+            states.update(opt.optimizer.state.get(main, {}))
+            for name, value in states.items():
+                items += _state_items(name, layout.key, value, main, param, layout, flat)
+    return items
+
+
+def saved_state_names(saved: dict) -> dict:
+    """param key -> {state name: saved global shape (None for an object)} from the saved keys."""
+    names = {}
+    for full_key, shape in saved.items():
+        if full_key.startswith(PREFIX):
+            name, key = full_key[len(PREFIX):].split(".", 1)
+            names.setdefault(key, {})[name] = shape
+    return names
+
+
+def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
+    """Create the state entries the checkpoint holds (torch optimizers make them lazily), then
+    return (items to load, whether any master weights must be refreshed from the model)."""
+    by_key = saved_state_names(saved)
+    refresh_masters = False
+    for opt in optimizer.chained_optimizers:
+        for param, main, _ in _pieces(opt):
+            names = by_key.get(layouts[param].key, {})
+            if main is not param and "fp32_param" not in names:
+                refresh_masters = True
+            state = opt.optimizer.state.setdefault(main, {})
+            for name, shape in names.items():
+                if name == "fp32_param" or name in state:
+                    continue
+                if shape is None:
+                    state[name] = None
+                elif len(shape) == 0:  # a step count: torch keeps it on the CPU
+                    state[name] = torch.zeros((), dtype=torch.float32)
+                else:
+                    state[name] = torch.zeros_like(main)
+    items = [i for i in optimizer_sharded_items(optimizer, layouts) if i.key in saved]
+    return items, refresh_masters
+
+
+# Param groups are matched by what they mean, not by position: the split into chained
+# optimizers (dense / expert) depends on the layout (experts are separate only under EP > 1).
+_GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_decoupled_lr")
+
+
+def _groups(optimizer):
+    """(signature, param group): the signature is the torch optimizer's class and the group's
+    meaning (Muon and its scalar optimizer have groups of the same meaning)."""
+    for opt in optimizer.chained_optimizers:
+        for group in opt.param_groups:
+            yield (type(opt.optimizer).__name__,) + tuple(group.get(k) for k in _GROUP_SIGNATURE), group
+
+
+def optimizer_common_state(optimizer) -> dict:
+    """Param-group hyper-parameters (by group signature) and the shared loss scaler's state."""
+    groups = {signature: {k: v for k, v in group.items() if k not in ("params", "is_expert_parallel")}
+              for signature, group in _groups(optimizer)}
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+    return {"param_groups": groups, "grad_scaler": scaler}
+
+
+def load_optimizer_common_state(optimizer, common: dict, source: str) -> None:
+    saved = common["param_groups"]
+    for signature, group in _groups(optimizer):
+        if signature not in saved:
+            raise ValueError(f"{source}: the checkpoint has no {signature[0]} parameter group with "
+                             f"{dict(zip(_GROUP_SIGNATURE, signature[1:]))}; use the optimizer settings "
+                             "it was saved with, or --no-load-optim")
+        group.update(saved[signature])
+    if optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
+        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])

@@ -1,0 +1,146 @@
+"""Save and load lists of sharded items with torch.distributed.checkpoint (DCP).
+
+    save(items, checkpoint_dir)       every rank passes its items; DCP writes one file per rank
+    load(items, checkpoint_dir)       fills every item in place, whatever layout saved it
+    load_full(checkpoint_dir, keys)   one process: whole global tensors (export, merge)
+
+Before reading, `load` checks the request against the checkpoint's metadata on every rank and
+raises one ValueError listing missing keys, shape mismatches and (optionally) keys the model
+does not have, so loading another model's checkpoint says what differs.
+"""
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from teratron.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
+
+_SHOWN = 4  # examples per kind of mismatch in an error message
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    # DCP warns that it "assumes the intent" when torch.distributed is off; here it is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False) -> None:
+    """Write every rank's items into `checkpoint_dir` (a collective over `process_group`, unless
+    `no_dist`: this process writes alone)."""
+    writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+    with _quiet_single_process():
+        dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items), process_group=process_group,
+                 no_dist=no_dist or not dist.is_initialized())
+
+
+def read_metadata(checkpoint_dir: str):
+    try:
+        return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint_dir}: no torch.distributed.checkpoint metadata (.metadata); "
+                                "not a teratron checkpoint folder, or an incomplete one") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise ValueError(f"{checkpoint_dir}/.metadata cannot be read ({type(e).__name__}: {e}); "
+                         "the checkpoint is damaged") from None
+
+
+def _clip_rows(box: ShardedTensor, saved_rows: int) -> ShardedTensor | None:
+    """The part of a vocabulary box inside the saved rows; rows past them are zeroed."""
+    start, rows = box.global_offset[0], box.data.shape[0]
+    keep = max(0, min(rows, saved_rows - start))
+    box.data.narrow(0, keep, rows - keep).zero_()
+    if keep == 0:
+        return None
+    shape = (saved_rows,) + tuple(box.global_shape[1:])
+    return ShardedTensor(box.key, box.data.narrow(0, 0, keep), shape, box.global_offset)
+
+
+def _match(items, metadata):
+    """(items to read, problems: list of (kind, text))."""
+    saved, problems, out = metadata.state_dict_metadata, [], []
+    for item in items:
+        md = saved.get(item.key)
+        if md is None:
+            problems.append(("missing", item.key))
+        elif isinstance(item, ShardedObject):
+            out.append(item)
+        elif isinstance(md, BytesStorageMetadata):
+            problems.append(("shape", f"{item.key}: saved an object, expected a tensor {tuple(item.global_shape)}"))
+        elif tuple(md.size) == tuple(item.global_shape):
+            out.append(item)
+        elif item.resizable_rows and tuple(md.size[1:]) == tuple(item.global_shape[1:]):
+            clipped = _clip_rows(item, md.size[0])
+            if clipped is not None:
+                out.append(clipped)
+        else:
+            problems.append(("shape", f"{item.key}: saved {tuple(md.size)}, expected {tuple(item.global_shape)}"))
+    return out, problems
+
+
+def _all_gather(obj, process_group):
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, obj, group=process_group)
+    return gathered
+
+
+def _describe(problems) -> str:
+    parts = []
+    for kind, label in (("missing", "missing from the checkpoint"), ("shape", "with other shapes"),
+                        ("unexpected", "in the checkpoint but not in the model")):
+        found = sorted({text for k, text in problems if k == kind})
+        if found:
+            more = f", ... ({len(found) - _SHOWN} more)" if len(found) > _SHOWN else ""
+            parts.append(f"{len(found)} keys {label}: " + "; ".join(found[:_SHOWN]) + more)
+    return " | ".join(parts)
+
+
+def load(items: list, checkpoint_dir: str, process_group=None, unexpected_filter=None) -> None:
+    """Fill every rank's items from `checkpoint_dir`. `unexpected_filter(key)` selects the saved
+    keys some rank must have asked for (e.g. the model's); others are not reported."""
+    metadata = read_metadata(checkpoint_dir)
+    to_read, problems = _match(items, metadata)
+    if unexpected_filter is not None:
+        requested = set().union(*_all_gather({i.key for i in items}, process_group))
+        problems += [("unexpected", key) for key in metadata.state_dict_metadata
+                     if unexpected_filter(key) and key not in requested]
+    problems = [p for rank_problems in _all_gather(problems, process_group) for p in rank_problems]
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint_dir} does not match: {_describe(problems)}; load it into "
+                         "the model it was saved from (same architecture flags)")
+    with _quiet_single_process():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(to_read),
+                 process_group=process_group, no_dist=not dist.is_initialized())
+
+
+def saved_keys(checkpoint_dir: str) -> dict:
+    """key -> global shape (a tuple) or None for an object."""
+    return {key: None if isinstance(md, BytesStorageMetadata) else tuple(md.size)
+            for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items()}
+
+
+def load_full(checkpoint_dir: str, select) -> dict:
+    """Whole global tensors/objects of the saved keys for which `select(key)` is true, read by this
+    process alone (no torch.distributed needed)."""
+    items = []
+    for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+        if not select(key):
+            continue
+        if isinstance(md, BytesStorageMetadata):
+            items.append(ShardedObject(key, None))
+        else:
+            data = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            items.append(ShardedTensor(key, data, tuple(md.size), (0,) * len(md.size)))
+    if items:
+        with _quiet_single_process():
+            dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(items),
+                     no_dist=True)
+    return {i.key: i.data if isinstance(i, ShardedTensor) else i.value for i in items}

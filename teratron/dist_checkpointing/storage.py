@@ -1,0 +1,112 @@
+"""The checkpoint folder protocol.
+
+    ROOT/latest_checkpointed_iteration.txt   the newest complete iteration (written last)
+    ROOT/iter_0000100/                        one checkpoint:
+        .metadata, __*_*.distcp               torch.distributed.checkpoint data (every tensor)
+        metadata.json                         format + version, model args, saved layout, notes
+        common.pt                             rank 0's small state (args, scheduler, counters)
+    ROOT/hf/                                  Hugging Face config and tokenizer files, if imported
+
+A checkpoint is written into ROOT/.tmp_iter_0000100/ and renamed when every rank has finished;
+only then is the tracker replaced (atomically). A crash mid-save leaves a hidden temporary folder
+and the previous checkpoint as the latest one.
+"""
+
+import json
+import os
+import shutil
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+METADATA_FILENAME = "metadata.json"
+COMMON_FILENAME = "common.pt"
+HF_DIRNAME = "hf"
+FORMAT = "teratron_torch_dist"
+FORMAT_VERSION = 1
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def temporary_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f".tmp_iter_{iteration:07d}")
+
+
+def read_tracker(root: str):
+    """The iteration named by ROOT's tracker, or None when there is none."""
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number; fix or delete the file") from None
+
+
+def _replace_file(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(root: str, iteration: int) -> str:
+    """Rename the finished temporary folder to its iteration folder, then point the tracker at it."""
+    final = iteration_dir(root, iteration)
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(temporary_dir(root, iteration), final)
+    _fsync_dir(root)
+    _replace_file(os.path.join(root, TRACKER_FILENAME), str(iteration))
+    _fsync_dir(root)
+    return final
+
+
+def write_metadata(checkpoint_dir: str, metadata: dict) -> None:
+    body = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata}
+    _replace_file(os.path.join(checkpoint_dir, METADATA_FILENAME), json.dumps(body, indent=1, sort_keys=True))
+
+
+def read_metadata(checkpoint_dir: str) -> dict:
+    path = os.path.join(checkpoint_dir, METADATA_FILENAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{checkpoint_dir}: no {METADATA_FILENAME}; not a teratron sharded checkpoint "
+                                "(or one whose save did not finish)")
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a teratron checkpoint (format is not {FORMAT!r})")
+    if metadata.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {metadata['format_version']} is newer than this teratron "
+                         f"reads ({FORMAT_VERSION}); upgrade teratron")
+    return metadata
+
+
+def resolve_checkpoint_dir(path: str, flag: str = "--load") -> str:
+    """An iteration folder: `path` itself, or the one its tracker names (`flag` names the
+    command-line option the path came from, for the error message)."""
+    if os.path.isfile(os.path.join(path, METADATA_FILENAME)):
+        return path
+    iteration = read_tracker(path)
+    if iteration is None:
+        raise FileNotFoundError(f"{flag} {path}: neither a checkpoint folder (no {METADATA_FILENAME}) nor a "
+                                f"save directory (no {TRACKER_FILENAME}); pass the --save folder of a run")
+    return iteration_dir(path, iteration)
+
+
+def checkpoint_root(checkpoint_dir: str) -> str:
+    """The save directory an iteration folder lives in."""
+    return os.path.dirname(os.path.abspath(checkpoint_dir))

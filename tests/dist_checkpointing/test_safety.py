@@ -1,0 +1,129 @@
+"""Crash safety and background saving.
+
+- A save killed half-way (SIGKILL while ranks write) leaves the previous checkpoint loadable and
+  the tracker unchanged; the next save of that iteration succeeds.
+- A save that fails on one rank raises on every rank and publishes nothing.
+- An async save equals a sync save of the same state, even when training changes the
+  parameters while it writes; it is published only by `finalize`.
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from dist import run_distributed
+from teratron import parallel_state as ps
+from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, serialization, start_async_save
+from teratron.dist_checkpointing import storage
+from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
+from teratron.process_groups import ProcessGroupCollection
+
+ARGS = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            kv_channels=4, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+            add_qkv_bias=False, qk_layernorm=False, position_embedding_type="rope", rotary_base=10000,
+            rotary_percent=1.0, rotary_interleaved=False, untie_embeddings_and_output_weights=False,
+            max_position_embeddings=16, vocab_size=32, padded_vocab_size=32, num_experts=None,
+            moe_ffn_hidden_size=None, moe_router_topk=None)
+
+
+def model_and_optimizer(seed, tp=1):
+    torch.manual_seed(seed)
+    pg = None if dist.is_initialized() else ProcessGroupCollection()
+    model = build_gpt_model(ARGS, transformer_config(ARGS, tensor_model_parallel_size=tp), pg_collection=pg)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1), [model])
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(seed))
+    model(ids[:, :-1], torch.arange(8).expand(2, 8), labels=ids[:, 1:]).mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save_then_get_killed(root, marker):
+    model, optimizer = model_and_optimizer(1)
+    save_checkpoint(root, 1, [model], optimizer)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, marker + ".expected")
+    original = serialization.dcp.FileSystemWriter.write_data
+
+    def write_then_hang(self, plan, planner):
+        result = original(self, plan, planner)
+        open(marker, "w").close()
+        time.sleep(600)  # killed here: data written, nothing published
+        return result
+
+    serialization.dcp.FileSystemWriter.write_data = write_then_hang
+    model.embedding.word_embeddings.weight.data.add_(1.0)
+    save_checkpoint(root, 2, [model], optimizer)
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    root, marker = str(tmp_path / "ckpt"), str(tmp_path / "writing")
+    child = mp.get_context("fork").Process(target=_save_then_get_killed, args=(root, marker))
+    child.start()
+    deadline = time.time() + 60
+    while not os.path.exists(marker) and time.time() < deadline and child.is_alive():
+        time.sleep(0.05)
+    assert os.path.exists(marker), "the child never reached the middle of its save"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert storage.read_tracker(root) == 1
+    assert sorted(os.listdir(root)) == [".tmp_iter_0000002", "iter_0000001", storage.TRACKER_FILENAME]
+    fresh, optimizer = model_and_optimizer(5)
+    load_checkpoint(storage.resolve_checkpoint_dir(root), [fresh], optimizer)
+    expected = torch.load(marker + ".expected")
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    save_checkpoint(root, 2, [fresh], optimizer)  # the stale attempt is cleared, the retry publishes
+    assert storage.read_tracker(root) == 2
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", storage.TRACKER_FILENAME]
+
+
+def _fail_on_rank_1(root):
+    ps.initialize_model_parallel(2)
+    model, optimizer = model_and_optimizer(1, tp=2)
+    save_checkpoint(root, 1, [model], optimizer)
+    if dist.get_rank() == 1:
+        serialization.dcp.FileSystemWriter.write_data = lambda *a: (_ for _ in ()).throw(OSError(28, "disk full"))
+    try:
+        save_checkpoint(root, 2, [model], optimizer)
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _async_vs_sync(sync_root, async_root):
+    ps.initialize_model_parallel(2)
+    model, optimizer = model_and_optimizer(1, tp=2)
+    save_checkpoint(sync_root, 3, [model], optimizer, common={"note": "sync"})
+    pending = start_async_save(async_root, 3, [model], optimizer, common={"note": "async"})
+    with torch.no_grad():  # training goes on while the background thread writes
+        for p in model.parameters():
+            p.add_(1.0)
+    published_early = storage.read_tracker(async_root) is not None
+    while not pending.finalize(blocking=False):
+        time.sleep(0.01)
+    return published_early
+
+
+def test_failure_on_one_rank_and_async_equals_sync(tmp_path):
+    messages = run_distributed(_fail_on_rank_1, 2, str(tmp_path / "fail"))
+    assert all(m and "iteration 2 failed" in m and "rank 1: OSError: [Errno 28] disk full" in m
+               for m in messages), messages
+    assert storage.read_tracker(str(tmp_path / "fail")) == 1
+    assert sorted(os.listdir(tmp_path / "fail")) == ["iter_0000001", storage.TRACKER_FILENAME]
+
+    sync_root, async_root = str(tmp_path / "sync"), str(tmp_path / "async")
+    published_early = run_distributed(_async_vs_sync, 2, sync_root, async_root)
+    assert published_early == [False, False]
+    assert storage.read_tracker(async_root) == 3
+    sync = load_full(storage.resolve_checkpoint_dir(sync_root), lambda k: True)
+    done = load_full(storage.resolve_checkpoint_dir(async_root), lambda k: True)
+    assert set(sync) == set(done) and any(k.startswith("optimizer.state.exp_avg.") for k in sync)
+    for key, value in sync.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, done[key]), key
+    common = torch.load(os.path.join(storage.resolve_checkpoint_dir(async_root), "common.pt"), weights_only=False)
+    assert common["note"] == "async"

@@ -1,0 +1,170 @@
+"""The training loop's checkpoints (teratron.training.checkpointing): bit-exact resume, resume
+into another layout, async saves, SIGTERM / --exit-interval (in process and a real SIGTERM to
+`teratron train`), and the load-time refusals."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist import run_distributed
+from teratron.dist_checkpointing import storage
+from teratron.tensor_parallel import pad_vocab_size
+from teratron.training import checkpointing
+from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.build import build_model, build_optimizer, build_scheduler
+from teratron.training.training import pretrain
+
+TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--make-vocab-size-divisible-by",
+        "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "1",
+        "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--num-workers", "0",
+        "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--seed", "7", "--deterministic", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def train(argv):
+    """Loss per iteration of the run (on the logging rank; {} elsewhere)."""
+    return dict(pretrain(parse_train_args(TINY + argv)).loss_history)
+
+
+def rewind(root, iteration, copy_to):
+    """A copy of the save directory whose tracker names an earlier checkpoint."""
+    shutil.copytree(root, copy_to)
+    with open(os.path.join(copy_to, storage.TRACKER_FILENAME), "w") as f:
+        f.write(str(iteration))
+    return str(copy_to)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    """Iterations 4..6 after a resume from 3 (saved in the background) repeat the uninterrupted
+    run exactly (data position, model, optimizer, scheduler, dropout RNG)."""
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = train(["--train-iters", "6", "--save", str(tmp_path / "a"), "--save-interval", "3", "--async-save",
+                  *dropout])
+    assert sorted(os.listdir(tmp_path / "a")) == ["iter_0000003", "iter_0000006", storage.TRACKER_FILENAME]
+    resumed = train(["--train-iters", "6", "--load", rewind(tmp_path / "a", 3, tmp_path / "b"), *dropout])
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[i] == full[i] for i in (4, 5, 6)), (resumed, full)
+
+
+def _train_dp2_distributed_optimizer(save):
+    return train(["--train-iters", "4", "--save", save, "--save-interval", "2", "--use-distributed-optimizer"])
+
+
+def test_resume_into_another_layout(tmp_path):
+    """DP = 2 with the distributed optimizer saves; one process with the plain optimizer resumes
+    and continues the same curve (up to reduction order)."""
+    full = run_distributed(_train_dp2_distributed_optimizer, 2, str(tmp_path / "a"))[-1]
+    resumed = train(["--train-iters", "4", "--load", rewind(tmp_path / "a", 2, tmp_path / "b")])
+    assert sorted(resumed) == [3, 4]
+    for i in (3, 4):
+        assert resumed[i] == pytest.approx(full[i], rel=1e-5)
+
+
+def setup(tmp_path, *extra):
+    args = parse_train_args(TINY + ["--train-iters", "10", "--save", str(tmp_path / "ckpt"), *extra])
+    validate_args(args, 1)
+    args.padded_vocab_size = pad_vocab_size(100, 64, 1)
+    config = core_transformer_config_from_args(args)
+    model = build_model(args, config, torch.device("cpu"))
+    optimizer = build_optimizer(args, model)
+    return args, model, optimizer, build_scheduler(args, optimizer)
+
+
+def test_async_save_exit_signal_and_exit_interval(tmp_path):
+    args, model, optimizer, scheduler = setup(tmp_path, "--save-interval", "2")
+    args.async_save = True
+    saved, stop = checkpointing.checkpoint_and_decide_exit(2, model, optimizer, scheduler, args, 8, 0)
+    assert saved and not stop
+    checkpointing.maybe_finalize_async_save(blocking=True)
+    assert storage.read_tracker(args.save) == 2
+
+    args.async_save = False
+    handler = checkpointing.ExitSignalHandler()
+    try:
+        assert checkpointing.checkpoint_and_decide_exit(3, model, optimizer, scheduler, args, 12, 0, handler) == (
+            False, False)
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal
+        assert checkpointing.checkpoint_and_decide_exit(3, model, optimizer, scheduler, args, 12, 0, handler) == (
+            True, True)
+    finally:
+        handler.restore()
+    assert storage.read_tracker(args.save) == 3
+    args.exit_interval = 5
+    assert checkpointing.checkpoint_and_decide_exit(4, model, optimizer, scheduler, args, 16, 0) == (True, False)
+    assert checkpointing.checkpoint_and_decide_exit(5, model, optimizer, scheduler, args, 20, 0) == (True, True)
+    assert storage.read_tracker(args.save) == 5
+
+    args.load = args.save
+    torch.manual_seed(11)
+    checkpointing.save_checkpoint(5, model, optimizer, scheduler, args, 20)
+    expected_draw = torch.rand(3)  # the RNG states are saved: a resume draws the same numbers
+    torch.manual_seed(12)
+    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (5, 20, 0)
+    assert torch.equal(torch.rand(3), expected_draw)
+    args.finetune = True
+    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (0, 0, 0)
+
+
+def test_load_refusals(tmp_path):
+    args, model, optimizer, scheduler = setup(tmp_path, "--no-save-optim")
+    args.load = args.save
+    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (0, 0, 0)  # nothing yet
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, args, 16)
+    with pytest.raises(ValueError, match="has no optimizer state; add --no-load-optim"):
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    args.no_load_optim = True
+    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (4, 16, 0)
+
+    other, other_model, other_optimizer, other_scheduler = setup(tmp_path, "--hidden-size", "48")
+    other.load, other.no_load_optim = args.save, True
+    with pytest.raises(ValueError, match=r"another model: hidden_size \(saved 32, now 48\)"):
+        checkpointing.load_checkpoint(other_model, other_optimizer, other_scheduler, other)
+    # Flags that lie about the model: the tensors themselves disagree.
+    for name in ("hidden_size", "kv_channels", "ffn_hidden_size"):
+        setattr(other, name, getattr(args, name))
+    shapes = r"22 keys with other shapes: .*linear_fc1.weight: saved \(128, 32\), expected \(256, 48\)"
+    with pytest.raises(ValueError, match=shapes):
+        checkpointing.load_checkpoint(other_model, other_optimizer, other_scheduler, other)
+
+    meta = os.path.join(args.save, "iter_0000004", "metadata.json")
+    record = json.loads(open(meta).read())
+    assert record["format"] == storage.FORMAT and record["format_version"] == storage.FORMAT_VERSION
+    open(meta, "w").write(json.dumps({**record, "format_version": storage.FORMAT_VERSION + 1}))
+    with pytest.raises(ValueError, match="format version 2 is newer than this teratron reads"):
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    open(meta, "w").write("{not json")
+    with pytest.raises(ValueError, match="metadata.json: not valid JSON"):
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    open(os.path.join(args.save, storage.TRACKER_FILENAME), "w").write("7")
+    with pytest.raises(FileNotFoundError, match="iter_0000007 is missing"):
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    open(os.path.join(args.save, storage.TRACKER_FILENAME), "w").write("soon")
+    with pytest.raises(ValueError, match="not an iteration number"):
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "teratron", "train", *TINY, "--train-iters", "100000", "--save", str(save),
+           "--exit-signal-handler", "--metrics-file", str(metrics)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    last = json.loads(metrics.read_text().splitlines()[-1])["iteration"]
+    assert 3 <= last < 100000 and storage.read_tracker(str(save)) == last
+    assert sorted(os.listdir(save)) == [f"iter_{last:07d}", storage.TRACKER_FILENAME]
