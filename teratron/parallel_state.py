@@ -119,26 +119,7 @@ def initialize_model_parallel(
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     ep = expert_model_parallel_size
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    for name, size in [("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                       ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
-                       ("expert_tensor_parallel_size", etp)]:
-        if size < 1:
-            raise ValueError(f"{name}={size} must be at least 1")
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
-            f"context ({cp}) parallel sizes = {tp * pp * cp}; change the sizes or the number of ranks"
-        )
-    if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
-            f"pipeline ({pp}) parallel sizes = {etp * ep * pp}; change the expert sizes"
-        )
-    if virtual_pipeline_model_parallel_size is not None and pp < 2:
-        raise ValueError(
-            "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1, "
-            f"got {pp}; unset it or raise the pipeline size"
-        )
+    _check_sizes(world_size, tp, pp, cp, ep, etp, virtual_pipeline_model_parallel_size)
     dense = RankGenerator(tp=tp, ep=1, dp=world_size // (tp * pp * cp), pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
 
@@ -160,6 +141,29 @@ def initialize_model_parallel(
                        ("tp_ep_pp", "tp-ep-pp")]:
         _create(key, expert.get_ranks(token), timeout)
     _INITIALIZED = True
+
+
+def _check_sizes(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int, vpp: int | None) -> None:
+    for name, size in [("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
+                       ("expert_tensor_parallel_size", etp)]:
+        if size < 1:
+            raise ValueError(f"{name}={size} must be at least 1")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
+            f"context ({cp}) parallel sizes = {tp * pp * cp}; change the sizes or the number of ranks"
+        )
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
+            f"pipeline ({pp}) parallel sizes = {etp * ep * pp}; change the expert sizes"
+        )
+    if vpp is not None and pp < 2:
+        raise ValueError(
+            "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1, "
+            f"got {pp}; unset it or raise the pipeline size"
+        )
 
 
 def _create(key: str, groups: list[list[int]], timeout: timedelta, owners=None) -> None:

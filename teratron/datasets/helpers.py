@@ -54,30 +54,32 @@ def build_sample_idx(
     return sample_idx
 
 
+def _most_behind(weights: list, counts: list, candidates, i: int) -> int:
+    """The candidate furthest below its share at sample i, `argmax_j (w_j * max(i, 1) - count_j)`,
+    ties to the first candidate (Megatron's greedy rule)."""
+    scale = float(max(i, 1))
+    best, best_error = -1, -math.inf
+    for j in candidates:
+        error = weights[j] * scale - counts[j]
+        if error > best_error:
+            best, best_error = j, error
+    return best
+
+
 def build_blending_indices(weights, size: int):
-    """Megatron's greedy blend: sample i goes to the dataset furthest below its share,
-    `argmax_j (w_j * max(i, 1) - count_j)`, ties to the lowest j. The count of every dataset stays
-    within a few samples of `w_j * i`. Returns (dataset_index int16, dataset_sample_index int64)."""
+    """Megatron's greedy blend: sample i goes to the dataset furthest below its share (see
+    `_most_behind`). The count of every dataset stays within a few samples of `w_j * i`.
+    Returns (dataset_index int16, dataset_sample_index int64)."""
     weights = [float(w) for w in weights]
     counts = [0] * len(weights)
-    dataset_index = numpy.zeros(size, dtype=numpy.int16)
-    dataset_sample_index = numpy.zeros(size, dtype=numpy.int64)
-    chosen = [0] * size
-    taken = [0] * size
-    order = range(1, len(weights))
+    candidates = range(len(weights))
+    chosen, taken = [0] * size, [0] * size
     for i in range(size):
-        scale = float(max(i, 1))
-        best, best_error = 0, weights[0] * scale - counts[0]
-        for j in order:
-            error = weights[j] * scale - counts[j]
-            if error > best_error:
-                best, best_error = j, error
+        best = _most_behind(weights, counts, candidates, i)
         chosen[i] = best
         taken[i] = counts[best]
         counts[best] += 1
-    dataset_index[:] = chosen
-    dataset_sample_index[:] = taken
-    return dataset_index, dataset_sample_index
+    return numpy.array(chosen, dtype=numpy.int16), numpy.array(taken, dtype=numpy.int64)
 
 
 def build_exhaustive_blending_indices(sizes):
@@ -90,12 +92,7 @@ def build_exhaustive_blending_indices(sizes):
     unspent = [j for j in range(len(sizes)) if sizes[j] > 0]
     chosen, taken = [0] * total, [0] * total
     for i in range(total):
-        scale = float(max(i, 1))
-        best, best_error = -1, -math.inf
-        for j in unspent:
-            error = weights[j] * scale - counts[j]
-            if error > best_error:
-                best, best_error = j, error
+        best = _most_behind(weights, counts, unspent, i)
         chosen[i] = best
         taken[i] = counts[best]
         counts[best] += 1

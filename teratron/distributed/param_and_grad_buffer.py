@@ -17,6 +17,7 @@ import torch.distributed as dist
 from teratron import comm
 from teratron.process_groups import get_pg_rank, get_pg_size
 
+
 class _ParamAndGradBucket:
     """A contiguous slice of a buffer whose grads are reduced (and params gathered) together."""
 

@@ -5,11 +5,15 @@ from typing import Callable, Optional
 
 import torch
 
-_OPTIMIZERS = ("adam", "sgd", "lion", "muon")
-_MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
-_MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
-_MUON_COEFFICIENTS = ("simple", "quintic", "polar_express")
-_MATMUL_PRECISIONS = ("highest", "high", "medium")
+# Field -> the values it accepts.
+_CHOICES = {
+    "optimizer": ("adam", "sgd", "lion", "muon"),
+    "muon_tp_mode": ("blockwise", "duplicated", "distributed"),
+    "muon_scale_mode": ("spectral", "shape_scaling", "unit_rms_norm"),
+    "muon_coefficient_type": ("simple", "quintic", "polar_express"),
+    "muon_fp32_matmul_prec": ("highest", "high", "medium"),
+    "muon_scalar_optimizer": ("adam", "lion"),
+}
 
 
 @dataclass
@@ -98,23 +102,12 @@ class OptimizerConfig:
     timers: Optional[Callable] = None
 
     def __post_init__(self):
-        if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r} is unknown; choose one of {_OPTIMIZERS}")
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is unknown; choose one of {choices}")
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both set; choose one (--fp16 or --bf16)")
-        if self.muon_tp_mode not in _MUON_TP_MODES:
-            raise ValueError(f"muon_tp_mode={self.muon_tp_mode!r} is unknown; choose one of {_MUON_TP_MODES}")
-        if self.muon_scale_mode not in _MUON_SCALE_MODES:
-            raise ValueError(f"muon_scale_mode={self.muon_scale_mode!r} is unknown; choose one of {_MUON_SCALE_MODES}")
-        if self.muon_coefficient_type not in _MUON_COEFFICIENTS:
-            raise ValueError(f"muon_coefficient_type={self.muon_coefficient_type!r} is unknown; "
-                             f"choose one of {_MUON_COEFFICIENTS}")
-        if self.muon_fp32_matmul_prec not in _MATMUL_PRECISIONS:
-            raise ValueError(f"muon_fp32_matmul_prec={self.muon_fp32_matmul_prec!r} is unknown; "
-                             f"choose one of {_MATMUL_PRECISIONS}")
-        if self.muon_scalar_optimizer not in ("adam", "lion"):
-            raise ValueError(f"muon_scalar_optimizer={self.muon_scalar_optimizer!r} is unknown; "
-                             "choose 'adam' or 'lion'")
         if self.muon_num_ns_steps < 1:
             raise ValueError(f"muon_num_ns_steps={self.muon_num_ns_steps} must be at least 1")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:

@@ -168,7 +168,10 @@ class _PipelineRun:
             if not self.forward_only:
                 input_tensor.requires_grad_()
         self._set_vp_rank(chunk)
-        if m == 0 and chunk > 0 and self.config.param_sync_func is not None:
+        # Interleaved: every chunk, chunk 0 included, gets its param sync before its first forward
+        # (Megatron syncs chunks 0 and 1 up front, later ones just ahead of use). With one chunk,
+        # as in Megatron's 1F1B, the DDP pre-hooks or the optimizer step do the gather.
+        if m == 0 and len(self.models) > 1 and self.config.param_sync_func is not None:
             _per_chunk(self.config.param_sync_func, chunk)(self.models[chunk].parameters())
         output, num_tokens = forward_step(
             self.forward_step_func, self.iterators[chunk], self.models[chunk], self.num_microbatches,

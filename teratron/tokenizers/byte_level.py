@@ -1,7 +1,8 @@
 """`ByteLevelTokenizer`: UTF-8 bytes are ids 0..255, then three special tokens. Needs no files.
 
 Any text round-trips exactly. Special ids decode to their strings (`<|endoftext|>` ...); those
-strings inside text are encoded as ordinary bytes.
+strings inside text are encoded as ordinary bytes. `vocab` keys are 1-byte `bytes` and the
+special-token strings.
 """
 
 from teratron.tokenizers.megatron_tokenizer import MegatronTokenizer
@@ -34,15 +35,6 @@ class ByteLevelTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return 256 + len(SPECIAL_TOKENS)
-
-    @property
-    def vocab(self) -> dict:
-        """Byte (as a 1-byte `bytes`) or special-token string -> id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        return self._inv_vocab
 
     @property
     def eod(self) -> int:

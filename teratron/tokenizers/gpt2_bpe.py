@@ -52,12 +52,12 @@ class GPT2BPETokenizer(MegatronTokenizer):
         merge_file = check_file(merge_file, "--merge-file", "GPT-2's vocab.bpe")
         super().__init__(vocab_file, merge_file)
 
-        self._encoder = _read_encoder(vocab_file)
-        self._decoder = {i: t for t, i in self._encoder.items()}
-        if EOD_TOKEN not in self._encoder:
+        self._vocab = _read_encoder(vocab_file)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        if EOD_TOKEN not in self._vocab:
             raise ValueError(f"--vocab-file {vocab_file!r} has no {EOD_TOKEN} token: pass GPT-2's encoder.json")
-        self._eod_id = self._encoder[EOD_TOKEN]
-        ranks = _mergeable_ranks(self._encoder, vocab_file, merge_file)
+        self._eod_id = self._vocab[EOD_TOKEN]
+        ranks = _mergeable_ranks(self._vocab, vocab_file, merge_file)
         self._model = tiktoken.Encoding(
             name="gpt2-bpe",
             pat_str=GPT2_PATTERN,
@@ -77,15 +77,7 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return len(self._encoder)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._encoder
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._decoder
+        return len(self._vocab)
 
     @property
     def eod(self) -> int:

@@ -75,14 +75,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         return max(self._inv_vocab) + 1
 
     @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def eod(self) -> int:
         return self._special("eos")
 

@@ -17,7 +17,8 @@ from collections import OrderedDict
 class MegatronTokenizer(ABC):
     """Base class. `tokenizer_paths` and `tokenizer_options` form `unique_identifiers`, which the
     datasets hash into their cache keys (as in Megatron), so two tokenizers that would give
-    different ids never share a cached index."""
+    different ids never share a cached index. A subclass sets `_vocab` and `_inv_vocab` (or
+    overrides `vocab` / `inv_vocab`)."""
 
     def __init__(self, *tokenizer_paths, **tokenizer_options):
         self.unique_identifiers = OrderedDict()
@@ -41,14 +42,14 @@ class MegatronTokenizer(ABC):
         """Number of ids the tokenizer can produce (before the model pads it)."""
 
     @property
-    @abstractmethod
     def vocab(self) -> dict:
         """Token -> id."""
+        return self._vocab
 
     @property
-    @abstractmethod
     def inv_vocab(self) -> dict:
         """Id -> token."""
+        return self._inv_vocab
 
     @property
     @abstractmethod

@@ -40,14 +40,6 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
         return len(self._vocab)
 
     @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def pad(self) -> int:
         return self._sp.pad_id()
 

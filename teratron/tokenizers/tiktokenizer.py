@@ -4,7 +4,8 @@ Ids `0 .. num_special_tokens-1` are special tokens (`<unk>`, `<s>`, `</s>`, then
 `<SPECIAL_i>` fillers); the file's ranks follow, shifted by `num_special_tokens` and cut so the
 total is `vocab_size`. The rank file is either Megatron/NeMo's JSON list
 (`[{"rank": 0, "token_bytes": "<base64>", "token_str": "..."}, ...]`) or tiktoken's own text
-format (one `<base64 token> <rank>` per line).
+format (one `<base64 token> <rank>` per line). `vocab` maps token bytes (a special token: its
+string) to ids.
 """
 
 import base64
@@ -72,15 +73,6 @@ class TikTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
-
-    @property
-    def vocab(self) -> dict:
-        """Token bytes (special tokens: their string) -> id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        return self._inv_vocab
 
     @property
     def unk(self) -> int:

@@ -29,7 +29,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.config = config
         if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.tp
+            tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
         input_size = config.hidden_size if input_size is None else input_size
         ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         gated = config.gated_linear_unit

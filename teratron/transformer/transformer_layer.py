@@ -89,8 +89,7 @@ class TransformerLayer(torch.nn.Module):
 
     def _mlp_plus_bias(self, x):
         # Selective recompute of 'mlp' (dense) or 'moe' (an MoE layer). The bias is added inside
-        # the recomputed region: a checkpoint must not return a parameter (autograd would attach
-        # the checkpoint node to the parameter itself).
+        # the recomputed region, so its add is not kept as an activation either.
         output, bias = self.mlp(x)
         return output if bias is None else output + bias
 

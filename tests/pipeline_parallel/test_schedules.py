@@ -120,6 +120,10 @@ def pipelined_training(config_kwargs: dict, data: torch.Tensor, tied: bool = Fal
                   for c in chunks]
         no_sync = [c.no_sync for c in chunks]
         config.no_sync_func = no_sync[0] if num_chunks == 1 else no_sync
+    syncs = []  # (kind, chunk) of every param/grad sync callback, in call order
+    if num_chunks > 1:
+        config.param_sync_func = [lambda params, v=v: syncs.append(("param", v)) for v in range(num_chunks)]
+        config.grad_sync_func = [lambda params, v=v: syncs.append(("grad", v)) for v in range(num_chunks)]
     dp_rank = ps.get_data_parallel_rank()
     mine = data[:, dp_rank * NUM_MICROBATCHES:(dp_rank + 1) * NUM_MICROBATCHES].to(device)
     schedule = get_forward_backward_func()
@@ -143,6 +147,7 @@ def pipelined_training(config_kwargs: dict, data: torch.Tensor, tied: bool = Fal
             for c in chunks:
                 for p in c.parameters():
                     p -= LR * _grad(p)
+    result["syncs"] = syncs
     ps.destroy_model_parallel()
     return result
 
@@ -252,6 +257,10 @@ def test_pipeline_parallel_2_ranks():
         ref_losses, ref_grads = reference({"num_layers": config_kwargs["num_layers"]}, data, tied=options.get("tied", False))
         per_rank = [r[i] for r in results]
         check_against_reference(per_rank, ref_losses, ref_grads)
+        if config_kwargs.get("virtual_pipeline_model_parallel_size"):
+            # Every chunk, every iteration: one param sync (chunk 0 included) and one grad sync.
+            once = [(kind, v) for kind in ("grad", "param") for v in range(2)]
+            assert all(sorted(r["syncs"]) == sorted(once * ITERS) for r in per_rank)
         if options.get("forward_only_check"):
             assert_close(torch.stack(per_rank[-1]["forward_only_losses"]).mean().item(), ref_losses[0])
             assert all(not r["grads_after_forward_only"] for r in per_rank)

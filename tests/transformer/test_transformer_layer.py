@@ -177,3 +177,19 @@ def test_gated_mlp_is_act_gate_times_up_plus_offset():
     hidden = F.silu(x @ gate_w.t() + gate_b) * (x @ up_w.t() + up_b + 0.5)
     out, bias = mlp(x)
     torch.testing.assert_close(out + bias, hidden @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias)
+
+
+def test_expert_mlp_shards_over_the_expert_tp_group_of_its_collection():
+    import torch.distributed as dist
+
+    from dist import run_distributed
+    from teratron.process_groups import ProcessGroupCollection
+
+    def body():
+        pg = ProcessGroupCollection(tp=None, expt_tp=dist.group.WORLD)
+        spec = get_gpt_layer_local_spec().submodules.mlp
+        expert = build_module(spec, config=make_config(), is_expert=True, pg_collection=pg)
+        dense = build_module(spec, config=make_config(), pg_collection=pg)
+        return expert.linear_fc1.weight.shape[0], dense.linear_fc1.weight.shape[0]
+
+    assert run_distributed(body, 2) == [(24, 48), (24, 48)]
