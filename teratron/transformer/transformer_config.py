@@ -26,6 +26,7 @@ from teratron.utils import init_method_normal, scaled_init_method_normal
 
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
+    "moe_latent_size": "latent MoE projections",
     "mtp_num_layers": "multi-token prediction",
     "mtp_loss_scaling_factor": "multi-token prediction",
     "softmax_type": "off-by-one / learnable softmax",
@@ -111,8 +112,10 @@ UNSUPPORTED = {
 ALSO_SUPPORTED = {"distribute_saved_activations": (False,)}
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+# Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
+TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema",)
 
 
 @dataclass
@@ -451,6 +454,10 @@ class TransformerConfig(ModelParallelConfig):
 
     moe_router_bias_update_rate: float = 1e-3
     """Update rate of the expert bias."""
+
+    moe_router_quantile_balancing_ema: float = 0.0
+    """teratron: EMA weight of the previous step's quantile-balancing bias (0 = use this step's
+    estimate only); see docs/moe.md."""
 
     moe_router_force_load_balancing: bool = False
     """Benchmarking: route with random logits."""

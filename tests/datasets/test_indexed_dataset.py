@@ -9,6 +9,7 @@ import numpy
 import pytest
 import torch
 
+from shared_paths import FIXTURES_DIR
 from teratron.datasets.indexed_dataset import (
     DType,
     IndexedDataset,
@@ -17,7 +18,7 @@ from teratron.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-FIXTURES = "/work/shared/fixtures/megatron_idx"
+FIXTURES = str(FIXTURES_DIR / "megatron_idx")
 MANIFEST = json.load(open(os.path.join(FIXTURES, "manifest.json")))
 BY_PREFIX = {d["prefix"]: d for d in MANIFEST["datasets"]}
 

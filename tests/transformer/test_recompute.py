@@ -22,14 +22,12 @@ RECOMPUTE = {
 }
 
 
-def run(backend, dropout_seed=3, num_experts=None, late_recompute_modules=None, **recompute):
+def run(backend, dropout_seed=3, num_experts=None, **recompute):
     """Loss, grads and MLP-forward count of one training step of a 3-layer GPT with dropout."""
     moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32) if num_experts else {}
     config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=64, hidden_dropout=0.2, attention_dropout=0.2,
                                attention_backend=backend, use_cpu_initialization=True, **moe, **recompute)
-    if late_recompute_modules is not None:  # set after validation: the config still refuses 'moe'
-        config.recompute_granularity, config.recompute_modules = "selective", late_recompute_modules
     torch.manual_seed(0)
     model = GPTModel(config, get_gpt_layer_local_spec(num_experts), VOCAB, SEQ, position_embedding_type="rope",
                      pg_collection=ProcessGroupCollection())
@@ -65,7 +63,8 @@ def test_selective_recompute_of_moe_layers():
     clear_aux_losses_tracker()  # the routers log into a process-wide tracker sized by num_layers
     loss, grads, calls = run("auto", num_experts=4)
     for modules, recomputed in ((["moe"], 3), (["mlp"], 0)):  # 'mlp' names the dense MLP only
-        r_loss, r_grads, r_calls = run("auto", num_experts=4, late_recompute_modules=modules)
+        r_loss, r_grads, r_calls = run("auto", num_experts=4, recompute_granularity="selective",
+                                       recompute_modules=modules)
         torch.testing.assert_close(r_loss, loss, rtol=1e-6, atol=0)
         for param, grad in grads.items():
             torch.testing.assert_close(r_grads[param], grad, rtol=1e-5, atol=1e-7, msg=f"{modules} {param}")

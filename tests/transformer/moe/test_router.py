@@ -285,13 +285,7 @@ def test_expert_bias_update_moves_towards_balance():
 
 
 def test_quantile_balancing_estimate_and_update():
-    config = dict(moe_router_load_balancing_type="none", moe_router_score_function="sigmoid")
-    router = make_router(**config)
-    # Quantile balancing is not in TransformerConfig's load-balancing list yet: switch it on here.
-    router.config.moe_router_load_balancing_type = "quantile_balancing"
-    router = TopKRouter(router.config)
-    with torch.no_grad():
-        router.weight.copy_(torch.eye(4))
+    router = make_router(moe_router_load_balancing_type="quantile_balancing", moe_router_score_function="sigmoid")
     logits = [[2.0, 1.0, 0.0, -1.0]] * 4  # all tokens rank the experts alike
     probs, routing_map = route(router, logits)
     assert routing_map.sum(0).tolist() == [4, 4, 0, 0]
