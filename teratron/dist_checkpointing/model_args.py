@@ -64,4 +64,5 @@ def build_gpt_model(model_args: dict, config, pre_process=True, post_process=Tru
         post_process=post_process, share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
         position_embedding_type=a["position_embedding_type"], rotary_percent=a["rotary_percent"],
         rotary_base=a["rotary_base"], pg_collection=pg_collection, vp_stage=vp_stage,
+        unpadded_vocab_size=a["vocab_size"],
     )

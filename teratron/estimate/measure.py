@@ -26,7 +26,8 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
 
     args = copy.copy(args)
     validate_args(args, world_size)
-    args.padded_vocab_size = pad_vocab_size(resolve_vocab_size(args), args.make_vocab_size_divisible_by,
+    args.vocab_size = resolve_vocab_size(args)
+    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
     torch.manual_seed(args.seed)
     model = gpt_model_provider(args, core_transformer_config_from_args(args), True, True).to(device)
@@ -39,7 +40,7 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
         return t
 
     shape = (args.micro_batch_size, args.seq_length)
-    ids = torch.randint(0, args.padded_vocab_size, shape, device=device,
+    ids = torch.randint(0, args.vocab_size, shape, device=device,
                         generator=torch.Generator(device).manual_seed(args.seed))
     positions = torch.arange(args.seq_length, device=device).repeat(args.micro_batch_size, 1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

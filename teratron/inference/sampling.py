@@ -1,5 +1,10 @@
 """Sample text from a single-stage GPT model: temperature and top-k, the whole context
-recomputed for every new token (no KV cache; fine for a demo's few short lines)."""
+recomputed for every new token (no KV cache; fine for a demo's few short lines).
+
+Vocabulary padding is not a token: ids at or past the real vocabulary size are never returned,
+whatever their logits (a GPTModel built with `unpadded_vocab_size` already returns them as -inf;
+a model without it, e.g. an old checkpoint, may not).
+"""
 
 from typing import Optional
 
@@ -7,9 +12,18 @@ import torch
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                      generator: Optional[torch.Generator] = None) -> int:
-    """One token id from logits [V]: greedy at temperature 0, else softmax(logits / T) over the
-    top_k largest logits (all of them when top_k is None)."""
+                      generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None) -> int:
+    """One token id from logits [V'] (V' >= vocab_size, the padded vocabulary): greedy at
+    temperature 0, else softmax(logits / T) over the top_k largest logits (all of them when
+    top_k is None). Only ids below `vocab_size` (None: all V') can come out."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1, or None for the whole vocabulary")
+    if vocab_size is not None:
+        if not 1 <= vocab_size <= logits.numel():
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, {logits.numel()}] (the logits' length)")
+        logits = logits[:vocab_size]
     if temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.float() / temperature
@@ -38,8 +52,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, max_sequence_le
         context = ids[-max_sequence_length:]
         tokens = torch.tensor([context], device=device)
         positions = torch.arange(len(context), device=device).unsqueeze(0)
-        logits = model(tokens, positions, None)[0, -1, :tokenizer.vocab_size]
-        next_id = sample_next_token(logits, temperature, top_k, generator)
+        logits = model(tokens, positions, None)[0, -1]
+        next_id = sample_next_token(logits, temperature, top_k, generator, vocab_size=tokenizer.vocab_size)
         if next_id == eod:
             break
         ids.append(next_id)

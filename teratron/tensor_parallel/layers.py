@@ -96,6 +96,24 @@ def _init_weight(weight, full_shape, partition_dim, stride, init_method, rank, w
     return master if keep_master_weight else None
 
 
+def padded_vocab_init_method(init_method, unpadded_vocab_size: int | None):
+    """An init method for a full vocab-sized weight [padded_vocab, h] whose first
+    `unpadded_vocab_size` rows are drawn exactly as `init_method` draws an unpadded [vocab, h]
+    weight, and whose padding rows are zero (padding is not a token: see docs/design.md "Model").
+    `None` means no padding: `init_method` itself."""
+    if unpadded_vocab_size is None:
+        return init_method
+
+    def init(weight):
+        assert unpadded_vocab_size <= weight.shape[0], "more real rows than the padded weight holds"
+        real = torch.empty(unpadded_vocab_size, *weight.shape[1:], dtype=weight.dtype, device=weight.device)
+        init_method(real)
+        with torch.no_grad():
+            weight.zero_()
+            weight[:unpadded_vocab_size].copy_(real)
+    return init
+
+
 def _per_partition(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
         raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp_size}; "

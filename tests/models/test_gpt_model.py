@@ -1,4 +1,6 @@
-"""GPTModel on one process: outputs, loss, tied weights, position embeddings and input checks."""
+"""GPTModel on one process: outputs, loss, tied weights, position embeddings, input checks, and
+vocabulary padding (a model padded to any size equals the unpadded model, built from the same
+seed: weights, logits, loss, gradients and training)."""
 
 import pytest
 import torch
@@ -10,17 +12,17 @@ from teratron.transformer.transformer_config import TransformerConfig
 VOCAB, SEQ, BATCH = 48, 12, 3
 
 
-def make_model(seed=0, **kwargs):
+def make_model(seed=0, vocab=VOCAB, **kwargs):
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
     torch.manual_seed(seed)
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, **kwargs)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab, SEQ, **kwargs)
 
 
-def batch():
+def batch(vocab=VOCAB):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
@@ -94,6 +96,93 @@ def test_same_seed_same_model_different_seed_different_model():
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.embedding.word_embeddings.weight, c.embedding.word_embeddings.weight)
+
+
+# ----- vocabulary padding -----------------------------------------------------------------------
+
+REAL_VOCAB = 100
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def test_padded_model_equals_unpadded_model():
+    """Padded to 128 or 256, a model with unpadded_vocab_size=100 is the 100-token model: real
+    rows drawn as the unpadded model draws them, padding rows zero, logits -inf past 100, the
+    same loss and real-row gradients, and exactly zero gradient on padding rows."""
+    ids, pos, labels = batch(REAL_VOCAB)
+    weights = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(2))
+    for kwargs in ({}, dict(share_embeddings_and_output_weights=True, position_embedding_type="rope")):
+        ref = make_model(vocab=REAL_VOCAB, **kwargs)
+        ref_logits = ref(ids, pos)
+        ref_loss = ref(ids, pos, labels=labels)
+        (ref_loss * weights).sum().backward()
+        ref_params = dict(ref.named_parameters())
+        for padded in (128, 256):
+            model = make_model(vocab=padded, unpadded_vocab_size=REAL_VOCAB, **kwargs)
+            for name, p in model.named_parameters():
+                if name in VOCAB_ROWS:
+                    assert p.shape[0] == padded
+                    assert torch.equal(p[:REAL_VOCAB], ref_params[name]), name
+                    assert torch.all(p[REAL_VOCAB:] == 0), name
+                else:
+                    assert torch.equal(p, ref_params[name]), name
+            logits = model(ids, pos)
+            assert logits.shape == (BATCH, SEQ, padded)
+            assert torch.all(logits[..., REAL_VOCAB:] == float("-inf"))
+            torch.testing.assert_close(logits[..., :REAL_VOCAB], ref_logits)
+            loss = model(ids, pos, labels=labels)
+            torch.testing.assert_close(loss, ref_loss)
+            # The returned logits give the same loss to a user's own cross entropy.
+            torch.testing.assert_close(F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"), loss)
+            (loss * weights).sum().backward()
+            for name, p in model.named_parameters():
+                if name in VOCAB_ROWS:
+                    torch.testing.assert_close(p.grad[:REAL_VOCAB], ref_params[name].grad, msg=name)
+                    assert torch.all(p.grad[REAL_VOCAB:] == 0), name
+                else:
+                    torch.testing.assert_close(p.grad, ref_params[name].grad, msg=name)
+
+
+def test_last_stage_copy_of_a_tied_padded_embedding_starts_equal_to_it():
+    first = make_model(vocab=128, unpadded_vocab_size=REAL_VOCAB, share_embeddings_and_output_weights=True)
+    last = make_model(vocab=128, unpadded_vocab_size=REAL_VOCAB, share_embeddings_and_output_weights=True,
+                      pre_process=False)
+    assert last.output_layer.weight.shared_embedding
+    assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
+    assert torch.all(last.output_layer.weight[REAL_VOCAB:] == 0)
+
+
+def _train(model, steps=6):
+    ids, pos, labels = batch(REAL_VOCAB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(ids, pos, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def test_padding_rows_stay_zero_in_training_and_the_loss_curve_ignores_the_padding():
+    reference = _train(make_model(vocab=REAL_VOCAB))
+    assert reference[-1] < reference[0]
+    for padded in (128, 256):
+        model = make_model(vocab=padded, unpadded_vocab_size=REAL_VOCAB)
+        losses = _train(model)
+        rel = ((losses - reference).abs() / reference).max()
+        assert rel <= 1e-5, f"padded to {padded}: {losses.tolist()} vs {reference.tolist()}"
+        for name in VOCAB_ROWS:
+            assert torch.all(model.get_parameter(name)[REAL_VOCAB:] == 0), name
+
+
+def test_unpadded_vocab_size_is_validated():
+    for bad in (129, 1):
+        with pytest.raises(ValueError, match="unpadded_vocab_size"):
+            make_model(vocab=128, unpadded_vocab_size=bad)
+    unpadded = make_model(vocab=REAL_VOCAB, unpadded_vocab_size=REAL_VOCAB)  # no padding at all
+    ids, pos, _ = batch(REAL_VOCAB)
+    torch.testing.assert_close(unpadded(ids, pos), make_model(vocab=REAL_VOCAB)(ids, pos))
 
 
 @pytest.mark.gpu

@@ -3,6 +3,8 @@
 Every parallel run builds its model from the same seed as a TP=1 reference built in the test
 process; logits, per-token losses, every parameter and every gradient (shards gathered to full
 with `gather_shards`, sequence-parallel norm grads after `finalize_model_grads`) must match.
+With `unpadded_vocab_size` the layouts may even pad the vocabulary differently (Megatron's
+divisor 128 x TP): each must equal the unpadded single-process model.
 """
 
 import dataclasses
@@ -71,14 +73,15 @@ def make_config(case: Case, tp: int, **overrides) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def build_model(case: Case, tp: int, pg_collection=None, seed=SEED, **config_overrides) -> GPTModel:
+def build_model(case: Case, tp: int, pg_collection=None, seed=SEED, vocab=PADDED_VOCAB,
+                unpadded_vocab_size=None, **config_overrides) -> GPTModel:
     config = make_config(case, tp, **config_overrides)
     torch.manual_seed(seed)
     return GPTModel(
-        config, get_gpt_layer_local_spec(qk_layernorm=case.qk_layernorm), PADDED_VOCAB, SEQ,
+        config, get_gpt_layer_local_spec(qk_layernorm=case.qk_layernorm), vocab, SEQ,
         parallel_output=case.parallel_output, share_embeddings_and_output_weights=case.tied,
         position_embedding_type=case.position, rotary_percent=case.rotary_percent,
-        pg_collection=pg_collection or ProcessGroupCollection(),
+        pg_collection=pg_collection or ProcessGroupCollection(), unpadded_vocab_size=unpadded_vocab_size,
     )
 
 
@@ -169,6 +172,67 @@ def test_tensor_and_sequence_parallel_gpt_equals_single_process():
         check_against_reference(case, [per_rank[r][i] for r in range(case.tp)], reference)
         if case.tp == 2:  # the second TP=2 group ran the same case
             check_against_reference(case, [per_rank[r][i] for r in (2, 3)], reference)
+
+
+# ----- vocabulary padding: every layout pads differently, all equal the unpadded model -----------
+
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+PADDING_CASES = [
+    Case(1, False, 8),
+    Case(2, False, 8),
+    Case(2, True, 2, position="rope", normalization="RMSNorm", swiglu=True, bias=False, tied=True,
+         parallel_output=False),
+    Case(4, False, 4, position="rope", tied=True, explicit_mask=True),  # TP ranks 1-3 hold only padding
+    Case(4, True, 8, normalization="RMSNorm", parallel_output=False),
+]
+
+
+def _megatron_padded(tp):
+    return pad_vocab_size(VOCAB, 128, tp)  # Megatron's default make_vocab_size_divisible_by
+
+
+def _padding_cases_on_ranks(cases):
+    rank = dist.get_rank()
+    groups = {1: None, 2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2],
+              4: dist.new_group([0, 1, 2, 3])}  # None: a group of one
+    results = []
+    for case in cases:
+        pgc = ProcessGroupCollection(tp=groups[case.tp])
+        model = build_model(case, case.tp, pgc, vocab=_megatron_padded(case.tp), unpadded_vocab_size=VOCAB)
+        results.append(forward_backward(model, case, pgc))
+    return results
+
+
+def check_padded_against_unpadded(case, ranks_results, reference):
+    """ranks_results: one TP group's results (TP-rank order) of a model padded to
+    _megatron_padded(tp); reference: the unpadded (VOCAB-token) single-process model."""
+    padded = _megatron_padded(len(ranks_results))
+    for r, result in enumerate(ranks_results):
+        assert_close(result["loss"], reference["loss"], f"{case} loss on tp rank {r}")
+    logits = torch.cat([r["logits"] for r in ranks_results], dim=-1) if case.parallel_output \
+        else ranks_results[0]["logits"]
+    assert logits.shape[-1] == padded
+    assert torch.all(logits[..., VOCAB:] == float("-inf")), f"{case} padding logits"
+    assert_close(logits[..., :VOCAB], reference["logits"], f"{case} logits")
+    for name, (ref_value, ref_grad, *_) in reference["params"].items():
+        _, _, sharded, dim, stride = ranks_results[0]["params"][name]
+        for which, index, ref in (("value", 0, ref_value), ("grad", 1, ref_grad)):
+            values = [r["params"][name][index] for r in ranks_results]
+            full = gather_shards(values, dim, stride) if sharded else values[0]
+            if name in VOCAB_ROWS:
+                assert full.shape[0] == padded
+                assert torch.all(full[VOCAB:] == 0), f"{case} {name} padding rows' {which}"
+                full = full[:VOCAB]
+            assert_close(full, ref, f"{case} {name} {which}")
+
+
+def test_layouts_padding_the_vocabulary_differently_equal_the_unpadded_model():
+    per_rank = run_distributed(_padding_cases_on_ranks, 4, PADDING_CASES)
+    for i, case in enumerate(PADDING_CASES):
+        reference = forward_backward(build_model(case, 1, vocab=VOCAB), case)
+        tp_groups = [range(r, r + case.tp) for r in range(0, 4, case.tp)]
+        for group in tp_groups:
+            check_padded_against_unpadded(case, [per_rank[r][i] for r in group], reference)
 
 
 # ----- training: the issue's "done when" ---------------------------------------------------------

@@ -1,9 +1,13 @@
-"""vocab_parallel_cross_entropy equals cross entropy over the full (padded) vocabulary.
+"""vocab_parallel_cross_entropy equals cross entropy over the real vocabulary.
 
 References: torch's F.cross_entropy for the plain loss, and for label smoothing both an
 explicit target distribution (1 - alpha on the target, alpha / (K - 1) on each other class of
-the K padded classes: Megatron's convention) and F.cross_entropy with the equivalent
-label_smoothing = alpha * K / (K - 1).
+the K classes: Megatron's convention) and F.cross_entropy with the equivalent
+label_smoothing = alpha * K / (K - 1). Without `unpadded_vocab_size` the K classes are every
+(padded) column; with it they are the first K columns only, the reference is computed over the
+logits cut to K columns, and the padding columns (filled with large values that would dominate
+the softmax if they took part) must get exactly zero gradient, whatever the TP size, including
+ranks that hold only padding.
 """
 
 import pytest
@@ -67,10 +71,37 @@ def _check(group, r, n):
     assert_close(loss, ref_loss)
 
 
+def _check_padding_excluded(group, r, n):
+    """Padded to a multiple of 16 * n columns: at n = 4 (64 columns) rank 0 holds only real
+    columns, rank 1 real and padding ones, ranks 2 and 3 only padding."""
+    padded = pad_vocab_size(VOCAB, 16, n)
+    target = torch.randint(0, VOCAB, (S, B), generator=torch.Generator().manual_seed(2), device="cpu").to(
+        torch.get_default_device())
+    real = _t(1, (S, B, VOCAB)) * 3
+    for alpha in (0.0, 0.1):
+        ref_loss, ref_grad = _reference(real, target, alpha)  # over the real vocabulary only
+        if alpha:
+            torch_loss = F.cross_entropy(real.flatten(0, 1), target.flatten(), reduction="none",
+                                         label_smoothing=alpha * VOCAB / (VOCAB - 1)).view(S, B)
+            assert_close(ref_loss, torch_loss)
+        full = torch.cat([real, _t(7, (S, B, padded - VOCAB)).abs() * 50 + 100], dim=-1)
+        shard = shard_tensor(full, -1, 1, r, n).requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(shard, target, label_smoothing=alpha, group=group,
+                                            unpadded_vocab_size=VOCAB)
+        loss.backward(_t(3, target.shape))
+        assert_close(loss.detach(), ref_loss)
+        full_grad = torch.cat([ref_grad, torch.zeros(S, B, padded - VOCAB)], dim=-1)
+        assert_close(shard.grad, shard_tensor(full_grad, -1, 1, r, n))
+        is_padding = shard_tensor(torch.arange(padded), 0, 1, r, n) >= VOCAB
+        assert torch.all(shard.grad[..., is_padding] == 0)
+
+
 def _all_layouts():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     _check(None, dist.get_rank() % 2, 2)
     _check(dist.group.WORLD, dist.get_rank(), 4)
+    _check_padding_excluded(None, dist.get_rank() % 2, 2)
+    _check_padding_excluded(dist.group.WORLD, dist.get_rank(), 4)
     return True
 
 
@@ -80,6 +111,7 @@ def test_vocab_parallel_cross_entropy_tp2_tp4():
 
 def test_single_process_equals_torch_and_validates():
     _check(None, 0, 1)
+    _check_padding_excluded(None, 0, 1)
     logits = _t(5, (B, S, VOCAB)).bfloat16().requires_grad_(True)
     target = torch.randint(0, VOCAB, (B, S))
     loss = vocab_parallel_cross_entropy(logits, target)
@@ -91,6 +123,9 @@ def test_single_process_equals_torch_and_validates():
         vocab_parallel_cross_entropy(logits, target, label_smoothing=1.0)
     with pytest.raises(ValueError, match="target shape"):
         vocab_parallel_cross_entropy(logits, target[:, :-1])
+    for bad in (VOCAB + 1, 1):
+        with pytest.raises(ValueError, match="unpadded_vocab_size"):
+            vocab_parallel_cross_entropy(logits, target, unpadded_vocab_size=bad)
 
 
 def test_pad_vocab_size():

@@ -1,6 +1,7 @@
 """Column/Row/VocabParallelEmbedding under TP=2 and TP=4, with and without sequence parallelism,
 equal the TP=1 layer built from the same seed: outputs, input grads and weight grads. No weight
-is copied: layout-invariant initialisation alone makes the models equal.
+is copied: layout-invariant initialisation alone makes the models equal. A vocab-sized weight
+padded with `padded_vocab_init_method` holds the unpadded layer's rows and zero padding rows.
 
 One 4-rank launch: the TP=1 reference is built before model parallel is initialised; TP=2 uses
 parallel_state's group (group=None), TP=4 the world group passed explicitly.
@@ -18,6 +19,7 @@ from dist import run_distributed
 from teratron import parallel_state
 from teratron.model_parallel_config import ModelParallelConfig
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.tensor_parallel.utils import shard_tensor
 
 S, B, H, F_, V = 8, 2, 16, 24, 32
@@ -154,7 +156,20 @@ def _build_refs():
                          input_is_parallel=True, skip_bias_add=False)
     refs["embedding"] = _build(VocabParallelEmbedding, V, H, config=_config(1, False))
     refs["mlp"] = _mlp(1, False, None)
+    refs["vocab"] = (refs["embedding"], _build(ColumnParallelLinear, H, V, config=_config(1, False)))
     return refs
+
+
+def _check_padded_vocab_init(refs, group, r, n):
+    """A vocab padded from V to 2V: the real rows are the unpadded layer's (same seed), the
+    padding rows zero, under any TP size."""
+    init = padded_vocab_init_method(_init, V)
+    for ref, cls, sizes in ((refs["vocab"][0], VocabParallelEmbedding, (2 * V, H)),
+                            (refs["vocab"][1], ColumnParallelLinear, (H, 2 * V))):
+        torch.manual_seed(SEED)
+        padded = cls(*sizes, config=_config(n, False), init_method=init, tp_group=group)
+        full = torch.cat([ref.weight.detach(), torch.zeros(V, H)])
+        assert torch.equal(padded.weight.detach(), shard_tensor(full, 0, 1, r, n)), cls.__name__
 
 
 def check_layers(refs, group, r, n):
@@ -163,6 +178,7 @@ def check_layers(refs, group, r, n):
         _check_row(refs, group, r, n, sp)
         _check_embedding(refs, group, r, n, sp)
     _check_mlp_chain(refs, group, r, n)
+    _check_padded_vocab_init(refs, group, r, n)
 
 
 def _all_layouts():
@@ -179,6 +195,8 @@ def test_parallel_layers_equal_tp1_layers():
 
 
 def test_layer_options_single_process():
+    _check_padded_vocab_init(_build_refs(), None, 0, 1)
+    assert padded_vocab_init_method(_init, None) is _init
     config = _config(1, False)
     ref = _build(ColumnParallelLinear, H, F_, config=config, keep_master_weight_for_test=True)
     assert_close(ref.master_weight, ref.weight.detach())
@@ -214,3 +232,4 @@ def test_layer_options_single_process():
     embedding = _build(VocabParallelEmbedding, V, H, config=config)
     ids = torch.randint(0, V, (B, S))
     assert_close(embedding(ids), embedding.weight[ids])
+

@@ -1,31 +1,36 @@
 """Token (+ learned absolute position) embedding: ids [b, s] -> hidden [s, b, h].
 
-The word table is vocab-parallel (each TP rank holds a slice of the padded vocab); position
-embeddings are replicated. Under sequence parallelism the output is scattered to
-[s/tp, b, h] and dropout runs under the TP RNG tracker (each rank holds a different slice).
+The word table is vocab-parallel (each TP rank holds a slice of the padded vocab); with
+`unpadded_vocab_size` its real rows start as an unpadded table's would and its padding rows at
+zero (never looked up, they stay zero). Position embeddings are replicated. Under sequence
+parallelism the output is scattered to [s/tp, b, h] and dropout runs under the TP RNG tracker
+(each rank holds a different slice).
 """
 
 import torch
 
 from teratron import tensor_parallel
 from teratron.tensor_parallel import mappings
-from teratron.tensor_parallel.layers import param_device
+from teratron.tensor_parallel.layers import padded_vocab_init_method, param_device
 
 
 class LanguageModelEmbedding(torch.nn.Module):
     def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,
-                 scatter_to_sequence_parallel: bool = True, tp_group=None):
+                 scatter_to_sequence_parallel: bool = True, tp_group=None,
+                 unpadded_vocab_size: int | None = None):
         super().__init__()
         if num_tokentypes:
             raise NotImplementedError(f"num_tokentypes={num_tokentypes}: token-type embeddings are not built; use 0")
         self.config = config
         self.vocab_size = vocab_size
+        self.unpadded_vocab_size = unpadded_vocab_size
         self.max_sequence_length = max_sequence_length
         self.tp_group = tp_group
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
+            vocab_size, config.hidden_size, config=config,
+            init_method=padded_vocab_init_method(config.embedding_init_method, unpadded_vocab_size),
             tp_group=tp_group,
         )
         self.add_position_embedding = position_embedding_type == "learned_absolute"

@@ -2,7 +2,10 @@
 
 One instance is one pipeline stage (or virtual stage): `pre_process` holds the embedding,
 `post_process` the final norm and output layer. `vocab_size` is the PADDED vocabulary (as in
-Megatron, callers pad with `tensor_parallel.pad_vocab_size`). With
+Megatron, callers pad with `tensor_parallel.pad_vocab_size`); `unpadded_vocab_size` (teratron's
+own) is the real one, and the ids past it are padding, not tokens: their embedding and output
+rows start at zero, their logits are -inf and the loss ignores them, so the model (loss,
+gradients, samples) does not depend on how far it was padded, hence on the TP size. With
 `share_embeddings_and_output_weights` the output layer reuses the word embedding; when the two
 live on different stages the last stage holds a copy (attribute `shared_embedding=True`) that
 starts equal to the embedding (both are built under the "embedding" init stream) and whose
@@ -15,8 +18,10 @@ import torch
 
 from teratron import tensor_parallel
 from teratron.models.common.language_model_embedding import LanguageModelEmbedding
-from teratron.process_groups import get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel import mappings
+from teratron.tensor_parallel.cross_entropy import real_vocab_in_partition
+from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.rope import RotaryEmbedding
 from teratron.transformer.transformer_block import TransformerBlock
@@ -31,7 +36,8 @@ class GPTModel(torch.nn.Module):
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
-                 rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None):
+                 rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None,
+                 unpadded_vocab_size: int | None = None):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
@@ -39,6 +45,7 @@ class GPTModel(torch.nn.Module):
             )
         self.config = config
         self.vocab_size = vocab_size
+        self.unpadded_vocab_size = unpadded_vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
         self.post_process = post_process
@@ -54,12 +61,17 @@ class GPTModel(torch.nn.Module):
                 f"vocab_size ({vocab_size}) is not divisible by the tensor-parallel size ({get_pg_size(tp)}); "
                 f"pass the padded size tensor_parallel.pad_vocab_size(vocab_size, make_vocab_size_divisible_by, tp)"
             )
+        if unpadded_vocab_size is not None and not 2 <= unpadded_vocab_size <= vocab_size:
+            raise ValueError(
+                f"unpadded_vocab_size={unpadded_vocab_size} must be in [2, vocab_size={vocab_size}]: pass the "
+                f"tokenizer's vocab size (vocab_size is the padded one), or None when there is no padding"
+            )
 
         if pre_process:
             with component_rng("embedding"):
                 self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                         position_embedding_type=position_embedding_type,
-                                                        tp_group=tp)
+                                                        tp_group=tp, unpadded_vocab_size=unpadded_vocab_size)
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
@@ -69,10 +81,11 @@ class GPTModel(torch.nn.Module):
                                         vp_stage=vp_stage)
         if post_process:
             tied_copy = share_embeddings_and_output_weights and not pre_process
+            init_method = config.embedding_init_method if tied_copy else config.init_method
             with component_rng("embedding" if tied_copy else "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size, vocab_size, config=config,
-                    init_method=config.embedding_init_method if tied_copy else config.init_method,
+                    init_method=padded_vocab_init_method(init_method, unpadded_vocab_size),
                     bias=False, skip_bias_add=False, gather_output=False,
                     skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
                     tp_group=tp,
@@ -101,8 +114,9 @@ class GPTModel(torch.nn.Module):
                 runtime_gather_output: bool | None = None):
         """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
         bool [b, 1, s, s] (True = masked out) or None for causal. Returns logits [b, s, V/tp]
-        ([b, s, V] when not parallel_output, or as runtime_gather_output says), the per-token
-        loss [b, s] with labels, or on a non-last stage the hidden states [s, b, h]."""
+        ([b, s, V] when not parallel_output, or as runtime_gather_output says; V is the padded
+        vocab, the padding columns -inf), the per-token loss [b, s] with labels, or on a
+        non-last stage the hidden states [s, b, h]."""
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
@@ -114,11 +128,21 @@ class GPTModel(torch.nn.Module):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
         if labels is None:
+            logits = self._mask_vocab_padding(logits)
             gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
             if gather:
                 logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _mask_vocab_padding(self, logits):
+        """Vocab-parallel logits [s, b, V/tp] with the padding columns set to -inf, so a softmax
+        or a sampler over them sees only the real vocabulary."""
+        partition = logits.shape[-1]
+        real = real_vocab_in_partition(self.unpadded_vocab_size, partition, get_pg_rank(self.pg_collection.tp))
+        if real == partition:
+            return logits
+        return logits.masked_fill(torch.arange(partition, device=logits.device) >= real, float("-inf"))
 
     def _rotary_pos_emb(self, decoder_input, position_ids):
         if self.rotary_pos_emb is None:
@@ -137,5 +161,6 @@ class GPTModel(torch.nn.Module):
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
-                                                            group=self.pg_collection.tp)
+                                                            group=self.pg_collection.tp,
+                                                            unpadded_vocab_size=self.unpadded_vocab_size)
         return loss.transpose(0, 1).contiguous()
