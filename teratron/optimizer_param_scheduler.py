@@ -2,13 +2,15 @@
 
 Steps are whatever unit the caller counts in: Megatron's training loop calls
 `step(increment=global_batch_size)`, so warm-up/decay lengths are in samples there. Each param
-group may carry `max_lr`/`min_lr` (its own peak and floor), `lr_mult` and `wd_mult`.
+group may carry `max_lr`/`min_lr` (its own peak and floor; None means the scheduler's), `lr_mult`
+and `wd_mult`.
 
 LR: linear warm-up from init_lr to max_lr over lr_warmup_steps, then by lr_decay_style
 ('constant', 'linear', 'cosine', 'inverse-square-root', 'WSD') down to min_lr at lr_decay_steps,
 min_lr after. WSD ("warmup-stable-decay") holds max_lr and anneals over the last
 wsd_decay_steps with lr_wsd_decay_style ('linear', 'cosine', 'exponential', 'minus_sqrt').
-Weight decay: start_wd -> end_wd over wd_incr_steps ('constant', 'linear', 'cosine').
+Weight decay: start_wd -> end_wd over wd_incr_steps ('constant', 'linear', 'cosine'), end_wd
+from then on; wd_incr_steps = 0 (e.g. --train-iters 0) is a ramp already over: end_wd throughout.
 """
 
 import math
@@ -47,9 +49,9 @@ class OptimizerParamScheduler:
         if self.min_lr < 0.0 or self.max_lr < self.min_lr:
             raise ValueError(f"learning rates must satisfy 0 <= min_lr ({self.min_lr}) <= max_lr ({self.max_lr}); "
                              "fix --min-lr / --lr")
-        if self.init_lr > self.max_lr:
-            raise ValueError(f"init_lr ({self.init_lr}) must not exceed max_lr ({self.max_lr})")
-        if self.lr_decay_steps <= 0 or self.lr_warmup_steps >= self.lr_decay_steps:
+        if not 0.0 <= self.init_lr <= self.max_lr:
+            raise ValueError(f"need 0 <= init_lr ({self.init_lr}) <= max_lr ({self.max_lr}); fix --lr-warmup-init")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps <= 0 or self.lr_warmup_steps >= self.lr_decay_steps:
             raise ValueError(f"need 0 <= lr_warmup_steps ({self.lr_warmup_steps}) < lr_decay_steps "
                              f"({self.lr_decay_steps}); fix --lr-warmup-* / --lr-decay-*")
         if self.lr_decay_style not in _LR_STYLES:
@@ -63,6 +65,8 @@ class OptimizerParamScheduler:
                                  f"choose one of {_WSD_STYLES}")
         if self.start_wd < 0.0 or self.end_wd < self.start_wd:
             raise ValueError(f"weight decay must satisfy 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd})")
+        if self.wd_incr_steps < 0:
+            raise ValueError(f"wd_incr_steps ({self.wd_incr_steps}) must be >= 0; fix --train-iters")
         if self.wd_incr_style not in _WD_STYLES:
             raise ValueError(f"wd_incr_style={self.wd_incr_style!r} is unknown; choose one of {_WD_STYLES}")
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
@@ -73,7 +77,7 @@ class OptimizerParamScheduler:
                              "choose one")
 
     def get_wd(self) -> float:
-        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+        if self.num_steps >= self.wd_incr_steps or self.wd_incr_style == "constant":
             return self.end_wd
         ratio = self.num_steps / self.wd_incr_steps
         if self.wd_incr_style == "linear":
@@ -83,8 +87,10 @@ class OptimizerParamScheduler:
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
     def get_lr(self, param_group) -> float:
-        max_lr = param_group.get("max_lr", self.max_lr)
-        min_lr = param_group.get("min_lr", self.min_lr)
+        max_lr = param_group.get("max_lr")
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = param_group.get("min_lr")
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
             return self.init_lr + (max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":

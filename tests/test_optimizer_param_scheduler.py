@@ -117,3 +117,43 @@ def test_bad_arguments_raise():
         _scheduler("WSD", lr_wsd_decay_style="linear")
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         _scheduler("linear", lr_warmup_steps=200)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_zero_weight_decay_steps_mean_end_wd_throughout(style):
+    """wd_incr_steps = 0 (e.g. --train-iters 0): the ramp is already over, no division by zero."""
+    s = _scheduler("constant", start_wd=0.0, end_wd=0.1, wd_incr_steps=0, wd_incr_style=style)
+    assert s.get_wd() == 0.1
+    assert s.optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert s.optimizer.param_groups[1]["weight_decay"] == 0.0      # wd_mult 0
+    s.step(7)
+    assert s.get_wd() == 0.1
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_reaches_end_wd_at_the_last_increment_step(style):
+    s = _scheduler("constant", start_wd=0.02, end_wd=0.1, wd_incr_style=style)
+    s.step(100)                                      # ratio 1: linear 1, cosine 0.5 * (cos 0 + 1) = 1
+    assert s.get_wd() == pytest.approx(0.1)
+
+
+def test_param_group_without_its_own_lr_uses_the_schedulers():
+    """OptimizerConfig.min_lr defaults to None: such groups decay to the scheduler's min_lr."""
+    from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1.0), [torch.nn.Linear(2, 2)])
+    assert all(group["min_lr"] is None for group in optimizer.param_groups)
+    s = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=10,
+                                lr_decay_steps=110, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                wd_incr_steps=100, wd_incr_style="constant")
+    s.step(60)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.55, 0.55])  # as in the table
+
+
+def test_bad_steps_and_init_lr_raise():
+    with pytest.raises(ValueError, match="wd_incr_steps"):
+        _scheduler("constant", start_wd=0.0, end_wd=0.1, wd_incr_steps=-1, wd_incr_style="linear")
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        _scheduler("linear", lr_warmup_steps=-5)
+    with pytest.raises(ValueError, match="init_lr"):
+        _scheduler("linear", init_lr=-0.1)

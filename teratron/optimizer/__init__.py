@@ -3,7 +3,7 @@ gradient clipping and CPU offload, built by `get_megatron_optimizer` (Megatron's
 
 import torch
 
-from teratron.optimizer.clip_grads import calc_params_l2_norm
+from teratron.optimizer.clip_grads import all_reduce_over_groups, calc_params_l2_norm, default_device
 from teratron.optimizer.distrib_optimizer import DistributedOptimizer
 from teratron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from teratron.optimizer.lion import Lion
@@ -58,12 +58,13 @@ def _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond,
     param_groups = []
     for (wd_mult, group_lr_mult, is_expert, is_decoupled), params in groups.items():
         max_lr = config.decoupled_lr if is_decoupled else config.lr
-        min_lr = config.decoupled_min_lr if is_decoupled else config.min_lr
+        # None: the scheduler's floor (a decoupled lr without its own floor uses min_lr, as --min-lr).
+        min_lr = config.decoupled_min_lr if is_decoupled and config.decoupled_min_lr is not None else config.min_lr
         param_groups.append({
             "params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
             "is_expert_parallel": is_expert, "is_decoupled_lr": is_decoupled,
             "max_lr": max_lr, "min_lr": min_lr,
-            "lr": (max_lr or 0.0) * group_lr_mult, "weight_decay": config.weight_decay * wd_mult,
+            "lr": max_lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult,
         })
     return param_groups
 
@@ -100,7 +101,16 @@ def _torch_optimizer_factory(config, kind, pg_collection):
                       scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
                       fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
                       tp_group=pg_collection.tp, expert_tp_group=pg_collection.expt_tp)
-    return lambda param_groups: cls(param_groups, **kwargs)
+
+    def make(param_groups):
+        if param_groups:
+            return cls(param_groups, **kwargs)
+        # A part with no params on this rank: an optimizer with no groups (torch refuses none).
+        optimizer = cls([{"params": []}], **kwargs)
+        optimizer.param_groups.clear()
+        return optimizer
+
+    return make
 
 
 def _mark_qkv_layouts(model_chunks):
@@ -117,11 +127,16 @@ def _mark_qkv_layouts(model_chunks):
                 param.muon_qkv_layout = (heads // query_groups, head_dim)
 
 
+def _grid_groups(pg):
+    """Groups whose product is the whole grid, dense and expert alike: grad statistics reduce here."""
+    return [pg.tp, pg.dp_cp, pg.pp]
+
+
 def _build(config, param_groups, kind, grad_scaler, model_chunks, is_expert, pg):
     make = _torch_optimizer_factory(config, kind, pg)
     tp = pg.expt_tp if is_expert else pg.tp
-    stats = [pg.expt_tp, pg.ep, pg.pp] if is_expert else [pg.tp, pg.pp]
-    common = dict(tp_group=tp, pp_group=pg.pp)
+    dp = pg.expt_dp if is_expert else pg.dp_cp
+    common = dict(tp_group=tp, pp_group=pg.pp, grad_stats_groups=_grid_groups(pg))
     if config.use_distributed_optimizer:
         for chunk in model_chunks:
             ddp_config = getattr(chunk, "ddp_config", None)
@@ -129,15 +144,20 @@ def _build(config, param_groups, kind, grad_scaler, model_chunks, is_expert, pg)
                 raise ValueError("use_distributed_optimizer=True needs every model chunk wrapped in "
                                  "DistributedDataParallel with DistributedDataParallelConfig("
                                  "use_distributed_optimizer=True)")
-        dp = pg.expt_dp if is_expert else pg.dp_cp
         buffers = [b for chunk in model_chunks
                    for b in (chunk.expert_parallel_buffers if is_expert else chunk.buffers)]
-        return DistributedOptimizer(make, param_groups, config, grad_scaler, buffers, dp,
-                                    grad_stats_groups=stats + [dp], **common)
+        return DistributedOptimizer(make, param_groups, config, grad_scaler, buffers, dp, **common)
     if config.fp16 or config.bf16 or config.optimizer_cpu_offload:
         return Float16OptimizerWithFloat16Params(make, param_groups, config, grad_scaler,
-                                                 grad_stats_groups=stats, **common)
-    return FP32Optimizer(make(param_groups), config, grad_scaler, grad_stats_groups=stats, **common)
+                                                 grad_replica_group=dp, **common)
+    return FP32Optimizer(make(param_groups), config, grad_scaler, grad_replica_group=dp, **common)
+
+
+def _present_on_any_rank(flags, pg):
+    """flags[i]: this rank has params for part i; the same answer on every rank of the grid."""
+    present = torch.tensor(flags, dtype=torch.float32, device=default_device())
+    all_reduce_over_groups(present, _grid_groups(pg), torch.distributed.ReduceOp.MAX)
+    return [bool(flag) for flag in present.tolist()]
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None,
@@ -147,7 +167,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
 
     no_weight_decay_cond(name, param) / scale_lr_cond(name, param) override Megatron's default
     rules; params matching scale_lr_cond get lr * lr_mult. Dense and expert params, and with
-    Muon its 2-D weights and the rest, get separate optimizers chained into one.
+    Muon its 2-D weights and the rest, get separate optimizers chained into one. Every rank
+    builds the same parts (empty where it has no such params: a pipeline stage without experts
+    or without matrices), so all ranks make the same collectives; hence a collective call.
     """
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
@@ -175,15 +197,15 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     else:
         parts = [(config.optimizer, lambda name, p: True)]
 
-    optimizers = []
+    built = []   # (kind, is_expert, this rank's param groups)
     for kind, param_filter in parts:
         groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                    param_filter)
         for is_expert in (False, True):
-            selected = [g for g in groups if g["is_expert_parallel"] == is_expert]
-            if selected:
-                optimizers.append(_build(config, selected, kind, grad_scaler, model_chunks, is_expert,
-                                         pg_collection))
+            built.append((kind, is_expert, [g for g in groups if g["is_expert_parallel"] == is_expert]))
+    present = _present_on_any_rank([bool(groups) for _, _, groups in built], pg_collection)
+    optimizers = [_build(config, groups, kind, grad_scaler, model_chunks, is_expert, pg_collection)
+                  for (kind, is_expert, groups), keep in zip(built, present) if keep]
     if not optimizers:
         raise ValueError("the model chunks have no trainable parameters (requires_grad=True) to optimize")
     return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)

@@ -1,9 +1,9 @@
-"""Global gradient norm, clipping, zero counting and the parameter norm.
+"""Gradient statistics (norm, zero count), clipping and the parameter norm.
 
-Every statistic is a sum over this rank's tensors, all-reduced over a list of process groups
-whose product covers each distinct element once (e.g. [tp, pp] for replicated data-parallel
-grads, [tp, pp, dp_cp] when the distributed optimizer shards them over data parallelism).
-Callers pass only tensors that are not duplicates of another rank's (see `param_is_counted`).
+A statistic is a sum of per-rank partial sums, all-reduced over a list of process groups whose
+product is the whole tp x dp_cp x pp grid. Each distinct element enters once: callers pass only
+tensors that are not duplicates of another rank's (`param_is_counted`), and grads replicated
+over data parallelism only from the replica group's rank 0 (see MegatronOptimizer).
 """
 
 import math
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
 
 
-def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):
+def all_reduce_over_groups(tensor, groups, op=dist.ReduceOp.SUM):
+    """All-reduce `tensor` in place over each group of `groups` in turn (groups of one skipped)."""
     for group in groups:
         if get_pg_size(group) > 1:
             dist.all_reduce(tensor, op=op, group=group)
@@ -32,21 +33,17 @@ def param_is_counted(param, tp_group=None, pp_group=None) -> bool:
     return getattr(param, "tensor_model_parallel", False) or get_pg_rank(tp_group) == 0
 
 
-def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=()) -> float:
-    """The global `norm_type` norm (2 or inf) of `grads_for_norm` over `grad_stats_groups`."""
-    if isinstance(grads_for_norm, torch.Tensor):
-        grads_for_norm = [grads_for_norm]
-    norm_type = float(norm_type)
+def local_grad_stats(grads, count_zeros: bool = False) -> torch.Tensor:
+    """[sum of squares, number of zero elements] of this rank's `grads`, in fp64 so that the
+    count stays exact past 2**24 (the count is 0 unless `count_zeros`)."""
     # The accumulator lives on the collective's device; grads may sit elsewhere (CPU offload).
-    total = torch.zeros((), dtype=torch.float32, device=default_device())
-    if norm_type == math.inf:
-        for grad in grads_for_norm:
-            if grad.numel():
-                total = torch.maximum(total, grad.detach().abs().max().float().to(total.device))
-        return _all_reduce(total, grad_stats_groups, dist.ReduceOp.MAX).item()
-    for grad in grads_for_norm:
-        total += (grad.detach().float().norm(norm_type) ** norm_type).to(total.device)
-    return _all_reduce(total, grad_stats_groups).item() ** (1.0 / norm_type)
+    stats = torch.zeros(2, dtype=torch.float64, device=default_device())
+    for grad in grads:
+        grad = grad.detach()
+        stats[0] += (grad.float().norm() ** 2).to(stats)
+        if count_zeros:
+            stats[1] += (grad.numel() - torch.count_nonzero(grad)).to(stats)
+    return stats
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm: float, total_norm: float) -> None:
@@ -56,16 +53,6 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm: float, total_norm: float)
         for param in parameters:
             if param.grad is not None:
                 param.grad.detach().mul_(clip_coeff)
-
-
-def count_zeros_fp32(parameters, grad_stats_groups=(), tp_group=None, pp_group=None) -> int:
-    """Number of exactly-zero gradient elements over the counted params of all ranks."""
-    total = torch.zeros((), dtype=torch.float32, device=default_device())
-    for param in parameters:
-        if param.grad is not None and param_is_counted(param, tp_group, pp_group):
-            grad = param.grad.detach()
-            total += (grad.numel() - torch.count_nonzero(grad)).to(total.device)
-    return int(_all_reduce(total, grad_stats_groups).item())
 
 
 def calc_params_l2_norm(model_chunks, pg_collection=None) -> float:
@@ -89,8 +76,8 @@ def calc_params_l2_norm(model_chunks, pg_collection=None) -> float:
     expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for param in expert:
         expert_sq += (param.detach().float().norm() ** 2).to(device)
-    _all_reduce(dense_sq, [pg_collection.tp, pg_collection.pp])
-    _all_reduce(expert_sq, [pg_collection.expt_tp, pg_collection.ep, pg_collection.pp])
+    all_reduce_over_groups(dense_sq, [pg_collection.tp, pg_collection.pp])
+    all_reduce_over_groups(expert_sq, [pg_collection.expt_tp, pg_collection.ep, pg_collection.pp])
     return math.sqrt((dense_sq + expert_sq).item())
 
 

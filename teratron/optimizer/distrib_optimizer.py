@@ -71,12 +71,9 @@ class DistributedOptimizer(MegatronOptimizer):
                     ranges[param] = (lo - p_start, hi - p_start) if lo < hi else (0, 0)
         return ranges
 
-    def prepare_grads(self) -> bool:
+    def copy_main_grads(self) -> None:
         for param, (start, end), main, _ in self.shards:
             main.grad = main_grad_for(main, param.main_grad.view(-1)[start:end])
-        if self.grad_scaler is not None:
-            return self._found_inf_in_main_grads()
-        return False
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()

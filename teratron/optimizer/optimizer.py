@@ -3,8 +3,15 @@
 A MegatronOptimizer wraps a torch optimizer that steps "main" params: the model params
 themselves in fp32, or fp32 master copies of bf16/fp16 params. `step()` makes main grads from
 the model's grads (`main_grad` under DDP, `.grad` otherwise), unscales them and checks for
-inf/nan (fp16), clips by the global norm and steps; it returns
+inf/nan (with a loss scaler), clips by the global norm and steps; it returns
 `(update_successful, grad_norm, num_zeros_in_grad)`, with (False, None, None) for a skipped step.
+
+Collectives are the same on every rank whatever params it holds: a step makes one found-inf
+reduction (with a loss scaler) and one reduction of [squared norm, zero count], each over the
+whole grid, for a single optimizer and for a chain alike. Dense and expert grads reduce over
+different groups (tp x pp vs expert-tp x ep x pp, times their data-parallel group under the
+distributed optimizer), so both are summed over the grid instead, each rank contributing only
+the grads no other rank also contributes (Megatron reduces each quantity once per chain too).
 """
 
 import math
@@ -13,10 +20,10 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from teratron.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, default_device,
-                                           get_grad_norm_fp32, param_is_counted)
+from teratron.optimizer.clip_grads import (all_reduce_over_groups, clip_grad_by_total_norm_fp32, default_device,
+                                           local_grad_stats, param_is_counted)
 from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
-from teratron.process_groups import get_pg_size
+from teratron.process_groups import get_pg_rank
 
 # Attributes a main param inherits from its model param (norm de-duplication, Muon layout).
 _INHERITED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
@@ -34,15 +41,22 @@ def _model_grad(param):
 
 
 class MegatronOptimizer(ABC):
-    """Common logic. `grad_stats_groups`: the groups over which grad norms, zero counts and the
-    inf flag are reduced; `tp_group`/`pp_group` decide which params are duplicates."""
+    """Common logic.
 
-    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=(), tp_group=None,
-                 pp_group=None):
+    grad_stats_groups: groups whose product is the whole grid (e.g. [tp, dp_cp, pp]); the inf
+    flag, grad norm and zero count are reduced over them. grad_replica_group: the group over
+    which this optimizer's main grads are identical copies (data parallel without the
+    distributed optimizer, which shards them instead); only its rank 0 counts them.
+    tp_group/pp_group decide which params are duplicates (`param_is_counted`).
+    """
+
+    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=(), grad_replica_group=None,
+                 tp_group=None, pp_group=None):
         self.optimizer = optimizer
         self.config = config
         self.grad_scaler = grad_scaler
         self.grad_stats_groups = list(grad_stats_groups)
+        self.grad_replica_group = grad_replica_group
         self.tp_group = tp_group
         self.pp_group = pp_group
 
@@ -78,46 +92,66 @@ class MegatronOptimizer(ABC):
     # ----- grad statistics -----------------------------------------------------------------------
 
     def get_main_grads_for_grad_norm(self):
+        """This rank's share of the distinct main grads (none off the replica group's rank 0)."""
+        if get_pg_rank(self.grad_replica_group) != 0:
+            return []
         return [p.grad for p in self.get_parameters()
                 if p.grad is not None and param_is_counted(p, self.tp_group, self.pp_group)]
 
+    def _grad_stats(self, count_zeros: bool):
+        """(global grad norm, global zero count or None): one reduction over the grid."""
+        stats = local_grad_stats(self.get_main_grads_for_grad_norm(), count_zeros)
+        all_reduce_over_groups(stats, self.grad_stats_groups)
+        return math.sqrt(stats[0].item()), int(stats[1].item()) if count_zeros else None
+
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), grad_stats_groups=self.grad_stats_groups)
+        return self._grad_stats(count_zeros=False)[0]
+
+    def count_zeros(self) -> int:
+        return self._grad_stats(count_zeros=True)[1]
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
         clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
-    def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), self.grad_stats_groups, self.tp_group, self.pp_group)
-
-    def _found_inf_in_main_grads(self) -> bool:
-        """Unscale the main grads in place; True if any rank's grads hold inf/nan."""
-        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
-        found = torch.zeros((), dtype=torch.float32, device=default_device())
-        inv_scale = self.grad_scaler.inv_scale.item()
-        for grad in grads:
-            grad.mul_(inv_scale)
-            found = torch.maximum(found, (~torch.isfinite(grad)).any().float().to(found.device))
-        for group in self.grad_stats_groups:
-            if get_pg_size(group) > 1:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
-
     # ----- the step ------------------------------------------------------------------------------
 
     @abstractmethod
-    def prepare_grads(self) -> bool:
-        """Fill main grads from model grads; with a grad scaler, unscale and return found_inf."""
+    def copy_main_grads(self) -> None:
+        """Fill the main grads from the model grads (no communication)."""
 
     @abstractmethod
     def step_with_ready_grads(self) -> bool:
         """Step the main params and copy them back to the model params."""
 
     @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Fill the main grads; with a grad scaler, unscale them in place and return whether any
+        rank's grads hold inf/nan."""
+        self.copy_main_grads()
+        if self.grad_scaler is None:
+            return False
+        inv_scale = self.grad_scaler.inv_scale.item()
+        found = torch.zeros((), dtype=torch.float32, device=default_device())
+        for p in self.get_parameters():
+            if p.grad is not None:
+                p.grad.mul_(inv_scale)
+                found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float().to(found.device))
+        all_reduce_over_groups(found, self.grad_stats_groups, dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    @torch.no_grad()
     def step(self):
-        return _chained_step(self.chained_optimizers, self.grad_scaler, self.config)
+        found_inf = self.prepare_grads()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        if found_inf:
+            return False, None, None
+        grad_norm, num_zeros = self._grad_stats(self.config.log_num_zeros_in_grad)
+        if self.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
+        return self.step_with_ready_grads(), grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.get_parameters():
@@ -160,37 +194,13 @@ class MegatronOptimizer(ABC):
             p.grad = grad
 
 
-@torch.no_grad()
-def _chained_step(optimizers, grad_scaler, config):
-    """One step over optimizers that share a loss scale and a global grad norm."""
-    found_inf = False
-    for optimizer in optimizers:
-        found_inf |= optimizer.prepare_grads()
-    if grad_scaler is not None:
-        grad_scaler.update(found_inf)
-    if found_inf:
-        return False, None, None
-    grad_norm = math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in optimizers))
-    if config.clip_grad > 0.0:
-        for optimizer in optimizers:
-            clip_grad_by_total_norm_fp32(optimizer.get_parameters(), config.clip_grad, grad_norm)
-    num_zeros = sum(opt.count_zeros() for opt in optimizers) if config.log_num_zeros_in_grad else None
-    success = True
-    for optimizer in optimizers:
-        success &= optimizer.step_with_ready_grads()
-    return success, grad_norm, num_zeros
-
-
 class FP32Optimizer(MegatronOptimizer):
     """Model params are fp32 and are the main params."""
 
-    def prepare_grads(self) -> bool:
+    def copy_main_grads(self) -> None:
         for p in self.get_parameters():
             if hasattr(p, "main_grad"):
                 p.grad = p.main_grad
-        if self.grad_scaler is not None:
-            return self._found_inf_in_main_grads()
-        return False
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
@@ -225,13 +235,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             main_groups.append({**group, "params": main_params})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
-    def prepare_grads(self) -> bool:
+    def copy_main_grads(self) -> None:
         for model_param, main in self.model_to_main:
             grad = _model_grad(model_param)
             main.grad = None if grad is None else main_grad_for(main, grad)
-        if self.grad_scaler is not None:
-            return self._found_inf_in_main_grads()
-        return False
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
@@ -266,14 +273,20 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
 class ChainedOptimizer(MegatronOptimizer):
     """Several optimizers stepped as one (dense + expert params, or Muon + its scalar optimizer):
-    one loss scale, one skip decision, one global grad norm."""
+    one loss scale, one skip decision, one global grad norm, each from one reduction over the
+    grid that all of them share. A part may be empty on a rank (no such params on this pipeline
+    stage): it contributes nothing, and every rank chains the same parts."""
 
     def __init__(self, chained_optimizers):
         if not chained_optimizers:
             raise ValueError("ChainedOptimizer needs at least one optimizer")
         self._chained = list(chained_optimizers)
         first = self._chained[0]
-        super().__init__(None, first.config, first.grad_scaler)
+        if any(opt.grad_stats_groups != first.grad_stats_groups or opt.grad_scaler is not first.grad_scaler
+               for opt in self._chained):
+            raise ValueError("ChainedOptimizer: the chained optimizers must share one grad scaler and one "
+                             "grad_stats_groups (the whole grid); build them with get_megatron_optimizer")
+        super().__init__(None, first.config, first.grad_scaler, grad_stats_groups=first.grad_stats_groups)
 
     @property
     def chained_optimizers(self):
@@ -293,23 +306,15 @@ class ChainedOptimizer(MegatronOptimizer):
     def get_main_grads_for_grad_norm(self):
         return [g for opt in self._chained for g in opt.get_main_grads_for_grad_norm()]
 
-    def prepare_grads(self) -> bool:
-        found_inf = False
+    def copy_main_grads(self) -> None:
         for opt in self._chained:
-            found_inf |= opt.prepare_grads()
-        return found_inf
+            opt.copy_main_grads()
 
     def step_with_ready_grads(self) -> bool:
         success = True
         for opt in self._chained:
             success &= opt.step_with_ready_grads()
         return success
-
-    def get_grad_norm(self) -> float:
-        return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self._chained))
-
-    def count_zeros(self) -> int:
-        return sum(opt.count_zeros() for opt in self._chained)
 
     def zero_grad(self, set_to_none: bool = True):
         for opt in self._chained:
