@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from teratron.tensor_parallel import get_cuda_rng_tracker
-
 from teratron.transformer.moe.moe_logging import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 from teratron.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from teratron.transformer.moe.router import TopKRouter, update_moe_routers
