@@ -5,6 +5,9 @@
     teratron preprocess [flags]     JSONL -> Megatron .bin/.idx
     teratron convert import-hf|export-hf [flags]   Hugging Face <-> teratron checkpoints
     teratron merge [flags]          weighted average of checkpoints
+    teratron estimate [train flags] [--world-size N] [--json]
+                                    peak memory per GPU and FLOPs of a `teratron train` command
+    teratron bench [flags]          training throughput next to the Hugging Face baseline
 
 Bad input (a flag, a config value, a file) ends the command with one line on stderr,
 `teratron: error: <message>`, and exit status 2; no traceback.
@@ -46,6 +49,13 @@ def _module_command(module_name: str, prog: str, description: str):
     return command
 
 
+def _main_command(module_name: str):
+    """A subcommand whose module parses its own flags in `main(argv) -> int`."""
+    def command(argv) -> int:
+        return importlib.import_module(module_name).main(argv)
+    return command
+
+
 COMMANDS = {
     "train": _train,
     "preprocess": _module_command("teratron.datasets.preprocess", "teratron preprocess",
@@ -54,6 +64,8 @@ COMMANDS = {
                                "Hugging Face folders <-> teratron checkpoints."),
     "merge": _module_command("teratron.dist_checkpointing.merge", "teratron merge",
                              "Weighted average of checkpoints of one model."),
+    "estimate": _main_command("teratron.estimate.cli"),
+    "bench": _main_command("teratron.bench.cli"),
 }
 
 
@@ -61,7 +73,9 @@ def _top_parser():
     from teratron.training.arguments import ArgumentParser
 
     parser = ArgumentParser(prog="teratron", description="Train transformer language models at scale.",
-                            epilog="Run `teratron COMMAND --help` for a command's flags.")
+                            epilog="commands:\n" + __doc__.split("\n\n")[1] +
+                                   "\n\nRun `teratron COMMAND --help` for a command's flags.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"teratron {teratron.__version__}")
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
 """`teratron train` end to end: mock data single-process vs TP=2 under torchrun, resume from a
-checkpoint (same layout and TP=2), the metrics file, the shortened embedded demo, NaN handling,
-and every bad-input case."""
+checkpoint (same layout and TP=2), pipeline layouts (1F1B, interleaved, a layout string) and
+optimizer CPU offload against the single process, the metrics file, the shortened embedded demo,
+NaN handling, every bad-input case, and the estimate/bench subcommands."""
 
 import json
 import math
@@ -90,6 +91,72 @@ def test_mock_data_single_process_tp2_torchrun_and_resume(tmp_path):
     for a, b in zip(records[5:], _metrics(resharded)):
         assert b["iteration"] == a["iteration"]
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+
+
+def _write_short_documents(prefix):
+    """400 documents of 2..11 tokens, each ending in EOD (99, NullTokenizer's last id at vocab
+    100): every 16-token sample spans several, so --reset-position-ids changes the positions."""
+    import numpy as np
+
+    from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
+        for _ in range(400):
+            n = int(rng.integers(2, 12))
+            builder.add_document(np.concatenate([rng.integers(0, 99, n - 1), [99]]), [n])
+        builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _pipeline_flags(tmp_path):
+    """4 layers; RoPE with --reset-position-ids, so a stage that did not get the batch's position
+    ids would rotate with 0..s-1; init std and lr large enough that positions move the loss."""
+    model = TINY[TINY.index("--tokenizer-type"):]
+    model[model.index("--num-layers") + 1] = "4"
+    model[model.index("--lr") + 1] = "1e-2"
+    return model + NO_DROPOUT + [
+        "--data-path", _write_short_documents(tmp_path / "short"), "--split", "90,10,0",
+        "--data-cache-path", str(tmp_path / "cache"), "--reset-position-ids",
+        "--init-method-std", "0.3", "--eval-interval", "3", "--train-iters", "6"]
+
+
+def test_pipeline_layouts_and_offload_equal_single_process(tmp_path):
+    """PP 2 (1F1B), PP 2 x VPP 2 (interleaved) and a layout string with uneven, empty-decoder
+    virtual stages under torchrun, and CPU offload of half the optimizer (plain and distributed):
+    each run's losses and grad norms equal the single process's."""
+    flags = _pipeline_flags(tmp_path)
+
+    def train(name, extra, launcher=None):
+        path = tmp_path / f"{name}.jsonl"
+        _teratron(flags + extra + ["--metrics-file", str(path)], tmp_path, launcher)
+        records = _metrics(path)
+        assert [r["iteration"] for r in records] == list(range(1, 7)), name
+        return records
+
+    reference = train("single", [])
+    # The data exercises the position ids: without the reset the losses differ.
+    flags.remove("--reset-position-ids")
+    plain_positions = train("no-reset", [])
+    flags.append("--reset-position-ids")
+    assert plain_positions[0]["lm_loss"] != pytest.approx(reference[0]["lm_loss"], rel=1e-4)
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--standalone", "-m", "teratron"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    runs = {
+        # The distributed optimizer's offload path too (DP 1: the shards are whole buffers).
+        "pp2-distopt-offload": (pp2 + ["--use-distributed-optimizer", "--optimizer-cpu-offload",
+                                       "--optimizer-offload-fraction", "0.5"], torchrun),
+        "pp2-vpp2": (pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"], torchrun),
+        # stages [E t t] [t] | [t] [L]: rank 0 holds 2 + 1 layers, rank 1 1 + 0.
+        "layout": (pp2 + ["--pipeline-model-parallel-layout", "Ett|t|t|L"], torchrun),
+        "offload": (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"], None),
+    }
+    for name, (extra, launcher) in runs.items():
+        for a, b in zip(reference, train(name, extra, launcher)):
+            assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), (name, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a, b)
 
 
 def test_shortened_demo(tmp_path):
@@ -195,7 +262,28 @@ def test_top_level_command_errors(capsys):
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("teratron ")
     for argv, phrase in [(["bogus"], "invalid choice: 'bogus'"), ([], "command"),
                          (["preprocess", "--input", "x.jsonl"], "--output-prefix"),
-                         (["merge"], "--inputs"), (["convert", "nope"], "invalid choice: 'nope'")]:
+                         (["merge"], "--inputs"), (["convert", "nope"], "invalid choice: 'nope'"),
+                         (["estimate", "--mock-data", "--num-layer", "2"], "unrecognized arguments: --num-layer"),
+                         (["bench", "--iters", "0"], "--iters"),
+                         (["bench", "--train-iters", "5"], "set by teratron bench")]:
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], (argv, err)
+
+
+def test_estimate_command(capsys):
+    """`teratron estimate` takes the train flags (pipeline and offload ones included) and prints
+    its table; `teratron --help` lists it and bench."""
+    flags = TINY[:TINY.index("--lr")] + ["--num-layers", "4", "--global-batch-size", "8",
+                                         "--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1",
+                                         "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+                                         "--world-size", "4"]
+    assert cli.main(["estimate"] + flags) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("teratron estimate: ") and "PP 2 x CP 1 x DP 2" in out, out
+    assert "stage 1" in out and "PEAK ALLOCATED" in out and not err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "teratron estimate" in out and "teratron bench" in out

@@ -3,6 +3,7 @@ built from them.
 
     args = parse_train_args(argv)              # flags, --config YAML, the demo's defaults
     validate_args(args, world_size)            # derived values; one-line errors
+    check_interleaved_schedule(args)           # what only a training run needs
     config = core_transformer_config_from_args(args)
 
 `--config run.yaml` holds the same keys as the flags (dashes or underscores, no leading
@@ -94,11 +95,26 @@ def _add_parallel_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size.")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="Layers per virtual stage (interleaved 1F1B).")
+                   help="Layers per virtual stage (interleaved 1F1B); with an uneven first/last split, "
+                        "of the evenly split stages.")
+    g.add_argument("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+                   type=int, default=None, dest="virtual_pipeline_model_parallel_size",
+                   help="Model chunks (virtual stages) per pipeline rank (interleaved 1F1B).")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="Interleaved 1F1B: micro-batches run back to back on each virtual stage; "
+                        "default the PP size.")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Layers on the first pipeline stage (uneven split).")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="Layers on the last pipeline stage (uneven split).")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer of the first stage in the even split.")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the loss (final norm + output layer) as one layer of the last stage.")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tL' (E embedding, t layer, "
+                        "L loss, | between stages, x*N repeats); sets the number of virtual stages.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="CP size.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -113,6 +129,9 @@ def _add_parallel_args(parser):
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="Grad bucket size in elements.")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="Average grads inside the collective.")
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
+                   dest="pad_buckets_for_high_nccl_busbw",
+                   help="Pad grad buckets to a multiple of 2^16 x DP (faster NCCL at large DP).")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="fp32 grad buffers and reduction with bf16/fp16 params.")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
@@ -172,6 +191,41 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0: off).")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Separate peak learning rate for the input embedding and output layer.")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Learning rate floor of --decoupled-lr; default --min-lr.")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="Apply weight decay to the q/k layernorm weights too.")
+    g.add_argument("--lion-beta1", type=float, default=0.95, help="Lion: momentum/gradient interpolation.")
+    g.add_argument("--lion-beta2", type=float, default=0.98, help="Lion: momentum EMA coefficient.")
+
+    g = parser.add_argument_group("muon optimizer (--optimizer muon)")
+    g.add_argument("--muon-momentum", type=float, default=0.9, help="Muon momentum.")
+    g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+                   help="Orthogonalise the fused QKV weight as one matrix instead of Q, K, V apart.")
+    g.add_argument("--muon-use-nesterov", action="store_true", dest="muon_nesterov",
+                   help="Nesterov momentum.")
+    g.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+                   help="How the orthogonalised update is scaled.")
+    g.add_argument("--muon-fp32-matmul-prec", default="medium", choices=["medium", "high", "highest"],
+                   help="Newton-Schulz precision: medium runs it in bf16, high/highest in fp32.")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations.")
+    g.add_argument("--muon-coefficient-type", default="quintic", choices=["simple", "quintic", "polar_express"],
+                   help="Newton-Schulz polynomial.")
+    g.add_argument("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"],
+                   help="Tensor-parallel weights: each shard alone, the gathered matrix, or distributed.")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="Extra factor on the update.")
+    g.add_argument("--muon-scalar-optimizer", default="adam", choices=["adam", "lion"],
+                   help="Optimizer of the params Muon leaves out (embeddings, output layer, 1-D).")
+
+    g = parser.add_argument_group("optimizer CPU offload")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Keep fp32 master weights and optimizer states on the CPU and step them there.")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="Fraction (by parameter count) offloaded with --optimizer-cpu-offload.")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+                   help="Offloaded master weights in pageable instead of pinned host memory.")
 
 
 def _add_data_args(parser):
@@ -322,6 +376,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     _validate_model(args)
     _validate_parallel(args, world_size)
     _validate_schedule(args)
+    _validate_optimizer(args)
     _validate_data_and_io(args)
     return args
 
@@ -375,23 +430,97 @@ def _validate_parallel(args, world_size):
         print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled",
               flush=True)
         args.sequence_parallel = False
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        if pp < 2:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage needs "
-                             "--pipeline-model-parallel-size > 1")
-        per_stage = args.num_layers // pp
-        if args.num_layers % pp or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            raise ValueError(f"--num-layers-per-virtual-pipeline-stage "
-                             f"({args.num_layers_per_virtual_pipeline_stage}) must divide the layers per "
-                             f"pipeline stage ({args.num_layers} / {pp})")
-        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    _validate_pipeline(args, pp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
                                       args.data_parallel_size, args.rampup_batch_size)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_pipeline(args, pp):
+    """Set args.virtual_pipeline_model_parallel_size (None without interleaving) from
+    --pipeline-model-parallel-layout, --num-layers-per-virtual-pipeline-stage or the flag itself;
+    the TransformerConfig checks the layer placement in detail."""
+    from teratron.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    layers_per_vp, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if layers_per_vp is not None and vpp is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
+                         "both given; choose one")
+    if args.pipeline_model_parallel_layout is not None:
+        if layers_per_vp is not None:
+            raise ValueError("--pipeline-model-parallel-layout and --num-layers-per-virtual-pipeline-stage "
+                             "both given; the layout already places every layer, drop the other")
+        try:
+            layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
+            layout.validate_layer_layout(args.num_layers, None)
+        except ValueError as e:
+            raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
+        from_layout = layout.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp != from_layout:
+            raise ValueError(f"--pipeline-model-parallel-layout has {len(layout.stages)} stages = PP {pp} x "
+                             f"{from_layout} virtual stages, but --virtual-pipeline-model-parallel-size is "
+                             f"{vpp}; drop the flag (the layout sets it)")
+        vpp = from_layout
+    elif layers_per_vp is not None:
+        vpp = _virtual_stages_from_layers(args, pp, layers_per_vp)
+    if vpp is not None and vpp < 1:
+        raise ValueError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}")
+    if vpp is not None and vpp > 1 and pp < 2:
+        raise ValueError(f"{vpp} virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp is not None and vpp > 1 else None
+
+
+def _virtual_stages_from_layers(args, pp, layers_per_vp):
+    """Virtual stages per rank from the layers of the evenly split ranks (all ranks without
+    --decoder-first/last-pipeline-num-layers; the embedding/loss count as a layer when accounted)."""
+    flag = f"--num-layers-per-virtual-pipeline-stage ({layers_per_vp})"
+    if pp < 2:
+        raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1")
+    if layers_per_vp < 1:
+        raise ValueError(f"{flag} must be >= 1")
+    ends = [n for n in (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+            if n is not None]
+    layers = (args.num_layers - sum(ends) + int(args.account_for_embedding_in_pipeline_split)
+              + int(args.account_for_loss_in_pipeline_split))
+    ranks = pp - len(ends)
+    if ranks == 0:
+        raise ValueError(f"{flag}: every pipeline rank has a fixed layer count (--decoder-first/last-"
+                         "pipeline-num-layers); give --virtual-pipeline-model-parallel-size instead")
+    if layers < 0 or layers % ranks or (layers // ranks) % layers_per_vp:
+        raise ValueError(f"{flag} must divide the layers of each evenly split pipeline rank "
+                         f"({layers} layers over {ranks} rank(s)); change it or the layer counts")
+    return layers // ranks // layers_per_vp
+
+
+def check_interleaved_schedule(args) -> None:
+    """With virtual stages, every step's micro-batch count must be a multiple of the group size.
+
+    Checked by `teratron train` after `validate_args` (the estimate accepts any count)."""
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    calculator = build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
+                                                   args.data_parallel_size, args.rampup_batch_size)
+    group = args.microbatch_group_size_per_vp_stage or pp
+    if group < pp:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be at least "
+                         f"--pipeline-model-parallel-size ({pp})")
+    if calculator.is_rampup:
+        sizes = range(calculator.start_global_batch_size, args.global_batch_size + 1,
+                      calculator.batch_size_increment)
+    else:
+        sizes = [args.global_batch_size]
+    per_step = calculator.micro_batch_times_data_parallel_size
+    for size in sizes:
+        if (size // per_step) % group:
+            raise ValueError(
+                f"the interleaved schedule needs the micro-batches per step to be a multiple of "
+                f"--microbatch-group-size-per-virtual-pipeline-stage ({group}; default the PP size), but "
+                f"global batch {size} / (micro-batch {args.micro_batch_size} x DP {args.data_parallel_size}) "
+                f"= {size // per_step}; change --global-batch-size or the group size")
 
 
 def _validate_schedule(args):
@@ -420,6 +549,20 @@ def _validate_schedule(args):
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.skip_nan_steps and not args.check_for_nan_in_loss_and_grad:
         raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
+
+
+def _validate_optimizer(args):
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {args.optimizer_offload_fraction}")
+    if args.optimizer_cpu_offload and args.optimizer == "muon":
+        raise ValueError("--optimizer-cpu-offload does not work with --optimizer muon; drop one")
+    if args.muon_num_ns_steps < 1:
+        raise ValueError(f"--muon-num-ns-steps must be >= 1, got {args.muon_num_ns_steps}")
+    if args.decoupled_lr is not None and args.decoupled_min_lr is None:
+        args.decoupled_min_lr = args.min_lr
+    if args.decoupled_lr is not None and args.decoupled_min_lr > args.decoupled_lr:
+        raise ValueError(f"--decoupled-min-lr ({args.decoupled_min_lr}) is larger than --decoupled-lr "
+                         f"({args.decoupled_lr})")
 
 
 def _validate_data_and_io(args):
@@ -462,5 +605,6 @@ def core_transformer_config_from_args(args):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         pipeline_dtype=args.params_dtype,
+        deallocate_pipeline_outputs=True,
     )
     return TransformerConfig(**kwargs)

@@ -29,10 +29,10 @@ def build_model(args, config, device) -> list:
     The seed is set right before building: initialisation is layout-invariant (every component
     draws from a stream derived from it), so any TP/PP layout starts from the same full model.
     """
-    from teratron.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from teratron.distributed import DistributedDataParallel
     from teratron.tensor_parallel import model_parallel_cuda_manual_seed
 
-    vpp = args.virtual_pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
     torch.manual_seed(args.seed)
     chunks = []
     for i in range(vpp or 1):
@@ -45,14 +45,7 @@ def build_model(args, config, device) -> list:
         ).to(device))
     model_parallel_cuda_manual_seed(args.seed)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-    )
+    ddp_config = ddp_config_from_args(args)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                     disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)]
@@ -67,12 +60,32 @@ def attach_model_hooks(config, model, optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
 
-def build_optimizer(args, model):
-    from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
+def ddp_config_from_args(args):
+    from teratron.distributed import DistributedDataParallelConfig
 
-    kwargs = {f.name: getattr(args, f.name) for f in fields(OptimizerConfig)
-              if f.init and hasattr(args, f.name)}
-    return get_megatron_optimizer(OptimizerConfig(**kwargs), model)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+        pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
+    )
+
+
+def optimizer_config_from_args(args):
+    """OptimizerConfig from the flags: every field is named like its flag's destination."""
+    from teratron.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**{f.name: getattr(args, f.name) for f in fields(OptimizerConfig)
+                              if f.init and hasattr(args, f.name)})
+
+
+def build_optimizer(args, model):
+    from teratron.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config_from_args(args), model)
 
 
 def build_scheduler(args, optimizer):

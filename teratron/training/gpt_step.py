@@ -9,7 +9,10 @@ from teratron import parallel_state
 
 def get_batch(data_iterator, device):
     """Next micro-batch as tensors on `device`; every rank of a data-parallel replica reads the
-    same samples (the sampler is keyed by DP rank only), so nothing is broadcast."""
+    same samples (the sampler is keyed by DP rank only), so nothing is broadcast. In particular
+    every pipeline stage (and virtual stage, from its own iterator) gets the batch's position_ids
+    and attention mask, which RoPE and attention need in the middle of the model too when
+    --reset-position-ids / --reset-attention-mask make them differ from the default."""
     batch = next(data_iterator)
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()
             if isinstance(value, torch.Tensor)}

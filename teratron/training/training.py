@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from teratron.training.arguments import core_transformer_config_from_args, validate_args
+from teratron.training.arguments import (check_interleaved_schedule, core_transformer_config_from_args,
+                                         validate_args)
 from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_scheduler
 from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_writable,
                                              checkpoint_and_decide_exit, load_checkpoint,
@@ -72,9 +73,14 @@ def _pretrain(args, world_size, after_training):
     from teratron.tokenizers import build_tokenizer
 
     validate_args(args, world_size)
+    check_interleaved_schedule(args)
     if args.context_parallel_size > 1:
         raise NotImplementedError("--context-parallel-size > 1 is not supported by teratron train yet; "
                                   "use 1")
+    config = core_transformer_config_from_args(args)
+    # The config is the authority on virtual stages (a layout sets them): the grid and the
+    # model chunks follow it.
+    args.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
     if args.save:
         check_save_dir_writable(args.save)
     initialize_model_parallel(args)
@@ -84,15 +90,15 @@ def _pretrain(args, world_size, after_training):
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
-    config = core_transformer_config_from_args(args)
     model = build_model(args, config, device)
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)
     attach_model_hooks(config, model, optimizer)
     if is_logging_rank():
         params = sum(p.numel() for chunk in model for p in chunk.parameters())
+        vpp = f" (x {len(model)} virtual)" if len(model) > 1 else ""
         print(f"model: {params:,} parameters on this rank (TP {args.tensor_model_parallel_size} x "
-              f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
+              f"PP {args.pipeline_model_parallel_size}{vpp} x DP {args.data_parallel_size}, "
               f"{args.world_size} process(es))", flush=True)
 
     state = TrainState()

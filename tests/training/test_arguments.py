@@ -1,7 +1,7 @@
 import pytest
 
-from teratron.training.arguments import (core_transformer_config_from_args, parse_train_args,
-                                         validate_args)
+from teratron.training.arguments import (check_interleaved_schedule, core_transformer_config_from_args,
+                                         parse_train_args, validate_args)
 
 BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
@@ -86,3 +86,90 @@ def test_example_configs_parse_and_validate():
         args = parse_train_args(["--config", str(path)] + data)
         validate_args(args, world_size=1)
         core_transformer_config_from_args(args)
+
+
+def _pipeline(flags, world_size):
+    args = validate_args(parse_train_args(BASE + ["--global-batch-size", "8"] + flags), world_size)
+    check_interleaved_schedule(args)
+    return args, core_transformer_config_from_args(args)
+
+
+def test_pipeline_flags_reach_the_config():
+    from teratron.pipeline_parallel.layout import stage_layer_counts
+
+    # A layout sets the virtual stages: [E] [t] | [t] [L] is PP 2 x VPP 2.
+    args, config = _pipeline(["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+                              "E|t|t|L"], 2)
+    assert args.virtual_pipeline_model_parallel_size == config.virtual_pipeline_model_parallel_size == 2
+    assert stage_layer_counts(config, 2) == [0, 1, 1, 0]
+    assert config.deallocate_pipeline_outputs and config.microbatch_group_size_per_vp_stage == 2
+
+    # Uneven first/last stages with virtual stages: the middle rank's 4 layers make 2 chunks of 2.
+    args, config = _pipeline(["--num-layers", "8", "--pipeline-model-parallel-size", "3",
+                              "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers",
+                              "2", "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "12"], 3)
+    assert config.virtual_pipeline_model_parallel_size == 2
+    assert stage_layer_counts(config, 3) == [1, 2, 1, 1, 2, 1]
+
+    # The embedding and loss counted as layers: (6 + 2) / 2 ranks = 4, 2 chunks of 2.
+    args, config = _pipeline(["--num-layers", "6", "--pipeline-model-parallel-size", "2",
+                              "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                              "--num-layers-per-virtual-pipeline-stage", "2"], 2)
+    assert stage_layer_counts(config, 2) == [1, 2, 2, 1]
+
+    args, config = _pipeline(["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                              "--num-virtual-stages-per-pipeline-rank", "2",
+                              "--microbatch-group-size-per-virtual-pipeline-stage", "4",
+                              "--global-batch-size", "16"], 2)
+    assert config.virtual_pipeline_model_parallel_size == 2 and config.microbatch_group_size_per_vp_stage == 4
+
+
+def test_pipeline_flag_errors():
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    vpp2 = pp2 + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+    cases = [
+        # 2 micro-batches per step (4 / (2 x DP 1)) but groups of 4.
+        (vpp2 + ["--global-batch-size", "4", "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+         r"multiple of --microbatch-group-size-per-virtual-pipeline-stage \(4; .*= 2"),
+        (vpp2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "1"], r"\(1\) must be at least"),
+        (pp2 + ["--pipeline-model-parallel-layout", "Et|tL", "--num-layers-per-virtual-pipeline-stage", "1"],
+         "both given"),
+        (pp2 + ["--pipeline-model-parallel-layout", "Et|t|L"], "--pipeline-model-parallel-layout: .*multiple"),
+        (pp2 + ["--pipeline-model-parallel-layout", "Et|ttL"], "--pipeline-model-parallel-layout: .*num_layers is 2"),
+        (pp2 + ["--pipeline-model-parallel-layout", "E|t|t|L", "--virtual-pipeline-model-parallel-size", "3"],
+         "drop the flag"),
+        (pp2 + ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1",
+                "--num-layers-per-virtual-pipeline-stage", "1"], "--virtual-pipeline-model-parallel-size instead"),
+        (pp2 + ["--num-layers-per-virtual-pipeline-stage", "2"], r"must divide .*\(2 layers over 2"),
+        (["--virtual-pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _pipeline(extra, 2)
+
+
+def test_optimizer_and_ddp_flags():
+    from teratron.training.build import ddp_config_from_args, optimizer_config_from_args
+
+    args = validate_args(parse_train_args(BASE + [
+        "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-params",
+        "--decoupled-lr", "1e-4", "--apply-wd-to-qk-layernorm", "--lion-beta1", "0.9",
+        "--muon-momentum", "0.8", "--muon-no-split-qkv", "--muon-use-nesterov", "--muon-tp-mode", "duplicated",
+        "--muon-num-ns-steps", "3", "--muon-scalar-optimizer", "lion",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--ddp-bucket-size", "1000", "--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw"]), 2)
+    opt = optimizer_config_from_args(args)
+    assert opt.optimizer_cpu_offload and opt.optimizer_offload_fraction == 0.5 and not opt.pin_cpu_params
+    assert opt.decoupled_lr == 1e-4 and opt.decoupled_min_lr == 0.0 and opt.apply_wd_to_qk_layernorm
+    assert opt.lion_beta1 == 0.9 and opt.muon_momentum == 0.8 and not opt.muon_split_qkv and opt.muon_nesterov
+    assert (opt.muon_tp_mode, opt.muon_num_ns_steps, opt.muon_scalar_optimizer) == ("duplicated", 3, "lion")
+    assert opt.use_distributed_optimizer and opt.overlap_param_gather
+    ddp = ddp_config_from_args(args)
+    assert ddp.use_distributed_optimizer and ddp.overlap_grad_reduce and ddp.overlap_param_gather
+    assert ddp.bucket_size == 1000 and ddp.average_in_collective and ddp.pad_buckets_for_high_nccl_busbw
+
+    for extra, message in [(["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction"),
+                           (["--optimizer", "muon", "--optimizer-cpu-offload"], "--optimizer muon"),
+                           (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr")]:
+        with pytest.raises(ValueError, match=message):
+            validate_args(parse_train_args(BASE + extra), 1)
