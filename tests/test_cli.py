@@ -16,10 +16,9 @@ from teratron import cli
 
 METRIC_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_gpu", "mfu",
                "mem_peak_gib", "skipped"}
-# Vocab 100 pads to 128 both alone and with TP = 2 (multiple of 64 x TP), so both runs hold the
-# same model; with Megatron's default of 128 x TP, TP = 2 would add 128 padding logits.
+# Vocab 100 pads to 128 alone and to 256 with TP = 2 (Megatron's 128 x TP): padding is not a token,
+# so both runs compute the same loss.
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-        "--make-vocab-size-divisible-by", "64",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
         "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--num-workers", "0",

@@ -20,6 +20,7 @@ def gpt_model_provider(args, config, pre_process: bool, post_process: bool, vp_s
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, vp_stage=vp_stage,
+        unpadded_vocab_size=args.vocab_size,
     )
 
 

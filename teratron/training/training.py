@@ -88,6 +88,7 @@ def _pretrain(args, world_size, after_training):
     device = get_device()
 
     tokenizer = build_tokenizer(args)
+    args.vocab_size = tokenizer.vocab_size  # the real vocabulary: padding is masked out of the loss
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
     model = build_model(args, config, device)
