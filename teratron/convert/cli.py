@@ -1,7 +1,9 @@
 """`teratron convert import-hf | export-hf`: Hugging Face folders <-> teratron checkpoints (CPU only).
 
     teratron convert import-hf --hf-path DIR --save CKPT [--tensor-model-parallel-size N
-                                                          --pipeline-model-parallel-size M]
+                                                          --pipeline-model-parallel-size M
+                                                          --expert-model-parallel-size E
+                                                          --moe-grouped-gemm]
     teratron convert export-hf --load CKPT --out DIR [--max-shard-size 5GB] [--dtype bf16]
 """
 
@@ -29,6 +31,10 @@ def add_arguments(parser):
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size the model must split into.")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="Pad the vocabulary to a multiple of this times the TP size (as training does).")
+    imp.add_argument("--expert-model-parallel-size", type=int, default=1,
+                     help="EP size the experts must split into (MoE models).")
+    imp.add_argument("--moe-grouped-gemm", action="store_true",
+                     help="Store experts as GroupedMLP weights, for training with --moe-grouped-gemm (MoE models).")
     exp = sub.add_parser("export-hf", help="teratron checkpoint -> Hugging Face folder.")
     exp.add_argument("--load", required=True, help="Checkpoint folder (its latest iteration) or an iter_* folder.")
     exp.add_argument("--out", required=True, help="New folder for the Hugging Face model.")
@@ -43,11 +49,13 @@ def run(args) -> int:
     if args.convert_command == "import-hf":
         for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
                             ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                            ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
+                            ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
+                            ("--expert-model-parallel-size", args.expert_model_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         folder = import_hf(args.hf_path, args.save, args.tensor_model_parallel_size,
-                           args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+                           args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
+                           args.expert_model_parallel_size, args.moe_grouped_gemm)
         print(f"imported {args.hf_path} -> {folder}")
     else:
         out = export_hf(args.load, args.out, parse_size(args.max_shard_size), _DTYPES.get(args.dtype))

@@ -4,7 +4,8 @@
     import_hf("path/to/llama", "ckpt", tp=2, pp=2)   a sharded checkpoint (loads into any layout)
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
 
-Weights map through `hf_mapping.TABLE`; the config through `hf_config`. The vocabulary of
+Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
+`hf_moe`). The vocabulary of
 `from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
 padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 """
@@ -17,12 +18,14 @@ import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
 from teratron.convert.hf_mapping import hf_to_teratron, teratron_to_hf
+from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.safetensors_io import open_hf_weights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.process_groups import ProcessGroupCollection
+from teratron.transformer.moe import moe_layer_pattern
 
 # Files of an HF model folder besides the weights: config, generation defaults, tokenizer.
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -38,17 +41,26 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
-def _read_hf(path, model_args):
+def _read_hf(path, model_args, family):
     names, read = open_hf_weights(path)
-    return hf_to_teratron(names, read, model_args, f"--hf-path {path}")
+    return hf_to_teratron(names, read, model_args, family, f"--hf-path {path}")
 
 
-def from_hf(path: str, params_dtype: torch.dtype = torch.float32):
-    """(GPTModel, TransformerConfig) of the HF model in `path`, in this process alone."""
-    model_args = model_args_from_hf(read_hf_config(path), f"--hf-path {path}")
-    config = transformer_config(model_args, params_dtype=params_dtype, perform_initialization=False)
+def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
+    """(GPTModel, TransformerConfig) of the HF model in `path`, in this process alone; MoE
+    experts as GroupedMLP with `moe_grouped_gemm`, and the config carries the model's aux-loss
+    coefficient for training it."""
+    hf = read_hf_config(path)
+    model_args = model_args_from_hf(hf, f"--hf-path {path}")
+    if moe_grouped_gemm and not model_args["num_experts"]:
+        raise ValueError(f"from_hf({path!r}, moe_grouped_gemm=True): the model is dense; leave it False")
+    overrides = {}
+    if model_args["num_experts"]:
+        model_args["moe_grouped_gemm"] = moe_grouped_gemm
+        overrides = moe_training_config_from_hf(hf)
+    config = transformer_config(model_args, params_dtype=params_dtype, perform_initialization=False, **overrides)
     model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
-    model.load_state_dict(_read_hf(path, model_args), strict=True)
+    model.load_state_dict(_read_hf(path, model_args, hf["model_type"]), strict=True)
     return model.eval(), config
 
 
@@ -59,22 +71,45 @@ def _copy_side_files(src: str, dst: str, skip=()) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
+def _check_mlp_split(model_args: dict, config) -> None:
+    """The MLP sizes split over TP (dense layers) and expert-TP (experts)."""
+    a, tp = model_args, config.tensor_model_parallel_size
+    moe = moe_layer_pattern(a["num_layers"], a["moe_layer_freq"]) if a["num_experts"] else [0]
+    if not all(moe) and a["ffn_hidden_size"] % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the MLP size "
+                         f"({a['ffn_hidden_size']}); choose a TP size that does")
+    etp = config.expert_tensor_parallel_size
+    if any(moe) and a["moe_ffn_hidden_size"] % etp:
+        raise ValueError(f"the expert-tensor-parallel size {etp} (the TP size) does not divide the experts' MLP "
+                         f"size ({a['moe_ffn_hidden_size']}); choose a TP size that does")
+
+
 def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-              make_vocab_size_divisible_by: int = 128) -> str:
+              make_vocab_size_divisible_by: int = 128, expert_model_parallel_size: int = 1,
+              moe_grouped_gemm: bool = False) -> str:
     """Write the HF model as iteration 0 of the save directory `save`; returns its folder.
 
-    The sharded format is layout-free (any TP/PP loads it); the given sizes are checked against
-    the model (heads, groups, layers must split) and recorded as the layout it was made for."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    model_args = model_args_from_hf(read_hf_config(hf_path), f"--hf-path {hf_path}",
-                                    make_vocab_size_divisible_by, tp)
-    transformer_config(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if model_args["ffn_hidden_size"] % tp:
-        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the MLP size "
-                         f"({model_args['ffn_hidden_size']}); choose a TP size that does")
+    The sharded format is layout-free (any TP/PP/EP loads it); the given sizes are checked
+    against the model (heads, groups, layers, experts must split) and recorded as the layout it
+    was made for. MoE experts are stored as GroupedMLP weights with `moe_grouped_gemm` (train
+    with --moe-grouped-gemm), else per expert (SequentialMLP)."""
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    hf = read_hf_config(hf_path)
+    model_args = model_args_from_hf(hf, f"--hf-path {hf_path}", make_vocab_size_divisible_by, tp)
+    if not model_args["num_experts"] and (ep > 1 or moe_grouped_gemm):
+        raise ValueError(f"--hf-path {hf_path} holds a dense model; --expert-model-parallel-size and "
+                         "--moe-grouped-gemm apply to MoE models only")
+    if model_args["num_experts"]:
+        model_args["moe_grouped_gemm"] = moe_grouped_gemm
+        if model_args["num_experts"] % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's "
+                             f"{model_args['num_experts']} experts; choose an EP size that does")
+    config = transformer_config(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                expert_model_parallel_size=ep)
+    _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
-    state = _read_hf(hf_path, model_args)
+    state = _read_hf(hf_path, model_args, hf["model_type"])
     os.makedirs(save, exist_ok=True)
     tmp = storage.temporary_dir(save, 0)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -82,11 +117,25 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     serialization.save(items, tmp, no_dist=True)
     storage.write_metadata(tmp, {
         "iteration": 0, "model_args": model_args, "has_optimizer": False,
-        "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                   "expert_model_parallel_size": ep},
         "source": {"huggingface": os.path.abspath(hf_path)},
     })
     _copy_side_files(hf_path, os.path.join(save, storage.HF_DIRNAME))
     return storage.publish(save, 0)
+
+
+def _trained_aux_loss_coeff(checkpoint_dir: str):
+    """The aux-loss coefficient of the training run that saved the checkpoint (None: an import,
+    or a run without an aux loss)."""
+    common_file = os.path.join(checkpoint_dir, storage.COMMON_FILENAME)
+    if not os.path.isfile(common_file):
+        return None
+    args = torch.load(common_file, map_location="cpu", weights_only=False).get("args")
+    types = getattr(args, "moe_router_load_balancing_type", None)
+    coeffs = getattr(args, "moe_aux_loss_coeff", None)
+    types, coeffs = (v if isinstance(v, list) else [v] for v in (types, coeffs))
+    return next((float(c) for t, c in zip(types, coeffs) if t == "aux_loss"), None)
 
 
 def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtype: torch.dtype | None = None) -> str:
@@ -100,8 +149,10 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     base = read_hf_config(hf_side) if os.path.isfile(os.path.join(hf_side, "config.json")) else None
     if base is not None:  # a training run records the padded size; the imported config the real one
         model_args = {**model_args, "vocab_size": base.get("vocab_size", model_args["vocab_size"])}
-    hf_config = hf_config_from_model_args(model_args, base)
-    tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args)
+    aux_loss_coeff = _trained_aux_loss_coeff(checkpoint_dir) if model_args.get("num_experts") else None
+    hf_config = hf_config_from_model_args(model_args, base, aux_loss_coeff)
+    tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
+                             hf_config["model_type"])
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tmp = out.rstrip("/") + ".tmp"

@@ -3,13 +3,20 @@
 Llama 2/3, Mistral, Qwen2 and Qwen3 are one architecture to teratron: RMSNorm, SwiGLU, RoPE
 (rotate-half, as Megatron's default), grouped-query attention, no position table. They differ in
 biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection), qk-norm
-(Qwen3) and tied embeddings. Features teratron does not build (RoPE scaling, sliding windows that
-bite, other activations) are refused with the field's name.
+(Qwen3) and tied embeddings. Mixtral (Mistral's attention) and Qwen3-MoE (Qwen3's) replace MLPs
+by MoE layers; their MoE fields map in `hf_moe`. Features teratron does not build (RoPE scaling,
+sliding windows that bite, other activations, Qwen2-MoE's gated shared expert) are refused with
+the field's name.
 """
 
 import warnings
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from teratron.convert.hf_moe import (MOE_FAMILIES, REFUSED, moe_args_from_hf, moe_export_family,
+                                     moe_hf_fields)
+from teratron.dist_checkpointing.model_args import MOE_DEFAULTS
+
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 
 def _rope(hf: dict, source: str) -> float:
@@ -36,7 +43,7 @@ def _biases(hf: dict, family: str, source: str) -> tuple:
 
 def _check_window(hf: dict, source: str) -> None:
     window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", hf.get("model_type") == "mistral")
+    uses_window = hf.get("use_sliding_window", hf.get("model_type") in ("mistral", "mixtral"))
     if uses_window and window is not None and window < hf.get("max_position_embeddings", 0):
         warnings.warn(f"{source}: sliding_window={window} is ignored; teratron attends over the full "
                       f"sequence, which equals the model for sequences up to {window} tokens")
@@ -48,6 +55,8 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
     from teratron.tensor_parallel import pad_vocab_size
 
     family = hf.get("model_type")
+    if family in REFUSED:
+        raise ValueError(f"{source}: model_type {family!r}: {REFUSED[family]}")
     if family not in FAMILIES:
         raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
@@ -62,13 +71,14 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
         "normalization": "RMSNorm", "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "swiglu": True,
-        "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias, "qk_layernorm": family == "qwen3",
+        "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias,
+        "qk_layernorm": family in ("qwen3", "qwen3_moe"),
         "position_embedding_type": "rope", "rotary_base": _rope(hf, source), "rotary_percent": 1.0,
         "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
-        "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": None, "moe_grouped_gemm": False,
+        **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else MOE_DEFAULTS),
     }
 
 
@@ -82,9 +92,11 @@ def _fits(family: str, a: dict) -> bool:
     }[family]
 
 
-def _export_family(a: dict, base_type) -> str:
+def export_family(a: dict, base_type) -> str:
     """The imported family when the model still fits it, else the first that does."""
-    for family in ((base_type,) if base_type in FAMILIES else ()) + ("llama", "qwen2", "qwen3"):
+    if a["num_experts"]:
+        return moe_export_family(a)
+    for family in ((base_type,) if base_type in DENSE_FAMILIES else ()) + ("llama", "qwen2", "qwen3"):
         if _fits(family, a):
             return family
     raise ValueError("the checkpoint combines qk-layernorm with a QKV-only bias; no Hugging Face "
@@ -92,21 +104,23 @@ def _export_family(a: dict, base_type) -> str:
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-def hf_config_from_model_args(a: dict, base: dict | None = None) -> dict:
+def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff: float | None = None) -> dict:
     """An HF config dict for the model; `base` (the imported config) keeps the model type and its
-    extra fields (token ids, ...)."""
-    if a.get("num_experts"):
-        raise ValueError("the checkpoint holds an MoE model; Hugging Face export covers dense models only")
+    extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
+    router_aux_loss_coef."""
+    a = {**MOE_DEFAULTS, **a}
     if a["normalization"] != "RMSNorm" or not a["swiglu"] or a["position_embedding_type"] != "rope" \
             or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
         raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
                          "rotate-half RoPE); it has no Hugging Face counterpart to export to")
     hf = dict(base or {})
-    family = _export_family(a, hf.get("model_type"))
-    hf.pop("rope_parameters", None)
+    family = export_family(a, hf.get("model_type"))
+    for stale in ("rope_parameters", "num_local_experts", "num_experts"):
+        hf.pop(stale, None)
     hf.update({
         "model_type": family, "architectures": [_ARCHITECTURES[family]],
         "num_hidden_layers": a["num_layers"], "hidden_size": a["hidden_size"],
@@ -116,7 +130,9 @@ def hf_config_from_model_args(a: dict, base: dict | None = None) -> dict:
         "rope_scaling": None, "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
         "max_position_embeddings": a["max_position_embeddings"], "vocab_size": a["vocab_size"],
     })
-    if family in ("llama", "qwen3"):
+    if family in MOE_FAMILIES:
+        hf.update(moe_hf_fields(a, family, base or {}, aux_loss_coeff))
+    if family in ("llama", "qwen3", "qwen3_moe"):
         hf["attention_bias"] = a["add_bias_linear"]
     if family == "llama":
         hf["mlp_bias"] = a["add_bias_linear"]

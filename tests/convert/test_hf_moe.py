@@ -1,0 +1,245 @@
+"""Hugging Face conversion of the MoE families: tiny random Mixtral and Qwen3-MoE models built
+offline with transformers (every weight random). Imported logits equal transformers' (fp32,
+1e-4, dropless) with either expert class; import-hf -> export-hf gives back the same tensors and
+config, and transformers loads the export with the same logits; a checkpoint imported at EP = 1
+loads at EP = 2 (and expert-TP = 2) with the same logits and re-saves to the same weights; a
+fine-tuned import exports with the run's aux-loss coefficient."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from dist import run_distributed  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from teratron import parallel_state as ps  # noqa: E402
+from teratron.convert import cli as convert_cli  # noqa: E402
+from teratron.convert.hf import from_hf  # noqa: E402
+from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf  # noqa: E402
+from teratron.convert.safetensors_io import INDEX_FILENAME  # noqa: E402
+from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage  # noqa: E402
+from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config  # noqa: E402
+from teratron.training.arguments import ArgumentParser  # noqa: E402
+
+VOCAB, SEQ = 101, 12
+MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+FAMILIES = {
+    # every layer MoE, top-2 renormalised; the experts' size is intermediate_size
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)),
+    # layer 1 only (decoder_sparse_step 2), weights not renormalised, a dense MLP elsewhere
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=16,
+                       decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),
+    # layers 0 and 1 (layer 2 in mlp_only_layers), top-3 renormalised, tied embeddings
+    "qwen3_moe_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                       dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3, mlp_only_layers=[2],
+                            norm_topk_prob=True, tie_word_embeddings=True, router_aux_loss_coef=0.02)),
+}
+
+
+def ids_and_positions():
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    return ids, torch.arange(SEQ).expand(2, SEQ)
+
+
+def hf_logits(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids_and_positions()[0]).logits
+
+
+def hf_tensors(path):
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def convert(*argv):
+    """`teratron convert ...`; user errors raise (the CLI would print them as one line)."""
+    parser = convert_cli.add_arguments(ArgumentParser(prog="teratron convert"))
+    return convert_cli.run(parser.parse_args(list(argv)))
+
+
+def make_moe_model(family, path):
+    """A random tiny HF MoE model saved to `path` (with tokenizer files); its logits."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**MOE, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path, max_shard_size="20KB")
+    if family == "qwen3_moe_norm":  # the Hub's Qwen3-MoE config names (transformers 4)
+        hub = read_config(path)
+        hub.update(num_experts=hub.pop("num_local_experts"), rope_theta=hub.pop("rope_parameters")["rope_theta"])
+        (path / "config.json").write_text(json.dumps(hub))
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},
+                                                "unk_token": "<unk>"}}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    with torch.no_grad():
+        return model(ids_and_positions()[0]).logits
+
+
+def read_config(path):
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moe_import_export_round_trip(family, tmp_path):
+    src = tmp_path / "hf"
+    reference = make_moe_model(family, src)
+    for grouped in (False, True):
+        model, config = from_hf(str(src), moe_grouped_gemm=grouped)
+        with torch.no_grad():
+            assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    expected_freq = {"mixtral": 1, "qwen3_moe": [0, 1, 0], "qwen3_moe_norm": [1, 1, 0]}[family]
+    assert (config.num_moe_experts, config.moe_layer_freq) == (4, expected_freq)
+    assert config.moe_router_pre_softmax == (family == "qwen3_moe")
+    assert config.moe_aux_loss_coeff == read_config(src)["router_aux_loss_coef"]
+
+    original = hf_tensors(src)
+    for grouped in (False, True):
+        ckpt, out = tmp_path / f"ckpt{grouped}", tmp_path / f"out{grouped}"
+        convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), "--expert-model-parallel-size", "2",
+                *(["--moe-grouped-gemm"] if grouped else []))
+        metadata = storage.read_metadata(storage.resolve_checkpoint_dir(str(ckpt)))
+        assert metadata["model_args"]["moe_grouped_gemm"] == grouped
+        assert metadata["layout"]["expert_model_parallel_size"] == 2
+        convert("export-hf", "--load", str(ckpt), "--out", str(out), "--max-shard-size", "30KB")
+        exported = hf_tensors(out)
+        assert set(original) == set(exported)
+        for name in original:
+            assert torch.equal(original[name], exported[name]), name
+        # The config comes back, with rope_theta for transformers 5's rope_parameters and head_dim set.
+        exported_config, source_config = read_config(out), read_config(src)
+        rope_theta = source_config.pop("rope_parameters")["rope_theta"] if family != "qwen3_moe_norm" \
+            else source_config["rope_theta"]
+        assert exported_config == {**source_config, "rope_theta": rope_theta, "rope_scaling": None,
+                                   "head_dim": config.kv_channels}
+        for name in TOKENIZER_FILES:
+            assert (out / name).read_bytes() == (src / name).read_bytes()
+        assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+
+
+def _expert_parallel_reload(ckpt, resaved):
+    """On 2 ranks, the EP = 1 import loaded at EP = 2 (alltoall dispatcher) and at TP = expert-TP
+    = 2 (allgather); the logits of both. The EP = 2 model is re-saved to `resaved`."""
+    checkpoint_dir = storage.resolve_checkpoint_dir(ckpt)
+    model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    logits = []
+    for tp, ep, dispatcher in ((1, 2, "alltoall"), (2, 1, "allgather")):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        config = transformer_config(model_args, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                    moe_token_dispatcher_type=dispatcher)
+        model = build_gpt_model(model_args, config, padded_vocab_size=128 * tp)
+        model.parallel_output = False
+        load_checkpoint(checkpoint_dir, [model], load_optimizer=False)
+        with torch.no_grad():
+            logits.append(model(*ids_and_positions())[..., :VOCAB])
+        if ep == 2:
+            assert len(model.decoder.layers[1].mlp.local_expert_indices) == 2
+            save_checkpoint(resaved, 3, [model], metadata={"model_args": model_args})
+        ps.destroy_model_parallel()
+    return logits
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_expert_parallel_load_and_export(grouped, tmp_path):
+    """import-hf (EP = 1) -> EP = 2 and TP = 2 loads (logits as transformers') -> EP = 2 save ->
+    export-hf without the HF side files (the config is rebuilt from the model args) -> the same
+    tensors, and transformers agrees."""
+    src, ckpt, resaved, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "resaved", tmp_path / "out"
+    reference = make_moe_model("qwen3_moe", src)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), *(["--moe-grouped-gemm"] if grouped else []))
+    for rank_logits in (t for per_rank in run_distributed(_expert_parallel_reload, 2, str(ckpt), str(resaved))
+                        for t in per_rank):
+        assert_close(rank_logits, reference, rtol=0, atol=1e-4)
+    convert("export-hf", "--load", str(resaved), "--out", str(out))
+    original, exported = hf_tensors(src), hf_tensors(out)
+    assert set(original) == set(exported)
+    for name in original:
+        assert torch.equal(original[name], exported[name]), name
+    rebuilt = read_config(out)
+    assert rebuilt["model_type"] == "qwen3_moe"
+    assert (rebuilt["decoder_sparse_step"], rebuilt["mlp_only_layers"]) == (1, [0, 2])
+    assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+
+
+def test_finetune_an_imported_mixtral_and_export_it(tmp_path):
+    """import-hf -> `teratron train --load --finetune` with Megatron's MoE flags -> export-hf:
+    transformers loads the trained experts and agrees with teratron's logits for them; the run's
+    aux-loss coefficient becomes router_aux_loss_coef."""
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.training import pretrain
+
+    src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
+    make_moe_model("mixtral", src)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+             "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "24", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-5", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
+             "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+             "--moe-layer-freq", "[1]*3",  # recorded as the import's 1: the same layer pattern
+             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.05",
+             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
+             "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--load", str(ckpt), "--finetune", "--save", str(trained)]
+    pretrain(parse_train_args(flags))
+    convert("export-hf", "--load", str(trained), "--out", str(out))
+    assert read_config(out)["router_aux_loss_coef"] == 0.05
+    expert = "model.layers.2.block_sparse_moe.experts.3.w2.weight"
+    assert not torch.equal(hf_tensors(out)[expert], hf_tensors(src)[expert])
+    model, _ = from_hf(str(out))
+    with torch.no_grad():
+        ours = model(*ids_and_positions())
+    assert_close(hf_logits(str(out)), ours, rtol=0, atol=1e-4)
+
+
+def test_moe_refusals(tmp_path):
+    src = tmp_path / "hf"
+    make_moe_model("qwen3_moe", src)
+    hf = read_config(src)
+    with pytest.raises(ValueError, match="model_type 'qwen2_moe': Qwen2-MoE's shared expert"):
+        model_args_from_hf({**hf, "model_type": "qwen2_moe"}, "cfg")
+    with pytest.raises(ValueError, match="num_experts_per_tok=1 with renormalised weights"):
+        model_args_from_hf({**hf, "num_experts_per_tok": 1, "norm_topk_prob": True}, "cfg")
+    assert model_args_from_hf({**hf, "num_experts_per_tok": 1}, "cfg")["moe_router_pre_softmax"]
+    with pytest.raises(ValueError, match="no layer is MoE"):
+        model_args_from_hf({**hf, "mlp_only_layers": [1]}, "cfg")
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide the model's 4 experts"):
+        convert("import-hf", "--hf-path", str(src), "--save", str(tmp_path / "c"), "--expert-model-parallel-size", "3")
+    (src / "config.json").write_text(json.dumps({**hf, "moe_intermediate_size": 25}))
+    with pytest.raises(ValueError, match="does not divide the experts' MLP size \\(25\\)"):
+        convert("import-hf", "--hf-path", str(src), "--save", str(tmp_path / "c"), "--tensor-model-parallel-size", "2")
+    assert not (tmp_path / "c").exists()
+    (src / "config.json").write_text(json.dumps(hf))
+    index = json.loads((src / INDEX_FILENAME).read_text())
+    del index["weight_map"]["model.layers.1.mlp.experts.3.up_proj.weight"]
+    (src / INDEX_FILENAME).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts.3.up_proj.weight is missing"):
+        from_hf(str(src))
+
+    args = model_args_from_hf(hf, "cfg")
+    for field, value, expected in (("moe_shared_expert_intermediate_size", 16, None),
+                                   ("moe_router_score_function", "sigmoid", "softmax"),
+                                   ("add_bias_linear", True, False)):
+        with pytest.raises(ValueError, match=f"{field}={value!r}; Mixtral and Qwen3-MoE need {expected!r}"):
+            hf_config_from_model_args({**args, field: value})
+    no_qk_norm = {**args, "qk_layernorm": False}
+    with pytest.raises(ValueError, match="mixes dense and MoE layers"):
+        hf_config_from_model_args(no_qk_norm)
+    with pytest.raises(ValueError, match="moe_router_pre_softmax=True"):
+        hf_config_from_model_args({**no_qk_norm, "moe_layer_freq": 1})
+    assert hf_config_from_model_args({**no_qk_norm, "moe_layer_freq": 1, "moe_router_pre_softmax": False}) \
+        ["model_type"] == "mixtral"
