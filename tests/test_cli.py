@@ -1,6 +1,7 @@
 """`teratron train` end to end: mock data single-process vs TP=2 under torchrun, resume from a
 checkpoint (same layout and TP=2), pipeline layouts (1F1B, interleaved, a layout string) and
-optimizer CPU offload against the single process, the metrics file, the shortened embedded demo,
+optimizer CPU offload against the single process, MoE under EP (both dispatchers) and PP against
+the single process, the shrunken MoE examples, the metrics file, the shortened embedded demo,
 NaN handling, every bad-input case, and the estimate/bench subcommands."""
 
 import json
@@ -282,7 +283,113 @@ def test_estimate_command(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("teratron estimate: ") and "PP 2 x CP 1 x DP 2" in out, out
     assert "stage 1" in out and "PEAK ALLOCATED" in out and not err
+
+    # A layout string (here with the embedding and loss on stages of their own, which the
+    # whole-model parameter count must not inherit), and MoE layers on one stage only.
+    layout = flags[:flags.index("--num-layers-per-virtual-pipeline-stage")] + [
+        "--pipeline-model-parallel-layout", "E|tt|tt|L", "--world-size", "4", "--json"]
+    assert cli.main(["estimate"] + layout) == 0
+    with_layout = json.loads(capsys.readouterr().out)
+    assert with_layout["layout"]["vpp"] == 2 and len(with_layout["stages"]) == 2
+    assert cli.main(["estimate"] + layout[:layout.index("--pipeline-model-parallel-layout")] + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_parameters"] == with_layout["model_parameters"]
+    # Virtual stages E | tt | tt | L go to ranks 0, 1, 0, 1: layers 1-2 (the MoE ones) on rank 1.
+    moe = layout + ["--num-experts", "4", "--moe-layer-freq", "[1,1,0,0]", "--expert-model-parallel-size", "2"]
+    assert cli.main(["estimate"] + moe) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [any("moe" in part for part in s["params"]) for s in stages] == [False, True], stages
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "teratron estimate" in out and "teratron bench" in out
+
+
+# 4 layers, MoE in layers 1 and 3 (--moe-layer-freq 2), 4 experts, top-2, aux loss and z-loss
+# large enough that scaling their gradients wrongly moves the losses beyond the tolerance.
+MOE = ["--num-layers", "4", "--global-batch-size", "8", "--lr", "1e-2", "--num-experts", "4",
+       "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "24",
+       "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-per-layer-logging",
+       "--train-iters", "4", "--eval-interval", "4"]
+MOE_KEYS = {"load_balancing_loss", "z_loss", "moe_load_imbalance"} | {
+    f"{name}_layer_{n}" for n in (1, 3)
+    for name in ("load_balancing_loss", "z_loss", "tokens_per_expert", "moe_load_imbalance")}
+
+
+def test_moe_expert_and_pipeline_parallel_equal_single_process(tmp_path):
+    """EP 2 with each dispatcher (allgather with the expert loop; alltoall with grouped GEMM and
+    a sigmoid router whose expert bias moves every step by the token counts of all DP ranks)
+    PP 2 with MoE layers only on the first stage (3 + 1 layers), and TP 2 with expert-TP 1 under
+    torchrun: the losses, grad norms and MoE metrics of every iteration equal the single
+    process's (4 micro-batches per step there, under PP and TP, 2 per rank under EP x DP 2)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--standalone", "-m", "teratron"]
+
+    def train(name, extra, launcher=None):
+        path = tmp_path / f"{name}.jsonl"
+        _teratron(TINY + NO_DROPOUT + MOE + extra + ["--metrics-file", str(path)], tmp_path, launcher)
+        records = _metrics(path)
+        assert [r["iteration"] for r in records] == [1, 2, 3, 4], name
+        for r in records:
+            assert set(r) == METRIC_KEYS | MOE_KEYS, (name, set(r) ^ (METRIC_KEYS | MOE_KEYS))
+        return records
+
+    softmax = train("single", [])
+    assert all(sum(r["tokens_per_expert_layer_1"]) == 8 * 16 * 2 for r in softmax)  # tokens x top-2
+    assert softmax[-1]["lm_loss"] < softmax[0]["lm_loss"]
+    biased = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", "0.05"]
+    sigmoid = train("single-sigmoid-bias", biased)
+    ep2 = ["--expert-model-parallel-size", "2"]
+    runs = {
+        "ep2-alltoall": (sigmoid, biased + ep2 + ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]),
+        "ep2-allgather": (softmax, ep2 + ["--moe-token-dispatcher-type", "allgather"]),
+        "pp2-moe-on-one-stage": (softmax, ["--pipeline-model-parallel-size", "2",
+                                           "--decoder-first-pipeline-num-layers", "3"]),
+        # Whole experts on both TP ranks: their grads go over expert-DP (allreduce=False at EP 1).
+        "tp2-etp1": (softmax, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+    }
+    for name, (reference, extra) in runs.items():
+        for a, b in zip(reference, train(name, extra, torchrun)):
+            for key in sorted(MOE_KEYS - {"tokens_per_expert_layer_1", "tokens_per_expert_layer_3"}) + [
+                    "lm_loss", "grad_norm"]:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (name, key, a[key], b[key])
+            for n in (1, 3):
+                assert b[f"tokens_per_expert_layer_{n}"] == a[f"tokens_per_expert_layer_{n}"], (name, n)
+
+
+def _shrunken_example(path, tmp_path, **overrides):
+    """An examples/moe YAML with CPU-sized shapes on mock data, everything else as shipped."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    for key in ("tokenizer-type", "split", "eval-interval", "eval-iters"):
+        data.pop(key)
+    data.update({"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16,
+                 "max-position-embeddings": 16, "moe-ffn-hidden-size": 16, "expert-model-parallel-size": 1,
+                 "micro-batch-size": 2, "global-batch-size": 4, "train-iters": 3, "lr-warmup-iters": 1,
+                 "log-interval": 1, "mock-data": True, "num-workers": 0, "eval-iters": 0, **overrides})
+    out = tmp_path / path.name
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def test_shrunken_moe_examples_train(tmp_path):
+    """examples/moe/*.yaml shrunk to CPU size (their MoE settings kept, bf16 included) train
+    three iterations through --config; the metrics carry each example's MoE losses."""
+    import pathlib
+
+    examples = pathlib.Path(__file__).parents[1] / "examples" / "moe"
+    cases = {
+        "mixtral_like": ({"num-query-groups": 2}, {"load_balancing_loss", "z_loss"}),
+        "deepseek_like": ({"moe-layer-freq": [0, 1], "ffn-hidden-size": 64, "moe-shared-expert-intermediate-size": 16},
+                          {"seq_load_balancing_loss", "seq_load_balancing_loss_layer_2", "tokens_per_expert_layer_2"}),
+    }
+    for name, (overrides, keys) in cases.items():
+        config = _shrunken_example(examples / f"{name}.yaml", tmp_path, **overrides)
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = ["train", "--config", str(config), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                "--metrics-file", str(metrics), "--no-progress-bar"]
+        assert cli.main(argv) == 0, name
+        records = _metrics(metrics)
+        assert [r["iteration"] for r in records] == [1, 2, 3], name
+        assert all(math.isfinite(r["lm_loss"]) and keys <= set(r) for r in records), (name, records[0])

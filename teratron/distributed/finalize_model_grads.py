@@ -52,25 +52,30 @@ def _allreduce_sequence_parallel_grads(model_chunks, tp_group):
         _all_reduce_coalesced(grads, tp_group)
 
 
-def _shared_embedding_params(model_chunks, pp_group):
-    params = {}
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            if p.requires_grad and getattr(p, "shared_embedding", False):
-                params[id(p)] = p
-    first = _unwrap(model_chunks[0])
-    if get_pg_rank(pp_group) == 0 and getattr(first, "share_embeddings_and_output_weights", False):
-        weight = first.shared_embedding_or_output_weight()
-        params[id(weight)] = weight
-    return list(params.values())
-
-
 def _allreduce_embedding_grads(model_chunks, embd_group, pp_group):
+    """Sum the tied weight's grads of the first stage (word embedding) and the last stage (its
+    output-layer copy) over the embedding group, Megatron's `_allreduce_word_embedding_grads`.
+
+    Every rank of the group makes the same call, or none: the group is the first and the last
+    pipeline rank, whether the weights are tied is the `share_embeddings_and_output_weights`
+    every stage's GPTModel is built with, and a tied stage always holds its end (the first
+    stage's first chunk the embedding, the last stage's last chunk the copy). A frozen end
+    contributes zeros instead of skipping the collective. Untied, neither end communicates.
+    """
     if get_pg_size(embd_group) == 1 or get_pg_size(pp_group) == 1:
         return
-    params = _shared_embedding_params(model_chunks, pp_group)
-    if params:
-        _all_reduce_coalesced([_grad_of(p) for p in params], embd_group)
+    wrapper = model_chunks[0] if get_pg_rank(pp_group) == 0 else model_chunks[-1]
+    chunk = _unwrap(wrapper)
+    if not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return
+    weight = chunk.shared_embedding_or_output_weight()
+    assert weight is not None, "a tied pipeline end must hold the embedding or its copy"
+    if weight.requires_grad:
+        grad = _grad_of(weight)
+    else:  # zeros in the dtype the other end's (main) grad has
+        fp32 = getattr(getattr(wrapper, "ddp_config", None), "grad_reduce_in_fp32", False)
+        grad = torch.zeros_like(weight, dtype=torch.float32 if fp32 else weight.dtype)
+    dist.all_reduce(grad, group=embd_group)
 
 
 def _normalize_by_num_tokens(model_chunks, num_tokens, pp_group, dp_cp_group):

@@ -68,16 +68,10 @@ def resolve_vocab_size(args) -> int:
 
 
 def _configs(args):
-    from teratron.distributed import DistributedDataParallelConfig
-    from teratron.optimizer import OptimizerConfig
     from teratron.training.arguments import core_transformer_config_from_args
+    from teratron.training.build import ddp_config_from_args, optimizer_config_from_args
 
-    config = core_transformer_config_from_args(args)
-    optimizer_config = OptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OptimizerConfig)
-                                          if f.init and hasattr(args, f.name)})
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
-    return config, optimizer_config, ddp_config
+    return core_transformer_config_from_args(args), optimizer_config_from_args(args), ddp_config_from_args(args)
 
 
 def _stage_chunks(config, pp_rank: int) -> list:
@@ -108,7 +102,8 @@ def _model_parameters(config, shape: ModelShape) -> int:
                                  virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
                                  expert_tensor_parallel_size=1, sequence_parallel=False,
                                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
-                                 pipeline_dtype=None)
+                                 pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
+                                 account_for_loss_in_pipeline_split=False, pipeline_dtype=None)
     return chunk_params(single, shape, list(range(1, config.num_layers + 1)), True, True).total
 
 

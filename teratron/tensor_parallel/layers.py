@@ -10,8 +10,9 @@ without copying weights. Biases start at zero.
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim` and
 `partition_stride`; the bias of a row layer under sequence parallelism carries
 `sequence_parallel=True` (its gradient is summed over TP by finalize_model_grads); expert
-parameters carry `allreduce=False` when expert parallelism is on (they are reduced over the
-expert-data-parallel group instead).
+parameters carry `allreduce=False` (they are reduced over the expert-data-parallel group
+instead, also with EP = 1: when expert-TP differs from TP the dense data-parallel group would
+sum different expert-TP shards).
 
 A layer whose TP group has one rank (or none: model parallel not initialised when it was
 built) never communicates, whatever parallel_state holds later. Expert layers
@@ -149,7 +150,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         self.output_size_per_partition = _per_partition(output_size, self.tp_size, "output_size")
         self.sequence_parallel = config.sequence_parallel and not is_expert
-        allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        allreduce = not is_expert
         device = param_device(config)
 
         self.master_weight = None
@@ -221,7 +222,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = config.sequence_parallel and not is_expert
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
-        allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        allreduce = not is_expert
         device = param_device(config)
 
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,

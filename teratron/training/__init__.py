@@ -1,2 +1,3 @@
 """`teratron train`: flags -> configs (`arguments`), the loop (`training.pretrain`), throughput and
-logging (`metrics`), checkpoints (`checkpointing`), the micro-batch calculator and the demo."""
+logging (`metrics`), the MoE hooks of a step (`moe_step`), checkpoints (`checkpointing`), the
+micro-batch calculator and the demo."""

@@ -7,12 +7,14 @@ built from them.
     config = core_transformer_config_from_args(args)
 
 `--config run.yaml` holds the same keys as the flags (dashes or underscores, no leading
-`--`); flags on the command line override it. A switch is `key: true`. Without --data-path,
---mock-data or --train-data-path, `teratron train` runs the embedded demo, whose shape and
-schedule are defaults that flags and YAML still override.
+`--`); flags on the command line override it. A switch is `key: true`; a YAML list gives a
+many-value flag its values, and a one-value flag (`moe-layer-freq: [0, 1, 1]`) the list itself.
+Without --data-path, --mock-data or --train-data-path, `teratron train` runs the embedded demo,
+whose shape and schedule are defaults that flags and YAML still override.
 """
 
 import argparse
+import ast
 import os
 
 import torch
@@ -22,6 +24,57 @@ import yaml
 from teratron.training.microbatches import build_num_microbatches_calculator
 
 _DATA_SOURCE_FLAGS = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
+
+
+# The longest --moe-layer-freq list: checked before `[1] * N` is built.
+_MAX_LAYER_PATTERN = 1 << 16
+
+
+def moe_freq_type(text: str):
+    """--moe-layer-freq as Megatron reads it: an int, or a Python list expression of 0/1 such as
+    "[1,0,1,0]" or "([1]*3+[0])*2". Only int/list literals, `+`, `*` and parentheses are
+    accepted: the expression is evaluated from its syntax tree, never by eval()."""
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list such as '[1,0,1,0]'") \
+                from None
+    try:
+        value = _layer_pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as e:
+        detail = e.msg if isinstance(e, SyntaxError) else str(e)
+        raise argparse.ArgumentTypeError(f"{text!r}: {detail}; write a list of 0/1 built from [..], "
+                                         "+ and * such as '([1]*3+[0])*2'") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list; write e.g. '[1,0,1,0]' or an int")
+    return value
+
+
+def _layer_pattern_value(node):
+    """An int or a list of ints from an expression of int/list literals, + and *."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_layer_pattern_value(e) for e in node.elts]
+        if any(isinstance(i, list) for i in items):
+            raise ValueError("nested lists are not allowed")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _layer_pattern_value(node.left), _layer_pattern_value(node.right)
+        lists = [v for v in (left, right) if isinstance(v, list)]
+        if isinstance(node.op, ast.Add) and len(lists) == 1:
+            raise ValueError("+ joins two lists or two ints")
+        if isinstance(node.op, ast.Mult) and len(lists) == 2:
+            raise ValueError("* repeats a list an int number of times")
+        length = sum(len(v) for v in lists)
+        if isinstance(node.op, ast.Mult) and lists:
+            length *= max(right if lists[0] is left else left, 0)
+        if length > _MAX_LAYER_PATTERN:
+            raise ValueError(f"the pattern is longer than {_MAX_LAYER_PATTERN} layers")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"{ast.unparse(node)!r} is not allowed")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -76,18 +129,64 @@ def _add_network_args(parser):
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
 
+    _add_moe_args(parser)
+
+
+def _add_moe_args(parser):
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: dense MLP).")
-    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="Which layers are MoE: N makes every N-th layer from the first MoE, or a 0/1 list "
+                        "per layer such as '[1,0,1,0]' or '([1]*3+[0])*2'.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Expert MLP hidden size; default --ffn-hidden-size.")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="Hidden size of the shared experts (None: none).")
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="Load balancing.")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Auxiliary loss weight.")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="Run the shared experts after the router (Megatron's overlap order).")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"],
+                   help="Router score function.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax over all experts before the top-k (softmax scores).")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiply the routing weights by this.")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Expert groups of group-limited routing.")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Groups a token may choose experts from (group-limited routing).")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none",
+                            "quantile_balancing"],
+                   help="Load balancing; several types take one --moe-aux-loss-coeff each.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="Auxiliary loss weight, one per --moe-router-load-balancing-type.")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss weight.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free balancing by a per-expert bias (sigmoid scores).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert-bias update per iteration.")
+    g.add_argument("--moe-router-quantile-balancing-ema", type=float, default=0.0,
+                   help="EMA weight of the previous quantile-balancing bias (0: no memory).")
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="Precision of the router logits and weights; default the compute dtype.")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                   help="Multiply the router input by U(1-eps, 1+eps) noise while training.")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Random routing (benchmarks only).")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Expert capacity as a multiple of the balanced load (None: dropless).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity.")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
+                   help="Which tokens an over-capacity expert keeps: highest weight or earliest.")
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="Weight the expert input instead of its output (top-1).")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach their experts.")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="Grouped GEMM over local experts.")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="Log aux losses, tokens per expert and load imbalance of every MoE layer.")
 
 
 def _add_parallel_args(parser):
@@ -329,6 +428,8 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
                 raise ValueError(f"--config {path}: {key} is a switch; give true or false")
             if value:
                 argv.append(flag)
+        elif isinstance(value, list) and action.nargs is None:
+            argv += [flag, str(value)]  # one value that is a list: --moe-layer-freq "[0, 1, 1]"
         elif isinstance(value, list):
             argv += [flag] + [str(v) for v in value]
         else:
@@ -375,6 +476,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                     "micro_batch_size", "train_iters", "lr"])
     _validate_model(args)
     _validate_parallel(args, world_size)
+    _validate_moe(args)
     _validate_schedule(args)
     _validate_optimizer(args)
     _validate_data_and_io(args)
@@ -406,8 +508,6 @@ def _validate_model(args):
     if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
         raise ValueError(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
                          f"--seq-length ({args.seq_length}); raise it")
-    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 both given; choose one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
@@ -437,6 +537,42 @@ def _validate_parallel(args, world_size):
                                       args.data_parallel_size, args.rampup_batch_size)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_moe(args):
+    """Megatron's list flags as the config takes them (one value: a scalar), and the expert
+    grid against the world size."""
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list) or isinstance(coeffs, list):
+        n_types = len(types) if isinstance(types, list) else 1
+        n_coeffs = len(coeffs) if isinstance(coeffs, list) else 1
+        if n_types != n_coeffs:
+            raise ValueError(f"--moe-router-load-balancing-type has {n_types} value(s) but --moe-aux-loss-coeff "
+                             f"{n_coeffs}; give one coefficient per type")
+    if isinstance(args.moe_layer_freq, list) and (len(args.moe_layer_freq) != args.num_layers
+                                                  or any(f not in (0, 1) for f in args.moe_layer_freq)):
+        raise ValueError(f"--moe-layer-freq {args.moe_layer_freq} must list one 0 or 1 per layer "
+                         f"(--num-layers {args.num_layers})")
+    if isinstance(args.moe_layer_freq, int) and args.moe_layer_freq < 1:
+        raise ValueError(f"--moe-layer-freq must be >= 1, got {args.moe_layer_freq}")
+    if args.num_experts is None:
+        return
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if args.world_size % (etp * ep * pp):
+        raise ValueError(f"the world size ({args.world_size} processes) is not divisible by expert TP ({etp}) x "
+                         f"EP ({ep}) x PP ({pp}) = {etp * ep * pp}; change --expert-model-parallel-size, "
+                         "--expert-tensor-parallel-size or the number of processes")
+    if args.num_experts % ep:
+        raise ValueError(f"--num-experts ({args.num_experts}) is not divisible by --expert-model-parallel-size "
+                         f"({ep})")
 
 
 def _validate_pipeline(args, pp):

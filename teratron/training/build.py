@@ -9,10 +9,13 @@ from teratron import parallel_state
 
 
 def gpt_model_provider(args, config, pre_process: bool, post_process: bool, vp_stage=None):
-    from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+    from teratron.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-                                    qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if args.num_experts is not None:
+        # One spec per local layer: MoE where --moe-layer-freq puts it, dense elsewhere.
+        spec = get_gpt_decoder_block_spec(config, normalization=args.normalization, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     return GPTModel(
         config, spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,

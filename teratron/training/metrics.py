@@ -32,8 +32,10 @@ def num_floating_point_operations(args, batch_size: int) -> float:
       attention = 6 * (h * (q + k + v)          QKV projection
                        + q * s / 2 * 2          QK^T and PV; a causal mask halves the s x s work
                        + q * h)                 output projection
-      mlp       = 6 * h * ffn * (3 if SwiGLU else 2) * experts routed to (+ shared experts)
-    plus the output layer, 6 * h * padded_vocab, once per token.
+      mlp       = 6 * h * (3 if SwiGLU else 2) * (ffn in a dense layer; in an MoE layer
+                  moe_ffn * experts routed to + shared-expert ffn)
+    with MoE layers where --moe-layer-freq puts them, plus the output layer,
+    6 * h * padded_vocab, once per token.
     """
     fb_fma = 3 * 2
     h, s = args.hidden_size, args.seq_length
@@ -43,15 +45,19 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
 
     ffn_factor = 3 if args.swiglu else 2
+    moe_layers = 0
+    moe_ffn = 0
     if getattr(args, "num_experts", None):
-        ffn = args.moe_ffn_hidden_size * args.moe_router_topk
-        ffn += getattr(args, "moe_shared_expert_intermediate_size", None) or 0
-    else:
-        ffn = args.ffn_hidden_size
-    mlp = fb_fma * h * ffn * ffn_factor
+        from teratron.transformer.moe import moe_layer_pattern
+
+        moe_layers = sum(moe_layer_pattern(args.num_layers, getattr(args, "moe_layer_freq", 1)))
+        moe_ffn = args.moe_ffn_hidden_size * args.moe_router_topk
+        moe_ffn += getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    dense_layers = args.num_layers - moe_layers
+    mlp = fb_fma * h * ffn_factor * (args.ffn_hidden_size * dense_layers + moe_ffn * moe_layers)
 
     logits = fb_fma * h * args.padded_vocab_size
-    return batch_size * s * (args.num_layers * (attention + mlp) + logits)
+    return batch_size * s * (args.num_layers * attention + mlp + logits)
 
 
 def device_peak_tflops() -> Optional[float]:
@@ -105,9 +111,10 @@ class TrainingLogger:
 
     def log_iteration(self, iteration: int, losses: dict, grad_norm, lr: float, elapsed_s: float,
                       iters: int, samples: int, global_batch_size: int, consumed_samples: int,
-                      skipped: int, loss_scale: Optional[float] = None) -> dict:
+                      skipped: int, loss_scale: Optional[float] = None,
+                      moe_metrics: Optional[dict] = None) -> dict:
         """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
-        (losses already averaged over them)."""
+        (losses and MoE metrics already averaged over them)."""
         args = self.args
         time_per_iter = elapsed_s / max(iters, 1)
         tokens_per_sec = samples * args.seq_length / elapsed_s
@@ -125,21 +132,23 @@ class TrainingLogger:
             "skipped": skipped,
         }
         record.update({_tag(k): v for k, v in losses.items() if k != "lm loss"})
+        record.update(moe_metrics or {})
         if not self.enabled:
             return record
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
         if self.writer:
+            # Scalars only: per-expert token counts (lists) are in the metrics file.
             for key, value in record.items():
-                if key != "iteration" and value is not None:
+                if key != "iteration" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, iteration)
             self.writer.flush()
         self.print(self._console_line(record, time_per_iter, global_batch_size,
-                                      consumed_samples, loss_scale))
+                                      consumed_samples, loss_scale, moe_metrics or {}))
         return record
 
-    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale):
+    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale, moe_metrics):
         tflops = r["tflops_per_gpu"]
         parts = [
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/"
@@ -153,6 +162,8 @@ class TrainingLogger:
         ]
         if r["lm_loss"] is not None:
             parts.append(f"lm loss: {r['lm_loss']:.6E}")
+        # The MoE means over layers; the per-layer values go to the metrics file and TensorBoard.
+        parts += [f"{key}: {value:.6E}" for key, value in moe_metrics.items() if "_layer_" not in key]
         if loss_scale is not None:
             parts.append(f"loss scale: {loss_scale:.1f}")
         if r["grad_norm"] is not None:

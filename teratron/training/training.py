@@ -4,7 +4,8 @@
 
 One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
 (gradient accumulation), stop (or skip the step) on a non-finite loss, step the optimizer and the
-LR schedule, then log, evaluate and save on their intervals.
+LR schedule, update the MoE routers and collect their metrics, then log, evaluate and save on
+their intervals.
 """
 
 import math
@@ -28,6 +29,7 @@ from teratron.training.initialize import (get_device, initialize_distributed, in
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
 from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 
 
 class NonFiniteLossError(RuntimeError):
@@ -98,8 +100,9 @@ def _pretrain(args, world_size, after_training):
     if is_logging_rank():
         params = sum(p.numel() for chunk in model for p in chunk.parameters())
         vpp = f" (x {len(model)} virtual)" if len(model) > 1 else ""
+        ep = f", EP {args.expert_model_parallel_size}" if args.num_experts is not None else ""
         print(f"model: {params:,} parameters on this rank (TP {args.tensor_model_parallel_size} x "
-              f"PP {args.pipeline_model_parallel_size}{vpp} x DP {args.data_parallel_size}, "
+              f"PP {args.pipeline_model_parallel_size}{vpp} x DP {args.data_parallel_size}{ep}, "
               f"{args.world_size} process(es))", flush=True)
 
     state = TrainState()
@@ -149,15 +152,16 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, log
     step_func = partial(forward_step, device=device)
     for chunk in model:
         chunk.train()
-    window = {"losses": {}, "iters": 0, "samples": 0, "skipped": 0, "start": time.perf_counter()}
+    window = {"losses": {}, "moe": {}, "iters": 0, "samples": 0, "skipped": 0,
+              "start": time.perf_counter()}
     last_saved = last_evaluated = state.iteration
     stop = False
     while state.iteration < args.train_iters and not stop:
         calculator.update(state.consumed_train_samples)
         global_batch = calculator.get_current_global_batch_size()
-        losses, grad_norm, skipped = train_step(args, model, optimizer, scheduler, step_func,
-                                                _iterators(train_iters), calculator.get(), global_batch,
-                                                state.iteration + 1, device)
+        losses, grad_norm, skipped, moe_metrics = train_step(
+            args, model, optimizer, scheduler, step_func, _iterators(train_iters), calculator.get(),
+            global_batch, state.iteration + 1, device)
         state.iteration += 1
         state.consumed_train_samples += global_batch
         state.skipped_iterations += skipped
@@ -166,6 +170,7 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, log
         if not skipped:
             for key, value in losses.items():
                 window["losses"][key] = window["losses"].get(key, 0.0) + value
+            _accumulate(window["moe"], moe_metrics)
         window["iters"] += 1
         window["samples"] += global_batch
         window["skipped"] += skipped
@@ -200,13 +205,26 @@ def _log(args, logger, window, state, optimizer, grad_norm, global_batch, device
     now = time.perf_counter()
     counted = max(window["iters"] - window["skipped"], 1)
     losses = {k: v / counted for k, v in window["losses"].items()}
+    moe_metrics = {k: [x / counted for x in v] if isinstance(v, list) else v / counted
+                   for k, v in window["moe"].items()}
     logger.log_iteration(
         state.iteration, losses, grad_norm, optimizer.param_groups[0]["lr"], now - window["start"],
         window["iters"], window["samples"], global_batch, state.consumed_train_samples,
         state.skipped_iterations,
-        loss_scale=optimizer.get_loss_scale().item() if args.fp16 else None,
+        loss_scale=optimizer.get_loss_scale().item() if args.fp16 else None, moe_metrics=moe_metrics,
     )
-    window.update(losses={}, iters=0, samples=0, skipped=0, start=time.perf_counter())
+    window.update(losses={}, moe={}, iters=0, samples=0, skipped=0, start=time.perf_counter())
+
+
+def _accumulate(totals: dict, metrics: dict) -> None:
+    """Add a step's metrics to the window's totals (lists, such as tokens per expert, elementwise)."""
+    for key, value in metrics.items():
+        if key not in totals:
+            totals[key] = list(value) if isinstance(value, list) else value
+        elif isinstance(value, list):
+            totals[key] = [a + b for a, b in zip(totals[key], value)]
+        else:
+            totals[key] += value
 
 
 def _any_rank_true(flag: bool, device) -> bool:
@@ -219,7 +237,20 @@ def _any_rank_true(flag: bool, device) -> bool:
 
 def train_step(args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches,
                global_batch, iteration, device):
-    """One optimizer step over `num_microbatches` micro-batches; returns (losses, grad norm, skipped)."""
+    """One optimizer step over `num_microbatches` micro-batches; returns (losses, grad norm,
+    skipped, MoE metrics)."""
+    from teratron.pipeline_parallel.microbatch_step import get_model_config
+
+    config = get_model_config(model[0])
+    set_moe_aux_loss_scale(config, num_microbatches, device)
+    losses, grad_norm, skipped = _forward_backward_and_step(
+        args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches, global_batch,
+        iteration, device)
+    return losses, grad_norm, skipped, finish_moe_step(model, config, num_microbatches)
+
+
+def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, data_iterator,
+                               num_microbatches, global_batch, iteration, device):
     from teratron.pipeline_parallel.schedules import get_forward_backward_func
 
     for chunk in model:

@@ -173,3 +173,107 @@ def test_optimizer_and_ddp_flags():
                            (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr")]:
         with pytest.raises(ValueError, match=message):
             validate_args(parse_train_args(BASE + extra), 1)
+
+
+def test_moe_layer_freq_grammar():
+    import argparse
+
+    from teratron.training.arguments import moe_freq_type
+
+    assert moe_freq_type("2") == 2
+    assert moe_freq_type("[1,0,1,0]") == [1, 0, 1, 0]
+    assert moe_freq_type("([1]*3+[0])*2") == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert moe_freq_type("[0] + 3 * [1]") == [0, 1, 1, 1]
+    # Anything but int/list literals, + and * is refused without being evaluated.
+    for text, message in [("__import__('os').getcwd()", "neither an int nor a list"),
+                          ("[__import__('os')]", "is not allowed"), ("[1]*2**3", "is not allowed"),
+                          ("[1]*[2]", "repeats a list"), ("[1]+2", "joins two lists"),
+                          ("[[1]]", "nested"), ("[1.0]", "is not allowed"), ("[1,", "never closed"),
+                          ("[1]*100000000", "longer than")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            moe_freq_type(text)
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        parse_train_args(BASE + ["--moe-layer-freq", "[1]*[2]"])
+
+
+MOE = BASE + ["--num-experts", "4", "--global-batch-size", "4"]
+
+
+def test_moe_flags_reach_the_config(tmp_path):
+    args = validate_args(parse_train_args(MOE + [
+        "--num-layers", "4", "--moe-layer-freq", "([1,0])*2", "--moe-router-topk", "2",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.01", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64", "--moe-z-loss-coeff", "1e-3",
+        "--moe-input-jitter-eps", "0.01", "--moe-expert-capacity-factor", "1.5",
+        "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap", "--moe-per-layer-logging",
+        "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.001",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--expert-model-parallel-size", "2"]), 2)
+    config = core_transformer_config_from_args(args)
+    assert config.num_moe_experts == 4 and config.moe_layer_freq == [1, 0, 1, 0]
+    assert config.moe_ffn_hidden_size == config.ffn_hidden_size == 256  # default: the dense size
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias,
+            config.moe_router_bias_update_rate) == ("sigmoid", True, 0.01)
+    assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk_scaling_factor,
+            config.moe_router_dtype) == (2, 1, 2.5, "fp64")
+    assert (config.moe_z_loss_coeff, config.moe_input_jitter_eps, config.moe_expert_capacity_factor) == (
+        1e-3, 0.01, 1.5)
+    assert config.moe_pad_expert_input_to_capacity and config.moe_token_drop_policy == "position"
+    assert config.moe_shared_expert_intermediate_size == 32 and config.moe_shared_expert_overlap
+    assert config.moe_per_layer_logging and config.moe_grouped_gemm
+    assert config.moe_router_load_balancing_type == ["aux_loss", "seq_aux_loss"]
+    assert config.moe_aux_loss_coeff == [0.01, 0.001]
+    assert config.moe_token_dispatcher_type == "alltoall" and config.expert_model_parallel_size == 2
+
+    # One balancing type and coefficient are scalars, as Megatron passes them; the rest of the flags.
+    args = validate_args(parse_train_args(MOE + [
+        "--moe-router-load-balancing-type", "quantile_balancing", "--moe-router-quantile-balancing-ema", "0.5",
+        "--moe-router-pre-softmax", "--moe-router-force-load-balancing", "--moe-apply-probs-on-input",
+        "--moe-router-topk", "1", "--moe-layer-freq", "2"]), 1)
+    config = core_transformer_config_from_args(args)
+    assert config.moe_router_load_balancing_type == "quantile_balancing" and config.moe_aux_loss_coeff == 0.0
+    assert config.moe_router_quantile_balancing_ema == 0.5 and config.moe_router_pre_softmax
+    assert config.moe_router_force_load_balancing and config.moe_apply_probs_on_input
+    assert config.moe_layer_freq == 2
+
+    # A YAML list for a one-value flag becomes that flag's list syntax.
+    cfg = tmp_path / "moe.yaml"
+    cfg.write_text("moe-layer-freq: [0, 1]\nmoe-router-load-balancing-type: [aux_loss, z_loss_free]\n")
+    with pytest.raises(ValueError, match="invalid choice: 'z_loss_free'"):
+        parse_train_args(MOE + ["--config", str(cfg)])
+    cfg.write_text("moe-layer-freq: [0, 1]\nmoe-aux-loss-coeff: [0.5]\n")
+    args = validate_args(parse_train_args(MOE + ["--config", str(cfg)]), 1)
+    assert args.moe_layer_freq == [0, 1] and args.moe_aux_loss_coeff == 0.5
+
+
+def test_moe_flag_errors():
+    cases = [
+        (["--moe-layer-freq", "[1,0,1]"], r"--moe-layer-freq \[1, 0, 1\] must list one 0 or 1 per layer"),
+        (["--moe-layer-freq", "[1,2]"], "must list one 0 or 1"),
+        (["--moe-layer-freq", "0"], "--moe-layer-freq must be >= 1"),
+        (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "2 value\\(s\\) but --moe-aux-loss-coeff 1"),
+        (["--expert-model-parallel-size", "3"], r"not divisible by expert TP \(1\) x EP \(3\)"),
+        (["--expert-model-parallel-size", "2", "--num-experts", "3"], r"--num-experts \(3\) is not divisible"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            validate_args(parse_train_args(MOE + extra), 2)
+
+
+def test_moe_example_configs_build_their_transformer_config():
+    import pathlib
+
+    examples = pathlib.Path(__file__).parents[2] / "examples" / "moe"
+    configs = {}
+    for path in sorted(examples.glob("*.yaml")):
+        args = validate_args(parse_train_args(["--config", str(path), "--data-path", "some/prefix"]), 8)
+        configs[path.stem] = core_transformer_config_from_args(args)
+    mixtral, deepseek = configs["mixtral_like"], configs["deepseek_like"]
+    assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_layer_freq) == (8, 2, 1)
+    assert mixtral.moe_aux_loss_coeff == 0.02 and mixtral.moe_z_loss_coeff == 0.001
+    assert mixtral.expert_model_parallel_size == 8 and mixtral.gated_linear_unit
+    assert deepseek.moe_layer_freq == [0] + [1] * 11 and deepseek.num_moe_experts == 64
+    assert (deepseek.moe_router_score_function, deepseek.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (deepseek.moe_router_num_groups, deepseek.moe_router_group_topk) == (8, 4)
+    assert deepseek.moe_shared_expert_intermediate_size == 256 and deepseek.moe_router_topk_scaling_factor == 2.5

@@ -47,3 +47,19 @@ def test_flops_reproduce_architecture_anchor():
     tflops = num_floating_point_operations(a, 1) / 2048 * 26.5e3 / 1e12
     # Both table entries are rounded (26.5 k is 26.45-26.55 k), hence the 0.5 % band.
     assert abs(tflops - 229) <= 229 * 0.005
+
+
+def test_moe_flops_count_the_routed_experts_of_moe_layers_only():
+    """--moe-layer-freq [1, 0, 0, 1]: layers 1 and 4 run top-2 experts of moe_ffn plus a shared
+    expert, layers 2 and 3 the dense MLP; an MoE layer costs a dense layer whose MLP is
+    topk * moe_ffn + shared wide."""
+    moe = _args(num_layers=4, num_experts=8, moe_layer_freq=[1, 0, 0, 1], moe_router_topk=2,
+                moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=24)
+    dense = _args(num_layers=2)
+    as_dense_moe_layer = _args(num_layers=2, ffn_hidden_size=2 * 40 + 24)
+    output_layer = 3 * 2 * moe.seq_length * moe.hidden_size * moe.padded_vocab_size
+    expected = _hand_count(dense, 3) + _hand_count(as_dense_moe_layer, 3) - output_layer * 3
+    assert math.isclose(num_floating_point_operations(moe, 3), expected, rel_tol=1e-12)
+    every_other = _args(num_layers=4, num_experts=8, moe_layer_freq=2, moe_router_topk=2,
+                        moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=24)
+    assert num_floating_point_operations(every_other, 3) == num_floating_point_operations(moe, 3)

@@ -54,10 +54,6 @@ class SequentialMLP(torch.nn.Module):
                 experts.append(MLP(config, submodules, ffn_hidden_size=config.moe_ffn_hidden_size,
                                    is_expert=True, tp_group=tp_group))
         self.local_experts = torch.nn.ModuleList(experts)
-        # Expert grads always reduce over expert-data-parallel ranks: with EP = 1 but expert-TP
-        # != TP, the dense data-parallel group would mix different expert-TP shards.
-        for param in self.parameters():
-            param.allreduce = False
 
     def forward(self, tokens, tokens_per_expert, probs):
         tokens = _scale_input(tokens, probs, self.config)
