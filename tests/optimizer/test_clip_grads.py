@@ -75,6 +75,10 @@ class _Stage(torch.nn.Module):
         if stage == 1:
             emb.shared = True     # the output layer's copy of the tied embedding
         self.register_parameter("embedding", emb)
+        self.share_embeddings_and_output_weights = True  # GPTModel's interface for finalize_model_grads
+
+    def shared_embedding_or_output_weight(self):
+        return self.embedding
 
 
 def _local_grad(stage, name, grads, tp_rank, tp_size):
