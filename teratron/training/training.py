@@ -29,6 +29,7 @@ from teratron.training.initialize import (get_device, initialize_distributed, in
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
 from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.transformer.moe import clear_aux_losses_tracker
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 
 
@@ -94,6 +95,7 @@ def _pretrain(args, world_size, after_training):
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
     model = build_model(args, config, device)
+    clear_aux_losses_tracker()  # no routing statistics of an earlier model in this process
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)
     attach_model_hooks(config, model, optimizer)
@@ -210,7 +212,7 @@ def _log(args, logger, window, state, optimizer, grad_norm, global_batch, device
     logger.log_iteration(
         state.iteration, losses, grad_norm, optimizer.param_groups[0]["lr"], now - window["start"],
         window["iters"], window["samples"], global_batch, state.consumed_train_samples,
-        state.skipped_iterations,
+        window["skipped"],
         loss_scale=optimizer.get_loss_scale().item() if args.fp16 else None, moe_metrics=moe_metrics,
     )
     window.update(losses={}, moe={}, iters=0, samples=0, skipped=0, start=time.perf_counter())
