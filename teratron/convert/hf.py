@@ -37,8 +37,15 @@ def read_hf_config(path: str) -> dict:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"--hf-path {path}: no config.json; pass a Hugging Face model folder")
-    with open(config_file) as f:
-        return json.load(f)
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e}); restore the model's config.json") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: holds a {type(config).__name__}, not a JSON object; restore the "
+                         "model's config.json")
+    return config
 
 
 def _read_hf(path, model_args, family):
@@ -110,19 +117,25 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
     state = _read_hf(hf_path, model_args, hf["model_type"])
-    os.makedirs(save, exist_ok=True)
-    tmp = storage.temporary_dir(save, 0)
-    shutil.rmtree(tmp, ignore_errors=True)
-    items = [ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in state.items()]
-    serialization.save(items, tmp, no_dist=True)
-    storage.write_metadata(tmp, {
-        "iteration": 0, "model_args": model_args, "has_optimizer": False,
-        "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                   "expert_model_parallel_size": ep},
-        "source": {"huggingface": os.path.abspath(hf_path)},
-    })
-    _copy_side_files(hf_path, os.path.join(save, storage.HF_DIRNAME))
-    return storage.publish(save, 0)
+    created = not os.path.exists(save)
+    try:
+        tmp = storage.temporary_dir(save, 0)
+        os.makedirs(tmp)
+        items = [ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in state.items()]
+        serialization.save(items, tmp, no_dist=True)
+        storage.write_metadata(tmp, {
+            "iteration": 0, "model_args": model_args, "has_optimizer": False,
+            "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                       "expert_model_parallel_size": ep},
+            "source": {"huggingface": os.path.abspath(hf_path)},
+        })
+        _copy_side_files(hf_path, os.path.join(save, storage.HF_DIRNAME))
+        return storage.publish(save, 0)
+    except BaseException:  # leave `save` as it was (absent or empty), so a retry can use it
+        shutil.rmtree(save, ignore_errors=True)
+        if not created:
+            os.makedirs(save, exist_ok=True)
+        raise
 
 
 def _trained_aux_loss_coeff(checkpoint_dir: str):
@@ -142,7 +155,10 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
     folder `out`, published by renaming a finished temporary folder."""
     checkpoint_dir = storage.resolve_checkpoint_dir(load)
-    model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    model_args = storage.read_metadata(checkpoint_dir).get("model_args")
+    if not model_args:
+        raise ValueError(f"--load {checkpoint_dir}: metadata.json records no model_args, so the model cannot "
+                         "be rebuilt; export a checkpoint saved by `teratron train`, import-hf or merge")
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"--out {out}: exists and is not empty; choose a new folder")
     hf_side = os.path.join(storage.checkpoint_root(checkpoint_dir), storage.HF_DIRNAME)
@@ -155,15 +171,17 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
                              hf_config["model_type"])
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_hf_weights(tensors, tmp, max_shard_size_bytes)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-    if os.path.isdir(hf_side):
-        _copy_side_files(hf_side, tmp, skip=("config.json",))
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
+    tmp = storage.staging_dir(out)
+    try:
+        save_hf_weights(tensors, tmp, max_shard_size_bytes)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+        if os.path.isdir(hf_side):
+            _copy_side_files(hf_side, tmp, skip=("config.json",))
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

@@ -49,6 +49,14 @@ def _check_window(hf: dict, source: str) -> None:
                       f"sequence, which equals the model for sequences up to {window} tokens")
 
 
+def require_fields(hf: dict, source: str, names) -> None:
+    """Refuse a config.json that lacks one of the fields the conversion reads."""
+    missing = [name for name in names if hf.get(name) is None]
+    if missing:
+        raise ValueError(f"{source}: config.json lacks {', '.join(missing)}; it is not a complete "
+                         f"{hf.get('model_type')} config")
+
+
 def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int = 1,
                        tensor_model_parallel_size: int = 1) -> dict:
     """teratron model args (see dist_checkpointing.model_args) from an HF config dict."""
@@ -61,6 +69,10 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only SwiGLU (silu) MLPs convert")
+    required = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
+    if family in MOE_FAMILIES:
+        required += ["num_experts_per_tok"] + (["moe_intermediate_size"] if family == "qwen3_moe" else [])
+    require_fields(hf, source, required)
     _check_window(hf, source)
     heads = hf["num_attention_heads"]
     add_bias_linear, add_qkv_bias = _biases(hf, family, source)

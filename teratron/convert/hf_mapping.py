@@ -176,8 +176,10 @@ def teratron_to_hf(state: dict, a, family: str) -> dict:
     """HF state dict of `family` from a global teratron state dict (every tensor of the model)."""
     out, left = {}, dict(state)
     for name, names, transform in _rows(a, family):
-        if name in left:
-            out.update(zip(names, TRANSFORMS[transform][1](left.pop(name), a)))
+        if name not in left:
+            raise ValueError(f"checkpoint tensor {name} is missing (the model args say the model has it); "
+                             "the checkpoint is incomplete or its metadata.json does not match it")
+        out.update(zip(names, TRANSFORMS[transform][1](left.pop(name), a)))
     if left:
         raise ValueError(f"checkpoint tensor {sorted(left)[0]} has no Hugging Face counterpart; "
                          "the model has parts the converter does not know")

@@ -47,6 +47,9 @@ def hf_moe_pattern(hf: dict, family: str) -> list:
 
 def moe_args_from_hf(hf: dict, family: str, source: str) -> dict:
     """The MoE model args of a Mixtral / Qwen3-MoE config."""
+    if _num_experts(hf) is None:
+        raise ValueError(f"{source}: config.json lacks num_experts (or num_local_experts); it is not a "
+                         f"complete {family} config")
     pattern = hf_moe_pattern(hf, family)
     if not any(pattern):
         raise ValueError(f"{source}: no layer is MoE (num_experts / decoder_sparse_step / mlp_only_layers); "

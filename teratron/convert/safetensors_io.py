@@ -10,12 +10,23 @@ INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 
 
+def _read_weight_map(index: str) -> dict:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); expected JSON with a "
+                         "'weight_map' of tensor name -> file") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' is not a JSON object of tensor name -> file")
+    return weight_map
+
+
 def open_hf_weights(path: str):
     """(names, read(name) -> tensor) over the folder's safetensors files, read lazily."""
     index = os.path.join(path, INDEX_FILENAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_weight_map(index)
     elif os.path.isfile(os.path.join(path, SINGLE_FILENAME)):
         with safe_open(os.path.join(path, SINGLE_FILENAME), "pt") as f:
             weight_map = {name: SINGLE_FILENAME for name in f.keys()}

@@ -109,13 +109,6 @@ def _begin(root: str, iteration: int) -> str:
     return tmp
 
 
-def _reason(error) -> str:
-    if isinstance(error, CheckpointException):  # DCP gathers every rank's (exception, traceback)
-        return "; ".join(f"rank {rank}: {_reason(e[0] if isinstance(e, tuple) else e)}"
-                         for rank, e in sorted(error.failures.items()))
-    return f"{type(error).__name__}: {error}"
-
-
 def _finish(root, iteration, ok: bool, error, common, metadata) -> str:
     """All ranks: publish when every rank wrote its part, else remove the attempt and raise."""
     tmp = storage.temporary_dir(root, iteration)
@@ -129,12 +122,18 @@ def _finish(root, iteration, ok: bool, error, common, metadata) -> str:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
-        cause = f"({_reason(error)})" if error is not None else "on another rank"
+        cause = f"({serialization.failure_reason(error)})" if error is not None else "on another rank"
         raise OSError(f"--save {root}: writing checkpoint iteration {iteration} failed {cause}; "
                       "the previous checkpoint stays the latest") from None
     if _rank() == 0:
-        storage.publish(root, iteration)
-    _barrier()
+        try:
+            storage.publish(root, iteration)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait to hear the outcome
+            error = e
+    if not all_ranks_true(error is None):
+        cause = serialization.failure_reason(error) if error is not None else "on rank 0"
+        raise OSError(f"--save {root}: publishing checkpoint iteration {iteration} failed ({cause}); the "
+                      "previous checkpoint stays the latest") from None
     return storage.iteration_dir(root, iteration)
 
 

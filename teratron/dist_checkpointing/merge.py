@@ -5,9 +5,11 @@ The output holds sum_i w_i * x_i for every floating-point model tensor (accumula
 stored in the inputs' dtype); non-floating tensors must be equal in every input and are copied.
 Weights are used as given (they need not sum to 1) unless `--normalize` divides them by their sum.
 
-Fail-closed: the inputs must have the same model args, the same saved layout and the same model
-tensors (keys, global shapes, dtypes, chunking); any difference refuses with the reason before
-anything is written. The output is a new save directory, written beside OUT and renamed into
+Fail-closed: the inputs must have the same model args and the same model tensors (keys, global
+shapes, dtypes, chunking); any difference refuses with the reason before anything is written.
+The recorded layouts themselves need not match: an import (which records only TP/PP/EP) merges
+with a run fine-tuned from it, since the chunks show whether the tensors were stored alike.
+The output is a new save directory, written in a hidden folder beside OUT and renamed into
 place when complete; it loads like any checkpoint (its optimizer state and RNG states are
 dropped: resume from it with --no-load-optim --no-load-rng, or --finetune), and its
 metadata.json records the inputs, the weights and that the optimizer state was dropped.
@@ -50,9 +52,6 @@ def check_compatible(checkpoint_dirs: list) -> dict:
         diff = _differences(first_meta.get("model_args", {}), meta.get("model_args", {}))
         if diff:
             raise ValueError(f"{other} holds another model than {first}: model args differ in {', '.join(diff)}")
-        if first_meta.get("layout") != meta.get("layout"):
-            raise ValueError(f"{other} was saved with layout {meta.get('layout')}, {first} with "
-                             f"{first_meta.get('layout')}; merge checkpoints of the same layout")
         missing = sorted(set(first_tensors) ^ set(tensors))
         if missing:
             raise ValueError(f"{other} and {first} hold different tensors ({len(missing)}), e.g. {missing[0]}")
@@ -103,15 +102,14 @@ def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool 
     iteration = max(m.get("iteration", 0) for m in metas)
     merged = {key: _merge_tensor(key, dirs, coefficients) for key in structure}
 
-    staging = output.rstrip("/") + ".tmp-merge"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = storage.staging_dir(output)
     try:
         os.makedirs(storage.temporary_dir(staging, iteration))
         items = [ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in merged.items()]
         serialization.save(items, storage.temporary_dir(staging, iteration), no_dist=True)
         source = dirs[[m.get("iteration", 0) for m in metas].index(iteration)]
         common_file = os.path.join(source, storage.COMMON_FILENAME)
-        common = torch.load(common_file, weights_only=False) if os.path.isfile(common_file) else {}
+        common = torch.load(common_file, map_location="cpu", weights_only=False) if os.path.isfile(common_file) else {}
         common.pop("optimizer", None)
         common.pop("opt_param_scheduler", None)
         torch.save(common, os.path.join(storage.temporary_dir(staging, iteration), storage.COMMON_FILENAME))

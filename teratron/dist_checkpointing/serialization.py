@@ -15,6 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -29,6 +30,26 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def failure_reason(error) -> str:
+    """One line for an error; DCP's CheckpointException gathers every rank's (exception, traceback)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {failure_reason(e[0] if isinstance(e, tuple) else e)}"
+                         for rank, e in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
+
+
+def _read(checkpoint_dir: str, planner, process_group=None, no_dist: bool = False) -> None:
+    """dcp.load of the planner's items; a failed read (a missing or truncated data file) becomes an
+    OSError naming the folder instead of DCP's multi-rank traceback."""
+    try:
+        with _quiet_single_process():
+            dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=planner,
+                     process_group=process_group, no_dist=no_dist or not dist.is_initialized())
+    except CheckpointException as e:
+        raise OSError(f"{checkpoint_dir}: reading the checkpoint failed ({failure_reason(e)}); it is damaged "
+                      "or incomplete") from None
 
 
 def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False) -> None:
@@ -116,9 +137,7 @@ def load(items: list, checkpoint_dir: str, process_group=None, unexpected_filter
     if problems:
         raise ValueError(f"checkpoint {checkpoint_dir} does not match: {_describe(problems)}; load it into "
                          "the model it was saved from (same architecture flags)")
-    with _quiet_single_process():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(to_read),
-                 process_group=process_group, no_dist=not dist.is_initialized())
+    _read(checkpoint_dir, ShardedLoadPlanner(to_read), process_group)
 
 
 def saved_keys(checkpoint_dir: str) -> dict:
@@ -140,7 +159,5 @@ def load_full(checkpoint_dir: str, select) -> dict:
             data = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             items.append(ShardedTensor(key, data, tuple(md.size), (0,) * len(md.size)))
     if items:
-        with _quiet_single_process():
-            dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(items),
-                     no_dist=True)
+        _read(checkpoint_dir, ShardedLoadPlanner(items), no_dist=True)
     return {i.key: i.data if isinstance(i, ShardedTensor) else i.value for i in items}

@@ -9,7 +9,8 @@
 
 A checkpoint is written into ROOT/.tmp_iter_0000100/ and renamed when every rank has finished;
 only then is the tracker replaced (atomically). A crash mid-save leaves a hidden temporary folder
-and the previous checkpoint as the latest one.
+and the previous checkpoint as the latest one. Merges and Hugging Face exports are assembled in
+a hidden `.NAME.<pid>.partial` folder beside their output (`staging_dir`) and renamed into place.
 """
 
 import json
@@ -30,6 +31,15 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def temporary_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f".tmp_iter_{iteration:07d}")
+
+
+def staging_dir(final: str) -> str:
+    """A new empty hidden folder beside `final`, to be renamed to it once complete. It is named
+    after this process and never pre-deleted, so no user folder is taken for a leftover."""
+    parent, name = os.path.split(os.path.abspath(final))
+    staging = os.path.join(parent, f".{name}.{os.getpid()}.partial")
+    os.makedirs(staging)
+    return staging
 
 
 def read_tracker(root: str):
@@ -60,12 +70,28 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _move_into_place(tmp: str, final: str) -> None:
+    """Rename `tmp` to `final`. An older `final` (the same iteration saved again, possibly the one
+    the tracker names) is set aside and deleted only once its replacement is in place, and put
+    back if the rename fails: the tracker never names a folder that is half deleted."""
+    if not os.path.isdir(final):
+        os.rename(tmp, final)
+        return
+    aside = os.path.join(os.path.dirname(final), ".replaced_" + os.path.basename(final))
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
+    shutil.rmtree(aside)
+
+
 def publish(root: str, iteration: int) -> str:
     """Rename the finished temporary folder to its iteration folder, then point the tracker at it."""
     final = iteration_dir(root, iteration)
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.rename(temporary_dir(root, iteration), final)
+    _move_into_place(temporary_dir(root, iteration), final)
     _fsync_dir(root)
     _replace_file(os.path.join(root, TRACKER_FILENAME), str(iteration))
     _fsync_dir(root)

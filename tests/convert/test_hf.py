@@ -9,22 +9,23 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
+from convert.hf_testing import (TOKENIZER_FILES, VOCAB, convert, finetune, hf_logits,  # noqa: E402
+                                hf_tensors, ids_and_positions, save_random_hf_model)
 from dist import run_distributed  # noqa: E402
 from teratron import parallel_state as ps  # noqa: E402
 from teratron import cli  # noqa: E402
 from teratron.convert import cli as convert_cli  # noqa: E402
 from teratron.convert.hf import from_hf  # noqa: E402
+from teratron.convert.hf_mapping import teratron_to_hf  # noqa: E402
 from teratron.convert.safetensors_io import INDEX_FILENAME  # noqa: E402
-from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage  # noqa: E402
+from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, storage  # noqa: E402
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config  # noqa: E402
-from teratron.training.arguments import ArgumentParser  # noqa: E402
+from teratron.dist_checkpointing.model_state import is_model_key  # noqa: E402
 
-VOCAB, SEQ = 101, 12
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
 FAMILIES = {
@@ -33,47 +34,11 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, num_key_value_heads=4)),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def ids_and_positions():
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    return ids, torch.arange(SEQ).expand(2, SEQ)
 
 
 def make_hf_model(family, path, max_shard_size="10MB"):
-    """A random tiny HF model (every weight random, norms and biases included) saved to `path`."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
-    with open(os.path.join(path, "tokenizer.json"), "w") as f:
-        json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},
-                                                "unk_token": "<unk>"}}, f)
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-    with torch.no_grad():
-        return model(ids_and_positions()[0]).logits
-
-
-def hf_logits(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids_and_positions()[0]).logits
-
-
-def convert(*argv):
-    """`teratron convert ...`; user errors raise (the CLI would print them as one line)."""
-    return convert_cli.run(convert_cli.add_arguments(ArgumentParser(prog="teratron convert")).parse_args(list(argv)))
-
-
-def hf_tensors(path):
-    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+    return save_random_hf_model(config_cls, model_cls, {**COMMON, **extra}, path, max_shard_size)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -151,24 +116,63 @@ def test_refusals(tmp_path):
     assert cli.main(["convert", "export-hf", "--load", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
 
 
+def test_damaged_inputs_and_failed_writes(tmp_path, monkeypatch):
+    """Damaged HF files and a checkpoint without model args refuse naming the file; an import or
+    export that fails while writing leaves no partial output behind."""
+    src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    make_hf_model("llama", src, max_shard_size="20KB")
+    config_text, index_text = (src / "config.json").read_text(), (src / INDEX_FILENAME).read_text()
+    (src / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        from_hf(str(src))
+    (src / "config.json").write_text(json.dumps({k: v for k, v in json.loads(config_text).items()
+                                                 if k != "hidden_size"}))
+    with pytest.raises(ValueError, match="config.json lacks hidden_size"):
+        from_hf(str(src))
+    (src / "config.json").write_text(config_text)
+    (src / INDEX_FILENAME).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=f"{INDEX_FILENAME}: not a safetensors index"):
+        from_hf(str(src))
+    (src / INDEX_FILENAME).write_text(index_text)
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr("teratron.convert.hf.serialization.save", fail)
+        with pytest.raises(OSError, match="disk full"):
+            convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+        assert not ckpt.exists()
+        ckpt.mkdir()  # an empty folder given as --save stays, empty
+        with pytest.raises(OSError, match="disk full"):
+            convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+        assert ckpt.is_dir() and not os.listdir(ckpt)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+    with monkeypatch.context() as m:
+        m.setattr("teratron.convert.hf.save_hf_weights", fail)
+        with pytest.raises(OSError, match="disk full"):
+            convert("export-hf", "--load", str(ckpt), "--out", str(out))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+
+    iteration_dir = storage.resolve_checkpoint_dir(str(ckpt))
+    metadata = storage.read_metadata(iteration_dir)
+    state = load_full(iteration_dir, is_model_key)
+    del state["decoder.final_layernorm.weight"]
+    with pytest.raises(ValueError, match="decoder.final_layernorm.weight is missing"):
+        teratron_to_hf(state, metadata["model_args"], "llama")
+    del metadata["model_args"]
+    storage.write_metadata(iteration_dir, metadata)
+    with pytest.raises(ValueError, match="records no model_args"):
+        convert("export-hf", "--load", str(ckpt), "--out", str(out))
+
+
 def test_finetune_an_imported_model_and_export_it(tmp_path):
     """import-hf -> `teratron train --load --finetune` (flags matching the model) -> export-hf:
     transformers loads the trained weights and agrees with teratron's own logits for them."""
-    from teratron.training.arguments import parse_train_args
-    from teratron.training.training import pretrain
-
     src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
     make_hf_model("llama", src)
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
-    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-             "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "40", "--num-attention-heads", "4",
-             "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
-             "--norm-epsilon", "1e-5", "--position-embedding-type", "rope", "--rotary-base", "500000",
-             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
-             "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
-             "--load", str(ckpt), "--finetune", "--save", str(trained)]
-    pretrain(parse_train_args(flags))
+    finetune(ckpt, trained, "--num-layers", "2", "--ffn-hidden-size", "40", "--rotary-base", "500000")
     assert storage.read_tracker(str(trained)) == 2
     convert("export-hf", "--load", str(trained), "--out", str(out))
     changed = hf_tensors(out)["model.layers.0.mlp.up_proj.weight"]

@@ -6,7 +6,6 @@ loads at EP = 2 (and expert-TP = 2) with the same logits and re-saves to the sam
 fine-tuned import exports with the run's aux-loss coefficient."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,21 +13,18 @@ from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
+from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, finetune, hf_logits, hf_tensors,  # noqa: E402
+                                ids_and_positions, read_config, save_random_hf_model)
 from dist import run_distributed  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 from teratron import parallel_state as ps  # noqa: E402
-from teratron.convert import cli as convert_cli  # noqa: E402
 from teratron.convert.hf import from_hf  # noqa: E402
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf  # noqa: E402
 from teratron.convert.safetensors_io import INDEX_FILENAME  # noqa: E402
 from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage  # noqa: E402
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config  # noqa: E402
-from teratron.training.arguments import ArgumentParser  # noqa: E402
 
-VOCAB, SEQ = 101, 12
 MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 FAMILIES = {
     # every layer MoE, top-2 renormalised; the experts' size is intermediate_size
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -44,53 +40,15 @@ FAMILIES = {
 }
 
 
-def ids_and_positions():
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    return ids, torch.arange(SEQ).expand(2, SEQ)
-
-
-def hf_logits(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids_and_positions()[0]).logits
-
-
-def hf_tensors(path):
-    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
-
-
-def convert(*argv):
-    """`teratron convert ...`; user errors raise (the CLI would print them as one line)."""
-    parser = convert_cli.add_arguments(ArgumentParser(prog="teratron convert"))
-    return convert_cli.run(parser.parse_args(list(argv)))
-
-
 def make_moe_model(family, path):
     """A random tiny HF MoE model saved to `path` (with tokenizer files); its logits."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**MOE, **extra})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, max_shard_size="20KB")
+    logits = save_random_hf_model(config_cls, model_cls, {**MOE, **extra}, path, max_shard_size="20KB")
     if family == "qwen3_moe_norm":  # the Hub's Qwen3-MoE config names (transformers 4)
         hub = read_config(path)
         hub.update(num_experts=hub.pop("num_local_experts"), rope_theta=hub.pop("rope_parameters")["rope_theta"])
         (path / "config.json").write_text(json.dumps(hub))
-    with open(os.path.join(path, "tokenizer.json"), "w") as f:
-        json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},
-                                                "unk_token": "<unk>"}}, f)
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-    with torch.no_grad():
-        return model(ids_and_positions()[0]).logits
-
-
-def read_config(path):
-    return json.loads((path / "config.json").read_text())
+    return logits
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -178,24 +136,13 @@ def test_finetune_an_imported_mixtral_and_export_it(tmp_path):
     """import-hf -> `teratron train --load --finetune` with Megatron's MoE flags -> export-hf:
     transformers loads the trained experts and agrees with teratron's logits for them; the run's
     aux-loss coefficient becomes router_aux_loss_coef."""
-    from teratron.training.arguments import parse_train_args
-    from teratron.training.training import pretrain
-
     src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
     make_moe_model("mixtral", src)
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
-    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-             "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "24", "--num-attention-heads", "4",
-             "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
-             "--norm-epsilon", "1e-5", "--position-embedding-type", "rope", "--rotary-base", "1000000",
-             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
+    finetune(ckpt, trained, "--num-layers", "3", "--ffn-hidden-size", "24", "--rotary-base", "1000000",
              "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
              "--moe-layer-freq", "[1]*3",  # recorded as the import's 1: the same layer pattern
-             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.05",
-             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
-             "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
-             "--load", str(ckpt), "--finetune", "--save", str(trained)]
-    pretrain(parse_train_args(flags))
+             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.05")
     convert("export-hf", "--load", str(trained), "--out", str(out))
     assert read_config(out)["router_aux_loss_coef"] == 0.05
     expert = "model.layers.2.block_sparse_moe.experts.3.w2.weight"
@@ -217,6 +164,11 @@ def test_moe_refusals(tmp_path):
     assert model_args_from_hf({**hf, "num_experts_per_tok": 1}, "cfg")["moe_router_pre_softmax"]
     with pytest.raises(ValueError, match="no layer is MoE"):
         model_args_from_hf({**hf, "mlp_only_layers": [1]}, "cfg")
+    no_experts = {k: v for k, v in hf.items() if k not in ("num_experts", "num_local_experts")}
+    with pytest.raises(ValueError, match="cfg: config.json lacks num_experts"):
+        model_args_from_hf(no_experts, "cfg")
+    with pytest.raises(ValueError, match="cfg: config.json lacks moe_intermediate_size"):
+        model_args_from_hf({**hf, "moe_intermediate_size": None}, "cfg")
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide the model's 4 experts"):
         convert("import-hf", "--hf-path", str(src), "--save", str(tmp_path / "c"), "--expert-model-parallel-size", "3")
     (src / "config.json").write_text(json.dumps({**hf, "moe_intermediate_size": 25}))

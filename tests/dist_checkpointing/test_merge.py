@@ -115,3 +115,35 @@ def test_fail_closed(tmp_path):
     assert merge_cli("--inputs", str(a), str(tmp_path / "config"), "--weights", "1", "-1",
                      "--output", str(tmp_path / "out")) == 2  # one-line error, status 2
     assert not (tmp_path / "out").exists()
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    """A merge that fails while writing removes its staging folder and touches no other folder."""
+    saved(tmp_path / "a", 1)
+    saved(tmp_path / "b", 2)
+    (tmp_path / "out.tmp-merge").mkdir()  # a user's folder next to the output is not a leftover
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("teratron.dist_checkpointing.merge.serialization.save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], [1.0, 1.0], str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "out.tmp-merge"]
+
+
+def test_recorded_layouts_need_not_match(tmp_path):
+    """An import records only TP/PP/EP, a run its whole layout: with the same chunks they merge."""
+    a, b = saved(tmp_path / "a", 1), saved(tmp_path / "b", 2)
+    b_dir = storage.resolve_checkpoint_dir(str(tmp_path / "b"))
+    metadata = storage.read_metadata(b_dir)
+    metadata["layout"] = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                          "expert_model_parallel_size": 1}
+    storage.write_metadata(b_dir, metadata)
+    merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], str(tmp_path / "out"))
+    fresh, _ = model(seed=9)
+    load_checkpoint(storage.resolve_checkpoint_dir(str(tmp_path / "out")), [fresh], load_rng=False)
+    states = a.state_dict(), b.state_dict()
+    for name, value in fresh.state_dict().items():
+        expected = (0.5 * states[0][name].double() + 0.5 * states[1][name].double()).float()
+        assert torch.equal(value, expected), name

@@ -2,9 +2,12 @@
 
 - A save killed half-way (SIGKILL while ranks write) leaves the previous checkpoint loadable and
   the tracker unchanged; the next save of that iteration succeeds.
-- A save that fails on one rank raises on every rank and publishes nothing.
+- A save that fails on one rank (writing, or rank 0 publishing) raises on every rank and
+  publishes nothing.
 - An async save equals a sync save of the same state, even when training changes the
   parameters while it writes; it is published only by `finalize`.
+- Saving an iteration again keeps the old folder until the new one is in place.
+- A checkpoint missing a data file refuses to load with one error naming its folder.
 """
 
 import multiprocessing as mp
@@ -12,6 +15,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -85,13 +89,22 @@ def _fail_on_rank_1(root):
     ps.initialize_model_parallel(2)
     model, optimizer = model_and_optimizer(1, tp=2)
     save_checkpoint(root, 1, [model], optimizer)
+    write_data = serialization.dcp.FileSystemWriter.write_data
     if dist.get_rank() == 1:
         serialization.dcp.FileSystemWriter.write_data = lambda *a: (_ for _ in ()).throw(OSError(28, "disk full"))
+    messages = []
     try:
         save_checkpoint(root, 2, [model], optimizer)
     except OSError as e:
-        return str(e)
-    return None
+        messages.append(str(e))
+    serialization.dcp.FileSystemWriter.write_data = write_data
+    if dist.get_rank() == 0:  # rank 0 cannot publish: every rank hears it instead of waiting forever
+        storage.publish = lambda *a: (_ for _ in ()).throw(OSError(13, "permission denied"))
+    try:
+        save_checkpoint(root, 3, [model], optimizer)
+    except OSError as e:
+        messages.append(str(e))
+    return messages
 
 
 def _async_vs_sync(sync_root, async_root):
@@ -110,10 +123,12 @@ def _async_vs_sync(sync_root, async_root):
 
 def test_failure_on_one_rank_and_async_equals_sync(tmp_path):
     messages = run_distributed(_fail_on_rank_1, 2, str(tmp_path / "fail"))
-    assert all(m and "iteration 2 failed" in m and "rank 1: OSError: [Errno 28] disk full" in m
+    assert all(len(m) == 2 and "iteration 2 failed" in m[0] and "rank 1: OSError: [Errno 28] disk full" in m[0]
                for m in messages), messages
+    assert "publishing checkpoint iteration 3 failed (PermissionError: [Errno 13] permission denied)" in messages[0][1]
+    assert "publishing checkpoint iteration 3 failed (on rank 0)" in messages[1][1]
     assert storage.read_tracker(str(tmp_path / "fail")) == 1
-    assert sorted(os.listdir(tmp_path / "fail")) == ["iter_0000001", storage.TRACKER_FILENAME]
+    assert sorted(os.listdir(tmp_path / "fail")) == [".tmp_iter_0000003", "iter_0000001", storage.TRACKER_FILENAME]
 
     sync_root, async_root = str(tmp_path / "sync"), str(tmp_path / "async")
     published_early = run_distributed(_async_vs_sync, 2, sync_root, async_root)
@@ -127,3 +142,39 @@ def test_failure_on_one_rank_and_async_equals_sync(tmp_path):
             assert torch.equal(value, done[key]), key
     common = torch.load(os.path.join(storage.resolve_checkpoint_dir(async_root), "common.pt"), weights_only=False)
     assert common["note"] == "async"
+
+
+def test_a_missing_data_file_is_one_error_naming_the_folder(tmp_path):
+    model, _ = model_and_optimizer(1)
+    folder = save_checkpoint(str(tmp_path), 1, [model], with_rng=False)
+    for name in os.listdir(folder):
+        if name.endswith(".distcp"):
+            os.remove(os.path.join(folder, name))
+    with pytest.raises(OSError, match=f"{folder}: reading the checkpoint failed .*distcp"):
+        load_full(folder, lambda key: True)
+    with pytest.raises(OSError, match=f"{folder}: reading the checkpoint failed"):
+        load_checkpoint(folder, [model_and_optimizer(2)[0]], load_rng=False)
+
+
+def test_saving_an_iteration_again_keeps_the_old_one_until_the_new_is_in_place(tmp_path, monkeypatch):
+    first, _ = model_and_optimizer(1)
+    folder = save_checkpoint(str(tmp_path), 1, [first], with_rng=False)
+    second, _ = model_and_optimizer(2)
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if os.path.basename(src) == os.path.basename(storage.temporary_dir(str(tmp_path), 1)):
+            raise OSError("rename failed")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        save_checkpoint(str(tmp_path), 1, [second], with_rng=False)
+    monkeypatch.undo()
+    assert storage.read_tracker(str(tmp_path)) == 1 and not any(n.startswith(".replaced") for n in os.listdir(tmp_path))
+    saved = load_full(folder, lambda k: True)
+    assert saved and all(torch.equal(v, first.state_dict()[k]) for k, v in saved.items())
+    folder = save_checkpoint(str(tmp_path), 1, [second], with_rng=False)  # a working save replaces it
+    saved = load_full(folder, lambda k: True)
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in saved.items())
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path))

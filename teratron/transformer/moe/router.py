@@ -181,7 +181,7 @@ class TopKRouter(torch.nn.Module):
         config = self.config
         training = self.training and torch.is_grad_enabled()
         logits = self.apply_z_loss(logits)
-        replayed = self.replay.next_indices(logits.device)
+        replayed = self.replay.next_indices(logits.device, self.training)
         if "sinkhorn" in self.routing_types:
             probs, routing_map, top_indices = self.sinkhorn_load_balancing(logits, replayed)
         elif QUANTILE_BALANCING in self.routing_types:

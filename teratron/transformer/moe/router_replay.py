@@ -15,12 +15,14 @@ same layout (TP/CP/EP/PP), micro-batch shape and data order as the recording run
 """
 
 import enum
+import re
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 _FORMAT = {"format": "teratron.router_replay", "version": "1"}
+_KEY = re.compile(r"layers\.(\d+)\.calls\.(\d+)")
 
 
 class RouterReplayAction(enum.Enum):
@@ -45,8 +47,10 @@ class RouterReplay:
     def clear(self) -> None:
         self.recorded, self.targets, self._recompute_queue = [], [], []
 
-    def next_indices(self, device):
-        """The replayed [T, k] for this forward, or None when not replaying."""
+    def next_indices(self, device, training: bool = True):
+        """The replayed [T, k] for this forward, or None when not replaying. Only a training
+        forward without grad can be a checkpointed first pass whose recompute reuses the entry;
+        an evaluation forward keeps nothing back."""
         if self.action is not RouterReplayAction.REPLAY:
             return None
         if _in_backward():
@@ -55,7 +59,7 @@ class RouterReplay:
             raise RuntimeError("router replay ran out of recorded routing: more forward calls than "
                                "recorded ones; record (or load) as many calls as you replay")
         indices = self.targets.pop(0)
-        if not torch.is_grad_enabled():  # a checkpointed first pass: backward will rerun it
+        if training and not torch.is_grad_enabled():  # a checkpointed first pass: backward reruns it
             self._recompute_queue.append(indices)
         return indices.to(device)
 
@@ -121,8 +125,11 @@ def load_router_replay(path) -> dict:
                              "write it with save_router_replay")
         entries = {}
         for key in f.keys():
-            _, layer, _, call = key.split(".")
-            entries[(int(layer), int(call))] = f.get_tensor(key).long()
+            match = _KEY.fullmatch(key)
+            if match is None:
+                raise ValueError(f"{path}: tensor {key!r} is not named layers.<layer>.calls.<call>; "
+                                 "write the file with save_router_replay")
+            entries[(int(match[1]), int(match[2]))] = f.get_tensor(key).long()
     routing = {}
     for layer, call in sorted(entries):
         routing.setdefault(layer, []).append(entries[(layer, call)])

@@ -16,6 +16,8 @@ tokens per local expert [L] (list), expert probs [N]), grouped by local expert.
 combine(expert output [N, h]) -> [T, h] (probs already applied by the experts).
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -63,54 +65,38 @@ def _reduce_scatter_v(x, sizes, group):
     return output[:sizes[get_pg_rank(group)]]
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _all_to_all(x, output_splits, input_splits, group)
+class _DualCollective(torch.autograd.Function):
+    """`forward_op(x)` forward and `backward_op(grad)` backward: the variable-size collectives
+    come in dual pairs (all-to-all and its reverse, all-gather and reduce-scatter)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-class _AllGatherV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather_v(x, sizes, group)
+    def forward(ctx, x, forward_op, backward_op):
+        ctx.backward_op = backward_op
+        return forward_op(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_v(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_v(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_v(grad, ctx.sizes, ctx.group), None, None
+        return ctx.backward_op(grad), None, None
 
 
 def all_to_all(x, output_splits, input_splits, group):
     """Rank r sends rows input_splits[j] to rank j, receives output_splits[j] rows from rank j
     (in group-rank order). Backward: the reverse exchange."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
+    forward = partial(_all_to_all, output_splits=output_splits, input_splits=input_splits, group=group)
+    backward = partial(_all_to_all, output_splits=input_splits, input_splits=output_splits, group=group)
+    return _DualCollective.apply(x, forward, backward)
 
 
 def all_gather_v(x, sizes, group):
     """Forward: concatenate the ranks' x (sizes[r] rows each). Backward: reduce-scatter."""
-    return _AllGatherV.apply(x, sizes, group)
+    return _DualCollective.apply(x, partial(_all_gather_v, sizes=sizes, group=group),
+                                 partial(_reduce_scatter_v, sizes=sizes, group=group))
 
 
 def reduce_scatter_v(x, sizes, group):
     """Forward: sum over ranks, keep this rank's sizes[rank] rows. Backward: all-gather."""
-    return _ReduceScatterV.apply(x, sizes, group)
+    return _DualCollective.apply(x, partial(_reduce_scatter_v, sizes=sizes, group=group),
+                                 partial(_all_gather_v, sizes=sizes, group=group))
 
 
 # ----- dispatchers ------------------------------------------------------------------------------

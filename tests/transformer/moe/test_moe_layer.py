@@ -4,11 +4,12 @@ router replay, the metrics tracker."""
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from teratron.tensor_parallel.random import checkpoint
 from teratron.transformer.init_rng import component_rng
-from teratron.transformer.moe import (MoEAuxLossAutoScaler, RouterReplayAction, get_moe_module_spec,
-                                      load_router_replay, save_router_replay, set_replay_routing,
+from teratron.transformer.moe import (MoEAuxLossAutoScaler, RouterReplayAction, clear_router_replay,
+                                      get_moe_module_spec, load_router_replay, save_router_replay, set_replay_routing,
                                       set_router_replay_action, track_moe_metrics)
 from teratron.transformer.moe.moe_logging import clear_aux_losses_tracker
 from teratron.transformer.moe.router_replay import get_recorded_routing
@@ -174,6 +175,13 @@ def test_router_replay_reproduces_recorded_routing(tmp_path):
         torch.testing.assert_close(probs[routing_map].view(-1, 2).sort(-1).values, weights.sort(-1).values)
     with pytest.raises(RuntimeError, match="ran out"):
         layer.router(batches[0])
+    clear_router_replay(layer)
+    assert get_recorded_routing(layer) == {1: []}
+
+    save_file({"layer1.call0": torch.zeros(2, 2, dtype=torch.int32)}, str(tmp_path / "renamed.safetensors"),
+              metadata={"format": "teratron.router_replay", "version": "1"})
+    with pytest.raises(ValueError, match="renamed.safetensors: tensor 'layer1.call0' is not named"):
+        load_router_replay(tmp_path / "renamed.safetensors")
 
 
 def test_router_replay_under_activation_recompute():
@@ -198,6 +206,19 @@ def test_router_replay_under_activation_recompute():
     y_ckpt = checkpoint(layer, False, x_ckpt)[0]
     y_ckpt.backward(grad)  # the recompute must replay the same entry as its first pass
     torch.testing.assert_close(y_ckpt, y)
+    torch.testing.assert_close(x_ckpt.grad, dx)
+    torch.testing.assert_close(layer.router.weight.grad, router_grad)
+
+    # An evaluation forward (no grad, nothing to recompute) replays its own entry and leaves none
+    # behind for the next recompute.
+    set_replay_routing(layer, {1: [(routing[0] + 1) % 4, routing[0]]})
+    layer.eval()
+    with torch.no_grad():
+        assert not torch.equal(layer(x)[0], y)
+    layer.train()
+    layer.zero_grad()
+    x_ckpt = x.clone().requires_grad_()
+    checkpoint(layer, False, x_ckpt)[0].backward(grad)
     torch.testing.assert_close(x_ckpt.grad, dx)
     torch.testing.assert_close(layer.router.weight.grad, router_grad)
 

@@ -1,0 +1,77 @@
+"""Helpers of the Hugging Face conversion tests: tiny random HF models saved offline, their
+logits, and the `teratron convert` command run in-process."""
+
+import json
+import os
+
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from teratron.convert import cli as convert_cli
+from teratron.training.arguments import ArgumentParser
+
+VOCAB, SEQ = 101, 12
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def ids_and_positions():
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    return ids, torch.arange(SEQ).expand(2, SEQ)
+
+
+def save_random_hf_model(config_cls: str, model_cls: str, config_kwargs: dict, path, max_shard_size: str):
+    """A tiny HF model with every weight random (norms and biases included) saved to `path` with
+    tokenizer files; returns its logits for `ids_and_positions()`."""
+    config = getattr(transformers, config_cls)(**config_kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},
+                                                "unk_token": "<unk>"}}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    with torch.no_grad():
+        return model(ids_and_positions()[0]).logits
+
+
+def hf_logits(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids_and_positions()[0]).logits
+
+
+def hf_tensors(path):
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def read_config(path):
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def convert(*argv):
+    """`teratron convert ...`; user errors raise (the CLI would print them as one line)."""
+    parser = convert_cli.add_arguments(ArgumentParser(prog="teratron convert"))
+    return convert_cli.run(parser.parse_args(list(argv)))
+
+
+def finetune(ckpt, trained, *model_flags):
+    """`teratron train --load ckpt --finetune --save trained`: 2 iterations on mock data of the
+    imported tiny model, whose shape the shared flags and `model_flags` give."""
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.training import pretrain
+
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+             "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+             "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
+             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
+             "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--load", str(ckpt), "--finetune", "--save", str(trained), *model_flags]
+    pretrain(parse_train_args(flags))
