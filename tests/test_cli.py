@@ -187,6 +187,7 @@ def _bad_input_cases(tmp_path):
         "missing .bin/.idx": (data + ["--data-path", str(tmp_path / "nothing")], "nothing.bin"),
         "corrupt .bin/.idx": (data + ["--data-path", _write_corrupt_dataset(tmp_path)], "corrupt.idx"),
         "unparsable --data-path": (data + ["--data-path", "0.5", "a", "0.5"], "--data-path"),
+        "unparsable --split": (TINY + ["--split", "a,b"], "--split 'a,b'"),
         "unknown tokenizer": (TINY + ["--tokenizer-type", "NoSuchTokenizer"], "NoSuchTokenizer"),
         "missing vocab files": (TINY + ["--tokenizer-type", "GPT2BPETokenizer",
                                         "--vocab-file", str(tmp_path / "no-vocab.json"),
@@ -196,7 +197,15 @@ def _bad_input_cases(tmp_path):
         "config field out of range": (TINY + ["--hidden-dropout", "1.5"], "hidden_dropout"),
         "warm-up longer than training": (TINY + ["--lr-warmup-iters", "5"], "--lr-warmup-iters (5)"),
         "unknown flag": (TINY + ["--num-layer", "2"], "--num-layer"),
+        "zero query groups": (TINY + ["--group-query-attention", "--num-query-groups", "0"],
+                              "--num-query-groups must be >= 1"),
+        "negative seed": (TINY + ["--seed", "-1"], "--seed must be in"),
+        "negative learning rate": (TINY + ["--lr", "-1"], "--lr must be >= 0"),
+        "metrics file is a directory": (TINY + ["--metrics-file", str(tmp_path)], "--metrics-file"),
+        "tensorboard dir is a file": (TINY + ["--tensorboard-dir", _write_corrupt_dataset(tmp_path) + ".bin"],
+                                      "--tensorboard-dir"),
         "missing config file": (TINY + ["--config", str(tmp_path / "none.yaml")], "none.yaml"),
+        "config is a directory": (TINY + ["--config", str(tmp_path)], "--config"),
         "load from a corrupt checkpoint": (TINY + ["--load", _write_corrupt_checkpoint(tmp_path)],
                                            "iter_0000003"),
     }
@@ -227,6 +236,16 @@ def test_bad_input_in_process(tmp_path, capsys):
         assert not save.exists(), name
 
 
+def test_demo_flag_errors(capsys):
+    """The demo's own flags fail before its corpus is prepared."""
+    for argv, phrase in [(["--demo-samples", "-1"], "--demo-samples must be >= 0"),
+                         (["--vocab-file", "x.json"], "the embedded demo uses its own tokenizer")]:
+        assert cli.main(["train"] + argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert err.startswith("teratron: error: ") and phrase in err, (argv, err)
+        assert "teratron demo" not in out, (argv, out)
+
+
 def test_bad_input_subprocess_unwritable_save(tmp_path):
     """A real process: an unwritable --save fails before training, one line, status 2."""
     save = "/proc/teratron-cannot-write-here"
@@ -253,6 +272,8 @@ def test_non_finite_loss_stops_or_skips(tmp_path, capsys):
     assert cli.main(["train"] + blow_up + ["--skip-nan-steps", "--metrics-file", str(metrics)]) == 0
     records = _metrics(metrics)
     assert records[-1]["iteration"] == 6 and records[-1]["skipped"] > 0
+    # Counted per logged window (--log-interval 1: one iteration), as in Megatron's log line.
+    assert all(r["skipped"] in (0, 1) for r in records), records
     assert records[0]["skipped"] == 0 and math.isfinite(records[0]["lm_loss"])
 
 
@@ -264,6 +285,7 @@ def test_top_level_command_errors(capsys):
                          (["preprocess", "--input", "x.jsonl"], "--output-prefix"),
                          (["merge"], "--inputs"), (["convert", "nope"], "invalid choice: 'nope'"),
                          (["estimate", "--mock-data", "--num-layer", "2"], "unrecognized arguments: --num-layer"),
+                         (["estimate", "--mock-data", "--world-size", "0"], "--world-size must be >= 1, got 0"),
                          (["bench", "--iters", "0"], "--iters"),
                          (["bench", "--train-iters", "5"], "set by teratron bench")]:
         assert cli.main(argv) == 2, argv

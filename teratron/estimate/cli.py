@@ -44,7 +44,7 @@ def default_world_size(args) -> int:
 def run(args) -> int:
     from teratron.estimate.report import estimate_from_args, format_table
 
-    world_size = args.world_size or default_world_size(args)
+    world_size = default_world_size(args) if args.world_size is None else args.world_size
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     estimate = estimate_from_args(args, world_size, args.target_device)

@@ -20,15 +20,13 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
     """Bytes of the storages autograd keeps after one micro-batch forward through this rank's
     model (first pipeline stage = last stage: call it without pipeline parallelism)."""
     from teratron.estimate.report import resolve_vocab_size
-    from teratron.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size
+    from teratron.tensor_parallel import model_parallel_cuda_manual_seed
     from teratron.training.arguments import core_transformer_config_from_args, validate_args
-    from teratron.training.build import gpt_model_provider
+    from teratron.training.build import gpt_model_provider, set_vocab_sizes
 
     args = copy.copy(args)
     validate_args(args, world_size)
-    args.vocab_size = resolve_vocab_size(args)
-    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
+    set_vocab_sizes(args, resolve_vocab_size(args))
     torch.manual_seed(args.seed)
     model = gpt_model_provider(args, core_transformer_config_from_args(args), True, True).to(device)
     model_parallel_cuda_manual_seed(args.seed)

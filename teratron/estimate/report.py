@@ -110,8 +110,8 @@ def _model_parameters(config, shape: ModelShape) -> int:
 def estimate_from_args(args, world_size: int, device_type: str = "cuda") -> Estimate:
     """The estimate for parsed `teratron train` flags on `world_size` GPUs (`device_type`
     decides which kernels' saved tensors are counted; see kernels.py)."""
-    from teratron.tensor_parallel import pad_vocab_size
     from teratron.training.arguments import validate_args
+    from teratron.training.build import set_vocab_sizes
     from teratron.training.metrics import num_floating_point_operations
 
     args = copy.copy(args)
@@ -119,8 +119,7 @@ def estimate_from_args(args, world_size: int, device_type: str = "cuda") -> Esti
     args.train_iters = args.train_iters or 1
     args.lr = 0.0 if args.lr is None else args.lr
     validate_args(args, world_size)
-    args.padded_vocab_size = pad_vocab_size(resolve_vocab_size(args), args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
+    set_vocab_sizes(args, resolve_vocab_size(args))
     config, optimizer_config, ddp_config = _configs(args)
     shape = ModelShape(padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
                        max_position_embeddings=args.max_position_embeddings,

@@ -45,17 +45,22 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, max_sequence_le
     """
     device = next(model.parameters()).device
     ids = list(tokenizer.tokenize(prompt))
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} tokenizes to no tokens; give at least one token to continue")
     eod = getattr(tokenizer, "eod", None)
     was_training = model.training
     model.eval()
-    for _ in range(max_new_tokens):
-        context = ids[-max_sequence_length:]
-        tokens = torch.tensor([context], device=device)
-        positions = torch.arange(len(context), device=device).unsqueeze(0)
-        logits = model(tokens, positions, None)[0, -1]
-        next_id = sample_next_token(logits, temperature, top_k, generator, vocab_size=tokenizer.vocab_size)
-        if next_id == eod:
-            break
-        ids.append(next_id)
-    model.train(was_training)
+    try:
+        for _ in range(max_new_tokens):
+            context = ids[-max_sequence_length:]
+            tokens = torch.tensor([context], device=device)
+            positions = torch.arange(len(context), device=device).unsqueeze(0)
+            logits = model(tokens, positions, None)[0, -1]
+            next_id = sample_next_token(logits, temperature, top_k, generator,
+                                        vocab_size=tokenizer.vocab_size)
+            if next_id == eod:
+                break
+            ids.append(next_id)
+    finally:
+        model.train(was_training)
     return tokenizer.detokenize(ids)

@@ -123,6 +123,8 @@ def _add_network_args(parser):
                    help="Scale Q*K^T by 1/layer-number (fp16 stability).")
     g.add_argument("--no-attention-softmax-in-fp32", action="store_false", dest="attention_softmax_in_fp32",
                    help="Run the attention softmax in the compute dtype.")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=True,
+                   help="Megatron's switch, accepted: the softmax runs in fp32 by default here.")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
                    help="Activation recomputation.")
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
@@ -408,6 +410,8 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise OSError(f"--config {path}: cannot read it ({e.strerror}); pass a YAML file") from None
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if data is None:
@@ -416,7 +420,7 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     argv = []
     for key, value in data.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        flag = _flag(str(key).lstrip("-"))
         action = parser._option_string_actions.get(flag)
         if action is None or flag == "--config":
             raise ValueError(f"--config {path}: unknown key {key!r}; keys are flag names such as "
@@ -464,8 +468,19 @@ def parse_train_args(argv) -> argparse.Namespace:
     return args
 
 
+def _flag(name: str) -> str:
+    """The command-line flag of an args attribute: num_layers -> --num-layers."""
+    return "--" + name.replace("_", "-")
+
+
+def _check_at_least(args, minimum, names) -> None:
+    for name in names:
+        if getattr(args, name) < minimum:
+            raise ValueError(f"{_flag(name)} must be >= {minimum}, got {getattr(args, name)}")
+
+
 def _require(args, names):
-    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    missing = [_flag(n) for n in names if getattr(args, n) is None]
     if missing:
         raise ValueError(f"missing required flag(s) {', '.join(missing)} (or set them in --config)")
 
@@ -484,9 +499,10 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
 
 
 def _validate_model(args):
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _check_at_least(args, 1, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                              "micro_batch_size"))
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.kv_channels is None:
         if args.hidden_size % args.num_attention_heads:
             raise ValueError(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
@@ -498,6 +514,8 @@ def _validate_model(args):
         if args.ffn_hidden_size < 1:
             raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
                              "set --ffn-hidden-size")
+    if args.group_query_attention:
+        _check_at_least(args, 1, ("num_query_groups",))
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
                          f"--num-query-groups ({args.num_query_groups})")
@@ -660,8 +678,8 @@ def check_interleaved_schedule(args) -> None:
 
 
 def _validate_schedule(args):
-    if args.train_iters < 1:
-        raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
+    _check_at_least(args, 1, ("train_iters", "log_interval", "eval_interval"))
+    _check_at_least(args, 0, ("lr", "eval_iters"))
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
@@ -678,11 +696,6 @@ def _validate_schedule(args):
     elif args.start_weight_decay is None or args.end_weight_decay is None:
         raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
                          "--start-weight-decay and --end-weight-decay")
-    for name in ("log_interval", "eval_interval"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.skip_nan_steps and not args.check_for_nan_in_loss_and_grad:
         raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
 
@@ -692,8 +705,7 @@ def _validate_optimizer(args):
         raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {args.optimizer_offload_fraction}")
     if args.optimizer_cpu_offload and args.optimizer == "muon":
         raise ValueError("--optimizer-cpu-offload does not work with --optimizer muon; drop one")
-    if args.muon_num_ns_steps < 1:
-        raise ValueError(f"--muon-num-ns-steps must be >= 1, got {args.muon_num_ns_steps}")
+    _check_at_least(args, 1, ("muon_num_ns_steps",))
     if args.decoupled_lr is not None and args.decoupled_min_lr is None:
         args.decoupled_min_lr = args.min_lr
     if args.decoupled_lr is not None and args.decoupled_min_lr > args.decoupled_lr:
@@ -707,32 +719,35 @@ def _validate_data_and_io(args):
     if args.data_path and args.train_data_path:
         raise ValueError("--data-path and --train-data-path both given; use one (per-split paths "
                          "go with --train/valid/test-data-path)")
+    from teratron.datasets.utils import parse_and_normalize_split
+
     if args.split is None:
         args.split = "969,30,1"
-    if args.save_interval is not None:
-        if args.save_interval < 1:
-            raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
-        if args.save is None:
-            raise ValueError("--save-interval given without --save; add --save DIR")
-    if args.exit_interval is not None and args.exit_interval < 1:
-        raise ValueError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    parse_and_normalize_split(args.split)  # a bad --split fails here, also with --mock-data
+    _check_at_least(args, 1, [n for n in ("save_interval", "exit_interval") if getattr(args, n) is not None])
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval given without --save; add --save DIR")
     if args.async_save and args.save is None:
         raise ValueError("--async-save given without --save; add --save DIR")
-    if args.num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    _check_at_least(args, 0, ("num_workers",))
     if args.load is not None and not os.path.isdir(args.load) and os.path.exists(args.load):
         raise ValueError(f"--load {args.load}: not a directory; pass the checkpoint folder")
 
 
-def core_transformer_config_from_args(args):
-    """TransformerConfig from the flags: every field named like a flag, plus the renamed ones."""
+def config_from_args(config_class, args, **renamed):
+    """`config_class` (a dataclass) from the flags: every field named like a flag's destination,
+    then `renamed`, the fields whose flag has another name (Megatron's own mapping)."""
     from dataclasses import fields
 
+    kwargs = {f.name: getattr(args, f.name) for f in fields(config_class) if f.init and hasattr(args, f.name)}
+    return config_class(**{**kwargs, **renamed})
+
+
+def core_transformer_config_from_args(args):
     from teratron.transformer import TransformerConfig
 
-    kwargs = {f.name: getattr(args, f.name) for f in fields(TransformerConfig)
-              if f.init and hasattr(args, f.name)}
-    kwargs.update(
+    return config_from_args(
+        TransformerConfig, args,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
@@ -743,4 +758,3 @@ def core_transformer_config_from_args(args):
         pipeline_dtype=args.params_dtype,
         deallocate_pipeline_outputs=True,
     )
-    return TransformerConfig(**kwargs)

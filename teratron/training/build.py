@@ -1,11 +1,20 @@
 """Model, optimizer and LR scheduler of a run, built from the validated args (Megatron's
 `setup_model_and_optimizer`)."""
 
-from dataclasses import fields
-
 import torch
 
 from teratron import parallel_state
+from teratron.training.arguments import config_from_args
+
+
+def set_vocab_sizes(args, vocab_size: int) -> None:
+    """args.vocab_size (the tokenizer's, real ids) and args.padded_vocab_size (Megatron's padding
+    to a multiple of make_vocab_size_divisible_by x TP), which the model is built with."""
+    from teratron.tensor_parallel import pad_vocab_size
+
+    args.vocab_size = vocab_size
+    args.padded_vocab_size = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
 
 
 def gpt_model_provider(args, config, pre_process: bool, post_process: bool, vp_stage=None):
@@ -67,23 +76,16 @@ def attach_model_hooks(config, model, optimizer) -> None:
 def ddp_config_from_args(args):
     from teratron.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-        pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
-    )
+    return config_from_args(DistributedDataParallelConfig, args,
+                            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                            bucket_size=args.ddp_bucket_size,
+                            average_in_collective=args.ddp_average_in_collective)
 
 
 def optimizer_config_from_args(args):
-    """OptimizerConfig from the flags: every field is named like its flag's destination."""
     from teratron.optimizer import OptimizerConfig
 
-    return OptimizerConfig(**{f.name: getattr(args, f.name) for f in fields(OptimizerConfig)
-                              if f.init and hasattr(args, f.name)})
+    return config_from_args(OptimizerConfig, args)
 
 
 def build_optimizer(args, model):

@@ -33,6 +33,8 @@ def prepare(args) -> None:
                          "pass --data-path or --mock-data to choose one")
     args.demo_dir = args.demo_dir or DEFAULT_DEMO_DIR
     args.demo_samples = DEFAULT_NUM_SAMPLES if args.demo_samples is None else args.demo_samples
+    if args.demo_samples < 0:
+        raise ValueError(f"--demo-samples must be >= 0, got {args.demo_samples}")
     print(f"teratron demo: no --data-path given, so training a small GPT on the bundled English "
           f"text; outputs go to {args.demo_dir}/", flush=True)
     data = prepare_demo_data()

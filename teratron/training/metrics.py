@@ -75,6 +75,25 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def _open_metrics_file(path: str):
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return open(path, "a")
+    except OSError as e:
+        raise OSError(f"--metrics-file {path}: cannot append to it ({e.strerror}); pass a writable "
+                      "file path") from None
+
+
+def _open_tensorboard(path: str):
+    from torch.utils.tensorboard import SummaryWriter
+
+    try:
+        return SummaryWriter(log_dir=path)
+    except OSError as e:
+        raise OSError(f"--tensorboard-dir {path}: cannot write there ({e.strerror}); pass a writable "
+                      "directory") from None
+
+
 def _tag(key: str) -> str:
     return key.replace(" ", "_")
 
@@ -93,11 +112,9 @@ class TrainingLogger:
         if not self.enabled:
             return
         if args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics_file = open(args.metrics_file, "a")
+            self.metrics_file = _open_metrics_file(args.metrics_file)
         if args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.writer = _open_tensorboard(args.tensorboard_dir)
         # Without a terminal the log lines already show progress; a bar would only add noise.
         # shutil's width falls back to 80 where a terminal reports 0 columns (tqdm then prints nothing).
         self.bar = tqdm(total=args.train_iters, initial=start_iteration, desc="train", unit="it",
@@ -114,7 +131,8 @@ class TrainingLogger:
                       skipped: int, loss_scale: Optional[float] = None,
                       moe_metrics: Optional[dict] = None) -> dict:
         """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
-        (losses and MoE metrics already averaged over them)."""
+        (losses and MoE metrics already averaged over them); `skipped` of them skipped their
+        step (per window, as Megatron's log line counts them)."""
         args = self.args
         time_per_iter = elapsed_s / max(iters, 1)
         tokens_per_sec = samples * args.seq_length / elapsed_s

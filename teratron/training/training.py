@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from teratron.training.arguments import (check_interleaved_schedule, core_transformer_config_from_args,
                                          validate_args)
-from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_scheduler
+from teratron.training.build import (attach_model_hooks, build_model, build_optimizer, build_scheduler,
+                                     set_vocab_sizes)
 from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_writable,
                                              checkpoint_and_decide_exit, load_checkpoint,
                                              maybe_finalize_async_save, save_checkpoint)
@@ -42,7 +43,6 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
     loss_history: list = field(default_factory=list)  # (iteration, lm loss), logging rank only
     eval_history: list = field(default_factory=list)  # (iteration, validation lm loss)
 
@@ -72,7 +72,6 @@ def pretrain(args, after_training: Optional[Callable[[Run], None]] = None) -> Tr
 
 
 def _pretrain(args, world_size, after_training):
-    from teratron.tensor_parallel import pad_vocab_size
     from teratron.tokenizers import build_tokenizer
 
     validate_args(args, world_size)
@@ -91,37 +90,20 @@ def _pretrain(args, world_size, after_training):
     device = get_device()
 
     tokenizer = build_tokenizer(args)
-    args.vocab_size = tokenizer.vocab_size  # the real vocabulary: padding is masked out of the loss
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
+    set_vocab_sizes(args, tokenizer.vocab_size)  # padding is masked out of the loss
     model = build_model(args, config, device)
     clear_aux_losses_tracker()  # no routing statistics of an earlier model in this process
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)
     attach_model_hooks(config, model, optimizer)
     if is_logging_rank():
-        params = sum(p.numel() for chunk in model for p in chunk.parameters())
-        vpp = f" (x {len(model)} virtual)" if len(model) > 1 else ""
-        ep = f", EP {args.expert_model_parallel_size}" if args.num_experts is not None else ""
-        print(f"model: {params:,} parameters on this rank (TP {args.tensor_model_parallel_size} x "
-              f"PP {args.pipeline_model_parallel_size}{vpp} x DP {args.data_parallel_size}{ep}, "
-              f"{args.world_size} process(es))", flush=True)
+        _print_model_summary(args, model)
 
     state = TrainState()
     if args.load:
         (state.iteration, state.consumed_train_samples,
          state.consumed_valid_samples) = load_checkpoint(model, optimizer, scheduler, args)
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
-    if train_ds is None:
-        raise ValueError("no training data: --split gives the train set no share; fix --split or "
-                         "pass --train-data-path")
-    chunks = len(model)
-    train_iters = [iter(build_data_loader(args, train_ds, state.consumed_train_samples))
-                   for _ in range(chunks)]
-    valid_iters = None
-    if valid_ds is not None and args.eval_iters > 0:
-        valid_iters = [iter(build_data_loader(args, valid_ds, state.consumed_valid_samples))
-                       for _ in range(chunks)]
+    train_iters, valid_iters = _data_iterators(args, tokenizer, state, len(model))
 
     logger = TrainingLogger(args, is_logging_rank(), world_size, state.iteration)
     try:
@@ -131,6 +113,31 @@ def _pretrain(args, world_size, after_training):
     if after_training is not None:
         after_training(Run(args, model, tokenizer, state, device, is_logging_rank()))
     return state
+
+
+def _print_model_summary(args, model) -> None:
+    params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    vpp = f" (x {len(model)} virtual)" if len(model) > 1 else ""
+    ep = f", EP {args.expert_model_parallel_size}" if args.num_experts is not None else ""
+    print(f"model: {params:,} parameters on this rank (TP {args.tensor_model_parallel_size} x "
+          f"PP {args.pipeline_model_parallel_size}{vpp} x DP {args.data_parallel_size}{ep}, "
+          f"{args.world_size} process(es))", flush=True)
+
+
+def _data_iterators(args, tokenizer, state, chunks: int):
+    """(train, valid) iterators, one per model chunk, resuming after the consumed samples;
+    valid is None without validation data or with --eval-iters 0."""
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    if train_ds is None:
+        raise ValueError("no training data: --split gives the train set no share; fix --split or "
+                         "pass --train-data-path")
+    train_iters = [iter(build_data_loader(args, train_ds, state.consumed_train_samples))
+                   for _ in range(chunks)]
+    valid_iters = None
+    if valid_ds is not None and args.eval_iters > 0:
+        valid_iters = [iter(build_data_loader(args, valid_ds, state.consumed_valid_samples))
+                       for _ in range(chunks)]
+    return train_iters, valid_iters
 
 
 def _iterators(iterators):
@@ -166,7 +173,6 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, log
             global_batch, state.iteration + 1, device)
         state.iteration += 1
         state.consumed_train_samples += global_batch
-        state.skipped_iterations += skipped
         if "lm loss" in losses:
             state.loss_history.append((state.iteration, losses["lm loss"]))
         if not skipped:

@@ -92,3 +92,12 @@ def test_generate_stays_in_the_tokenizer_vocabulary():
                         temperature=1.0, top_k=None, generator=torch.Generator().manual_seed(0))
         ids = [int(t) for t in text.split()]
         assert ids[:3] == [3, 14, 15] and all(0 <= i < REAL for i in ids)
+
+
+def test_generate_rejects_an_empty_prompt_and_keeps_the_mode():
+    model = _PaddingLovingModel().train()
+    with pytest.raises(ValueError, match="no tokens"):
+        generate(model, NullTokenizer(REAL), "", max_new_tokens=2, max_sequence_length=16)
+    with pytest.raises(ValueError, match="temperature"):  # raised inside the loop
+        generate(model, NullTokenizer(REAL), "3", max_new_tokens=2, max_sequence_length=16, temperature=-1.0)
+    assert model.training

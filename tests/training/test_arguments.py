@@ -57,12 +57,22 @@ def test_validation_errors():
         (["--tensor-model-parallel-size", "3"], "not divisible by TP \\(3\\)"),
         (["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
         (["--save-interval", "5"], "without --save"),
+        (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups must be >= 1"),
+        (["--seed", "-1"], "--seed must be in"),
+        (["--lr", "-1"], "--lr must be >= 0"),
+        (["--save", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
             validate_args(parse_train_args(BASE + extra), 1)
     with pytest.raises(ValueError, match="missing required flag\\(s\\) --lr"):
         validate_args(parse_train_args([a for a in BASE if a not in ("--lr", "1e-3")]), 1)
+
+
+def test_megatron_attention_softmax_switch_is_accepted():
+    assert parse_train_args(BASE).attention_softmax_in_fp32
+    assert parse_train_args(BASE + ["--attention-softmax-in-fp32"]).attention_softmax_in_fp32
+    assert not parse_train_args(BASE + ["--no-attention-softmax-in-fp32"]).attention_softmax_in_fp32
 
 
 def test_transformer_config_from_args():
