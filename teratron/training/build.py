@@ -95,20 +95,26 @@ def build_optimizer(args, model):
 
 
 def build_scheduler(args, optimizer):
-    """LR and weight-decay schedule in samples, so batch-size ramp-up moves it correctly."""
+    """LR and weight-decay schedule in samples, so batch-size ramp-up moves it correctly: each
+    iteration count converts to the samples the ramp-up actually consumes by then."""
     from teratron.optimizer_param_scheduler import OptimizerParamScheduler
+    from teratron.training.microbatches import build_num_microbatches_calculator
 
-    gbs = args.global_batch_size
-    decay_steps = args.lr_decay_iters * gbs
+    samples_after = build_num_microbatches_calculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        args.rampup_batch_size).samples_after
+    decay_steps = samples_after(args.lr_decay_iters)
     if args.lr_warmup_fraction is not None:
         warmup_steps = args.lr_warmup_fraction * decay_steps
     else:
-        warmup_steps = args.lr_warmup_iters * gbs
-    wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup_steps = samples_after(args.lr_warmup_iters)
+    wsd_steps = None
+    if args.lr_wsd_decay_iters is not None:
+        wsd_steps = decay_steps - samples_after(args.lr_decay_iters - args.lr_wsd_decay_iters)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style,
+        wd_incr_steps=samples_after(args.train_iters), wd_incr_style=args.weight_decay_incr_style,
         wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style,
     )

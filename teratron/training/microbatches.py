@@ -76,6 +76,21 @@ class NumMicroBatchesCalculator:
         assert self.current_global_batch_size % self.micro_batch_times_data_parallel_size == 0
         self.num_micro_batches = self.current_global_batch_size // self.micro_batch_times_data_parallel_size
 
+    def samples_after(self, iterations: int) -> int:
+        """Samples consumed by the first `iterations` iterations (ramp-up included)."""
+        if not self.is_rampup:
+            return iterations * self.global_batch_size
+        probe = NumMicroBatchesCalculator(self.global_batch_size, self.micro_batch_size,
+                                          self.data_parallel_size, self.start_global_batch_size,
+                                          self.batch_size_increment, self.rampup_samples)
+        consumed = 0
+        for done in range(iterations):
+            if consumed >= self.rampup_samples:  # past the ramp: constant batches
+                return consumed + (iterations - done) * self.global_batch_size
+            probe.update(consumed)
+            consumed += probe.current_global_batch_size
+        return consumed
+
     def get(self) -> int:
         return self.num_micro_batches
 

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from teratron.training.microbatches import build_num_microbatches_calculator
 
@@ -33,3 +34,35 @@ def test_rampup_errors():
         build_num_microbatches_calculator(12, 2, 2, rampup_batch_size=[6, 6, 24])
     with pytest.raises(ValueError, match="three integers"):
         build_num_microbatches_calculator(12, 2, 2, rampup_batch_size=[4, 4])
+
+
+def test_samples_after_follows_the_ramp_iteration_by_iteration():
+    calc = build_num_microbatches_calculator(16, 2, 1, [4, 4, 48])
+    consumed, expected = 0, [0]
+    for _ in range(10):  # replay the loop: update, then consume this iteration's global batch
+        calc.update(consumed)
+        consumed += calc.get_current_global_batch_size()
+        expected.append(consumed)
+    assert [calc.samples_after(n) for n in range(11)] == expected
+    assert build_num_microbatches_calculator(16, 2, 1).samples_after(5) == 80
+
+
+def test_lr_reaches_min_lr_at_the_last_iteration_under_rampup():
+    from teratron.training.arguments import parse_train_args, validate_args
+    from teratron.training.build import build_scheduler
+
+    args = parse_train_args(["--mock-data", "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                             "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "16",
+                             "--rampup-batch-size", "4", "4", "48", "--train-iters", "10", "--lr", "1.0",
+                             "--min-lr", "0.1", "--lr-decay-style", "linear", "--lr-warmup-iters", "2"])
+    validate_args(args, 1)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = build_scheduler(args, optimizer)
+    calc = build_num_microbatches_calculator(16, 2, 1, [4, 4, 48])
+    consumed = 0
+    for _ in range(10):
+        calc.update(consumed)
+        consumed += calc.get_current_global_batch_size()
+        scheduler.step(increment=calc.get_current_global_batch_size())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
