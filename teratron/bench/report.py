@@ -1,5 +1,6 @@
 """The comparison `teratron bench` prints, and the entry it appends to bench/RESULTS.md."""
 
+import os
 import subprocess
 import time
 from typing import Optional
@@ -32,6 +33,10 @@ def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size
 
 
 def git_commit() -> str:
+    """HEAD (and whether the tree is dirty); a copy without .git (the GPU machine gets one) names its
+    commit through TERATRON_COMMIT."""
+    if os.environ.get("TERATRON_COMMIT"):
+        return os.environ["TERATRON_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
