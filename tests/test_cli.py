@@ -39,9 +39,14 @@ def _teratron(args, cwd, launcher=None):
     return proc
 
 
-def _metrics(path):
+def _records(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def _metrics(path):
+    """The training log records (evaluation records have no "lr")."""
+    return [r for r in _records(path) if "lr" in r]
 
 
 def test_mock_data_single_process_tp2_torchrun_and_resume(tmp_path):
@@ -50,6 +55,10 @@ def test_mock_data_single_process_tp2_torchrun_and_resume(tmp_path):
                                    "--save", str(tmp_path / "ckpt"), "--save-interval", "5"], tmp_path)
     records = _metrics(single)
     assert [r["iteration"] for r in records] == list(range(1, 11))
+    # Validation at 5 and 10 (not repeated at the end), then the test split once.
+    evals = [r for r in _records(single) if "lr" not in r]
+    assert [(r["iteration"], set(r) - {"iteration"}) for r in evals] == [
+        (5, {"val_lm_loss"}), (10, {"val_lm_loss"}), (10, {"test_lm_loss"})]
     for r in records:
         assert set(r) == METRIC_KEYS
         assert r["skipped"] == 0 and r["mfu"] is None and r["tokens_per_sec"] > 0

@@ -66,6 +66,7 @@ def _harmonic_mean(values):
 
 def summarize(records: list, warmup_iters: int) -> TrainResult:
     """Rates over the iterations after `warmup_iters` (one record per iteration)."""
+    records = [r for r in records if "lr" in r]  # training records; evaluation ones have no lr
     timed = [r for r in records if r["iteration"] > warmup_iters and not r["skipped"]]
     if not timed:
         raise ChildProcessError(f"teratron train logged no iteration after the {warmup_iters} warm-up ones; "

@@ -371,7 +371,7 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
     g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation (0: no evaluation).")
-    g.add_argument("--metrics-file", default=None, help="Append one JSON object per logged iteration.")
+    g.add_argument("--metrics-file", default=None, help="Append one JSON object per logged iteration and per evaluation.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--no-progress-bar", action="store_false", dest="progress_bar",
                    help="No tqdm progress bar (it only shows on a terminal anyway).")

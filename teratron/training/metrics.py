@@ -2,8 +2,9 @@
 
 Each logged iteration goes to: the console (a tqdm progress bar plus Megatron's log line),
 `--metrics-file` (one JSON object per line, keys as in ARCHITECTURE.md) and, when asked,
-TensorBoard (`--tensorboard-dir`). Only the logging rank (the last rank, which holds the
-loss) writes any of them.
+TensorBoard (`--tensorboard-dir`). Each evaluation goes to the same three: its own metrics
+record holds the iteration and the split's losses (`val_lm_loss`, `test_lm_loss`, ...). Only
+the logging rank (the last rank, which holds the loss) writes any of them.
 """
 
 import json
@@ -92,6 +93,10 @@ def _open_tensorboard(path: str):
     except OSError as e:
         raise OSError(f"--tensorboard-dir {path}: cannot write there ({e.strerror}); pass a writable "
                       "directory") from None
+
+
+# Metrics-file key prefix of each evaluated split.
+_SPLIT_KEYS = {"validation": "val", "test": "test"}
 
 
 def _tag(key: str) -> str:
@@ -189,9 +194,17 @@ class TrainingLogger:
         parts.append(f"number of skipped iterations: {r['skipped']:3d}")
         return " | ".join(parts) + " |"
 
-    def log_eval(self, iteration: int, losses: dict, split: str = "validation") -> None:
+    def log_eval(self, iteration: int, losses: dict, split: str = "validation",
+                 prefix: Optional[str] = None) -> None:
+        """Megatron's " validation loss at {prefix} | ..." line (prefix: "iteration N" unless
+        given), TensorBoard scalars under `split/`, and a metrics record of `{key}_{loss}`."""
         if not self.enabled:
             return
+        if self.metrics_file:
+            key = _SPLIT_KEYS[split]
+            record = {"iteration": iteration, **{f"{key}_{_tag(k)}": v for k, v in losses.items()}}
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
         pieces = []
         for key, value in losses.items():
             ppl = math.exp(min(20.0, value))
@@ -199,7 +212,7 @@ class TrainingLogger:
             if self.writer:
                 self.writer.add_scalar(f"{split}/{_tag(key)}", value, iteration)
                 self.writer.add_scalar(f"{split}/{_tag(key)}_ppl", ppl, iteration)
-        line = f" {split} loss at iteration {iteration} | " + " | ".join(pieces)
+        line = f" validation loss at {prefix or f'iteration {iteration}'} | " + " | ".join(pieces)
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
 
     def advance(self, iteration: int, loss: Optional[float]) -> None:

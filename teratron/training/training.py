@@ -5,7 +5,9 @@
 One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
 (gradient accumulation), stop (or skip the step) on a non-finite loss, step the optimizer and the
 LR schedule, update the MoE routers and collect their metrics, then log, evaluate and save on
-their intervals.
+their intervals. At the end (also when --exit-interval or a signal stops the run) it logs the
+last partial log window, evaluates the validation set unless that iteration just did, and the
+test split.
 """
 
 import math
@@ -103,11 +105,12 @@ def _pretrain(args, world_size, after_training):
     if args.load:
         (state.iteration, state.consumed_train_samples,
          state.consumed_valid_samples) = load_checkpoint(model, optimizer, scheduler, args)
-    train_iters, valid_iters = _data_iterators(args, tokenizer, state, len(model))
+    train_iters, valid_iters, test_iters = _data_iterators(args, tokenizer, state, len(model))
 
     logger = TrainingLogger(args, is_logging_rank(), world_size, state.iteration)
     try:
-        train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device)
+        train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
+              test_iters)
     finally:
         logger.close()
     if after_training is not None:
@@ -125,9 +128,10 @@ def _print_model_summary(args, model) -> None:
 
 
 def _data_iterators(args, tokenizer, state, chunks: int):
-    """(train, valid) iterators, one per model chunk, resuming after the consumed samples;
-    valid is None without validation data or with --eval-iters 0."""
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    """(train, valid, test) iterators, one per model chunk; train and valid resume after the
+    consumed samples, test starts at its first sample (it is read once, at the end). valid and
+    test are None without their data or with --eval-iters 0."""
+    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer)
     if train_ds is None:
         raise ValueError("no training data: --split gives the train set no share; fix --split or "
                          "pass --train-data-path")
@@ -137,25 +141,29 @@ def _data_iterators(args, tokenizer, state, chunks: int):
     if valid_ds is not None and args.eval_iters > 0:
         valid_iters = [iter(build_data_loader(args, valid_ds, state.consumed_valid_samples))
                        for _ in range(chunks)]
-    return train_iters, valid_iters
+    test_iters = None
+    if test_ds is not None and args.eval_iters > 0:
+        test_iters = [iter(build_data_loader(args, test_ds, 0)) for _ in range(chunks)]
+    return train_iters, valid_iters, test_iters
 
 
 def _iterators(iterators):
     return iterators if len(iterators) > 1 else iterators[0]
 
 
-def train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device):
+def train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
+          test_iters=None):
     exit_handler = ExitSignalHandler() if args.exit_signal_handler else None
     try:
-        _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
-                    exit_handler)
+        _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, test_iters, logger, state,
+                    device, exit_handler)
     finally:
         if exit_handler is not None:
             exit_handler.restore()
 
 
-def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
-                exit_handler):
+def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, test_iters, logger, state,
+                device, exit_handler):
     calculator = build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
                                                    args.data_parallel_size, args.rampup_batch_size)
     step_func = partial(forward_step, device=device)
@@ -197,10 +205,16 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, log
             last_saved = state.iteration
         window["start"] += time.perf_counter() - paused
 
+    if window["iters"]:  # stopped between logging iterations: no iteration goes unlogged
+        _log(args, logger, window, state, optimizer, grad_norm, global_batch, device)
     if stop:
         logger.print(f"exiting after iteration {state.iteration} (--exit-interval or a signal)")
-    elif valid_iters and last_evaluated != state.iteration:
-        evaluate_and_log(args, model, step_func, valid_iters, logger, state, device)
+    if valid_iters and last_evaluated != state.iteration:
+        evaluate_and_log(args, model, step_func, valid_iters, logger, state, device,
+                         prefix="the end of training for val data")
+    if test_iters:
+        losses = evaluate(args, model, step_func, test_iters, device)
+        logger.log_eval(state.iteration, losses, split="test", prefix="the end of training for test data")
     if args.save and last_saved != state.iteration:
         save_checkpoint(state.iteration, model, optimizer, scheduler, args,
                         state.consumed_train_samples, state.consumed_valid_samples)
@@ -293,8 +307,8 @@ def _fmt(losses):
 
 
 @torch.no_grad()
-def evaluate(args, model, step_func, valid_iters, state, device) -> dict:
-    """Mean validation losses over --eval-iters full global batches (forward only)."""
+def evaluate(args, model, step_func, data_iters, device) -> dict:
+    """Mean losses over --eval-iters full global batches of `data_iters` (forward only)."""
     from teratron.pipeline_parallel.schedules import get_forward_backward_func
 
     for chunk in model:
@@ -303,18 +317,20 @@ def evaluate(args, model, step_func, valid_iters, state, device) -> dict:
     log_dicts = []
     for _ in range(args.eval_iters):
         log_dicts += get_forward_backward_func()(
-            forward_step_func=step_func, data_iterator=_iterators(valid_iters), model=model,
+            forward_step_func=step_func, data_iterator=_iterators(data_iters), model=model,
             num_microbatches=num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=True,
         )
-        state.consumed_valid_samples += args.global_batch_size
     for chunk in model:
         chunk.train()
     return reduce_log_dicts(log_dicts, device)
 
 
-def evaluate_and_log(args, model, step_func, valid_iters, logger, state, device):
-    losses = evaluate(args, model, step_func, valid_iters, state, device)
+def evaluate_and_log(args, model, step_func, valid_iters, logger, state, device, prefix=None):
+    """Evaluate the validation set; `prefix` names the moment in the log line (the iteration by
+    default)."""
+    losses = evaluate(args, model, step_func, valid_iters, device)
+    state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     if "lm loss" in losses:
         state.eval_history.append((state.iteration, losses["lm loss"]))
-    logger.log_eval(state.iteration, losses)
+    logger.log_eval(state.iteration, losses, prefix=prefix)

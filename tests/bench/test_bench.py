@@ -27,10 +27,12 @@ def test_tiny_cpu_run_end_to_end(tmp_path, capsys):
 
 def test_summarize_times_only_iterations_after_warmup():
     def record(i, tps, skipped=0):
-        return {"iteration": i, "tokens_per_sec": tps, "tflops_per_gpu": tps / 100, "mfu": tps / 1000,
-                "mem_peak_gib": i, "lm_loss": 1.0 / i, "skipped": skipped}
+        return {"iteration": i, "lr": 1e-3, "tokens_per_sec": tps, "tflops_per_gpu": tps / 100,
+                "mfu": tps / 1000, "mem_peak_gib": i, "lm_loss": 1.0 / i, "skipped": skipped}
 
-    result = summarize([record(1, 1.0), record(2, 100.0), record(3, 300.0), record(4, 5.0, skipped=1)], 1)
+    evaluation = {"iteration": 3, "val_lm_loss": 2.0}  # evaluation records carry no rates
+    result = summarize([record(1, 1.0), record(2, 100.0), record(3, 300.0), evaluation,
+                        record(4, 5.0, skipped=1)], 1)
     # Equal tokens per iteration: 2 iterations in 1/100 + 1/300 time units -> 150 tokens per unit.
     assert result.iterations == 2 and result.tokens_per_sec == pytest.approx(150.0)
     assert result.tflops_per_gpu == pytest.approx(1.5) and result.mfu == pytest.approx(0.15)
