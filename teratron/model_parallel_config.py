@@ -41,8 +41,6 @@ UNSUPPORTED = {
     "tp_comm_overlap_disable_qkv": "TP communication/GEMM overlap (userbuffers)",
     "tp_comm_overlap_disable_fc1": "TP communication/GEMM overlap (userbuffers)",
     "tp_comm_bootstrap_backend": "TP communication/GEMM overlap (userbuffers)",
-    "cross_entropy_loss_fusion": "fused cross entropy",
-    "cross_entropy_fusion_impl": "fused cross entropy",
     "overlap_moe_expert_parallel_comm": "EP all-to-all overlap across microbatches",
     "delay_wgrad_compute": "delayed weight-gradient compute",
     "overlap_dispatch_backward_with_experts_wgrad": "delayed expert weight-gradient compute",
@@ -233,10 +231,12 @@ class ModelParallelConfig:
     """Deprecated: atomic reduce-scatter overlap with the forward GEMM."""
 
     cross_entropy_loss_fusion: bool = False
-    """Use a fused cross-entropy kernel."""
+    """Fuse the output layer with the cross entropy: the loss is computed in token chunks and the
+    full logits are never materialised (GPTModel then returns only the loss)."""
 
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
-    """Which fused cross entropy: 'native' or Transformer Engine's 'te'."""
+    """Which fused cross entropy: 'native' (teratron's chunked one); Transformer Engine's 'te'
+    is refused (teratron does not use Transformer Engine)."""
 
     tp_comm_overlap_disable_qkv: bool = False
     """With tp_comm_overlap: no all-gather overlap for the QKV GEMM."""
@@ -330,6 +330,11 @@ class ModelParallelConfig:
 
     def __post_init__(self):
         check_unsupported(self, UNSUPPORTED)
+        if self.cross_entropy_fusion_impl != "native":
+            raise ValueError(
+                f"cross_entropy_fusion_impl={self.cross_entropy_fusion_impl!r} is not available: teratron has "
+                f"no Transformer Engine; use 'native' (--cross-entropy-fusion-impl native)"
+            )
         _check_positive(
             self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "expert_model_parallel_size",

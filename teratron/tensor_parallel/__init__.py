@@ -1,6 +1,7 @@
 """Tensor parallelism: autograd collectives, parallel layers, vocab-parallel loss, RNG streams."""
 
 from teratron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -49,6 +50,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "vocab_parallel_cross_entropy",
+    "fused_vocab_parallel_cross_entropy",
     "RNGStatesTracker", "checkpoint", "get_cuda_rng_tracker", "get_rng_tracker",
     "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed", "model_parallel_manual_seed",

@@ -130,6 +130,10 @@ def _add_network_args(parser):
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Fuse the output layer with the cross entropy (token chunks; no full logits).")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+                   help="Fused cross entropy implementation; only 'native' is available.")
 
     _add_moe_args(parser)
 

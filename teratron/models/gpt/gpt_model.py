@@ -21,6 +21,7 @@ from teratron.models.common.language_model_embedding import LanguageModelEmbeddi
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel import mappings
 from teratron.tensor_parallel.cross_entropy import real_vocab_in_partition
+from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.rope import RotaryEmbedding
@@ -115,7 +116,8 @@ class GPTModel(torch.nn.Module):
         """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
         bool [b, 1, s, s] (True = masked out) or None for causal. Returns logits [b, s, V/tp]
         ([b, s, V] when not parallel_output, or as runtime_gather_output says; V is the padded
-        vocab, the padding columns -inf), the per-token loss [b, s] with labels, or on a
+        vocab, the padding columns -inf), the per-token loss [b, s] with labels (then computed
+        in token chunks without the full logits when config.cross_entropy_loss_fusion), or on a
         non-last stage the hidden states [s, b, h]."""
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -126,6 +128,8 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is not None and self.config.cross_entropy_loss_fusion:
+            return self._fused_language_model_loss(labels, hidden_states, weight)
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
         if labels is None:
             logits = self._mask_vocab_padding(logits)
@@ -155,6 +159,16 @@ class GPTModel(torch.nn.Module):
                 seq_len *= get_pg_size(self.pg_collection.tp)
             position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
         return self.rotary_pos_emb(position_ids)
+
+    def _fused_language_model_loss(self, labels, hidden_states, weight):
+        """labels [b, s], final hidden states [s, b, h] -> per-token loss [b, s], equal to the
+        output layer + compute_language_model_loss, without the full logits."""
+        loss = fused_vocab_parallel_cross_entropy(
+            hidden_states, self.output_layer.weight if weight is None else weight,
+            labels.transpose(0, 1).contiguous(), group=self.pg_collection.tp,
+            unpadded_vocab_size=self.unpadded_vocab_size, sequence_parallel=self.output_layer.sequence_parallel,
+        )
+        return loss.transpose(0, 1).contiguous()
 
     def compute_language_model_loss(self, labels, logits):
         """labels [b, s], vocab-parallel logits [s, b, V/tp] -> per-token loss [b, s]."""
