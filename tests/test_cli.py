@@ -424,3 +424,19 @@ def test_shrunken_moe_examples_train(tmp_path):
         records = _metrics(metrics)
         assert [r["iteration"] for r in records] == [1, 2, 3], name
         assert all(math.isfinite(r["lm_loss"]) and keys <= set(r) for r in records), (name, records[0])
+
+
+def test_speed_levers_keep_the_loss_curve(tmp_path):
+    """--torch-compile, the fusion flags and the reference attention path train like the default
+    eager SDPA path (fp32 on CPU: differences are rounding only)."""
+    common = TINY + NO_DROPOUT + ["--train-iters", "4", "--eval-iters", "0", "--disable-bias-linear"]
+    losses = {}
+    for name, flags in {"eager": [], "compiled": ["--torch-compile", "--apply-rope-fusion",
+                                                  "--bias-swiglu-fusion", "--bias-dropout-fusion"],
+                        "reference_attention": ["--attention-backend", "unfused"]}.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        _teratron(common + flags + ["--metrics-file", str(metrics)], tmp_path)
+        losses[name] = [r["lm_loss"] for r in _metrics(metrics)]
+    assert len(losses["eager"]) == 4 and losses["eager"][-1] < losses["eager"][0]
+    for name in ("compiled", "reference_attention"):
+        assert losses[name] == pytest.approx(losses["eager"], rel=1e-5), name

@@ -130,6 +130,17 @@ def _add_network_args(parser):
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="Core attention kernel: SDPA's choice, SDPA flash, SDPA cuDNN, or the reference path.")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile every transformer layer (fuses norms, RoPE, SwiGLU, residual adds).")
+    for flag, dest, what in (("--apply-rope-fusion", "apply_rope_fusion", "RoPE"),
+                             ("--bias-swiglu-fusion", "bias_activation_fusion", "bias + activation (SwiGLU/GeLU)"),
+                             ("--bias-dropout-fusion", "bias_dropout_fusion", "bias + dropout + residual add")):
+        g.add_argument(flag, action="store_true", dest=dest, help=f"One compiled kernel for {what}.")
+        g.add_argument(flag.replace("--", "--no-", 1).replace("apply-rope", "rope"), action="store_false",
+                       dest=dest, help=argparse.SUPPRESS)
+    g.add_argument("--bias-gelu-fusion", action="store_true", dest="bias_activation_fusion", help=argparse.SUPPRESS)
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Fuse the output layer with the cross entropy (token chunks; no full logits).")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],

@@ -57,6 +57,11 @@ def build_model(args, config, device) -> list:
             vp_stage=vp_stage,
         ).to(device))
     model_parallel_cuda_manual_seed(args.seed)
+    if args.torch_compile:
+        from teratron.transformer.fusions import compile_transformer_layers
+
+        for chunk in chunks:
+            compile_transformer_layers(chunk)
 
     ddp_config = ddp_config_from_args(args)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,

@@ -13,6 +13,7 @@ import torch
 
 from teratron import tensor_parallel
 from teratron.process_groups import get_pg_size
+from teratron.transformer import fusions
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb
@@ -100,8 +101,9 @@ class SelfAttention(torch.nn.Module):
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+            rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
+            query = rope(query, rotary_pos_emb, interleaved)
+            key = rope(key, rotary_pos_emb, interleaved)
         if self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:

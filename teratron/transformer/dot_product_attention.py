@@ -1,8 +1,8 @@
 """Core attention: softmax(q k^T * scale + mask) v over this rank's heads.
 
-Two paths with one meaning: `scaled_dot_product_attention` (flash / memory-efficient kernels on
-GPU) and an explicit reference (`attention_backend` unfused / local) that materialises the
-scores, softmax in fp32 when `attention_softmax_in_fp32`. Masks follow Megatron: a boolean
+Two paths with one meaning: `scaled_dot_product_attention` (flash, cuDNN or memory-efficient
+kernels on GPU, see `_SDPA_BACKENDS`) and an explicit reference (`attention_backend` unfused /
+local) that materialises the scores, softmax in fp32 when `attention_softmax_in_fp32`. Masks follow Megatron: a boolean
 tensor broadcastable to [b, np, sq, sk] with True = masked out; None with a causal mask type
 means the lower triangle. Dropout of attention probabilities runs under the tensor-parallel RNG
 tracker, since every TP rank holds different heads.
@@ -13,11 +13,24 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teratron import tensor_parallel
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 
 _REFERENCE_BACKENDS = (AttnBackend.unfused, AttnBackend.local)
+# On CUDA, `flash` pins SDPA to the flash kernel and `fused` to cuDNN's fused attention (what
+# Megatron's 'fused' means: Transformer Engine's cuDNN backend); `auto` keeps SDPA's own choice.
+_SDPA_BACKENDS = {
+    AttnBackend.flash: [SDPBackend.FLASH_ATTENTION],
+    AttnBackend.fused: [SDPBackend.CUDNN_ATTENTION],
+}
+
+
+def _sdpa_backends(backend: AttnBackend, on_cuda: bool):
+    if on_cuda and backend in _SDPA_BACKENDS:
+        return sdpa_kernel(_SDPA_BACKENDS[backend])
+    return contextlib.nullcontext()
 
 
 class DotProductAttention(torch.nn.Module):
@@ -50,11 +63,12 @@ class DotProductAttention(torch.nn.Module):
             if self.use_reference:
                 out = self._reference(q, k, v, attention_mask, is_causal, dropout_p)
             else:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-                    dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
+                with _sdpa_backends(self.config.attention_backend, q.is_cuda):
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                        dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+                        enable_gqa=q.shape[1] != k.shape[1],
+                    )
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
 

@@ -11,6 +11,7 @@ from typing import Union
 
 import torch
 
+from teratron.transformer import fusions
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
 
@@ -44,15 +45,22 @@ class MLP(torch.nn.Module):
             input_is_parallel=True, skip_bias_add=True, is_expert=is_expert, tp_group=tp_group,
         )
 
-    def activation(self, x):
-        act = self.config.activation_func
-        if not self.config.gated_linear_unit:
-            return act(x)
-        gate, up = x.chunk(2, dim=-1)
-        return act(gate) * (up + self.config.glu_linear_offset)
+    def activation(self, x, bias=None):
+        """act(x + bias), gated: act(gate) * (up + glu_linear_offset); one fused kernel with
+        `bias_activation_fusion`."""
+        c = self.config
+        function = fusions.fused(bias_activation) if c.bias_activation_fusion else bias_activation
+        return function(x, bias, c.activation_func, c.gated_linear_unit, c.glu_linear_offset)
 
     def forward(self, hidden_states):
         intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        return self.linear_fc2(self.activation(intermediate))
+        return self.linear_fc2(self.activation(intermediate, bias))
+
+
+def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float):
+    if bias is not None:
+        x = x + bias
+    if not gated:
+        return activation_func(x)
+    gate, up = x.chunk(2, dim=-1)
+    return activation_func(gate) * (up + glu_linear_offset)

@@ -41,12 +41,9 @@ UNSUPPORTED = {
     "no_rope_freq": "per-layer RoPE skipping (NoPE layers)",
     "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
-    "bias_activation_fusion": "fused bias+activation kernels",
     "masked_softmax_fusion": "fused masked softmax",
     "persist_layer_norm": "persistent fused LayerNorm",
     "memory_efficient_layer_norm": "Apex memory-efficient LayerNorm",
-    "bias_dropout_fusion": "fused bias+dropout+add",
-    "apply_rope_fusion": "fused RoPE",
     "use_fused_weighted_squared_relu": "fused weighted squared ReLU",
     "fused_single_qkv_rope": "fused QKV RoPE",
     "distribute_saved_activations": "distributing recomputed activations over TP",
@@ -291,7 +288,7 @@ class TransformerConfig(ModelParallelConfig):
     # fusion
     ####################
     bias_activation_fusion: bool = False
-    """Fuse bias add and activation."""
+    """Fuse bias add and activation (torch.compile of the plain function, see transformer/fusions.py)."""
 
     masked_softmax_fusion: bool = False
     """Fuse masking and softmax."""
@@ -303,10 +300,10 @@ class TransformerConfig(ModelParallelConfig):
     """Apex memory-efficient LayerNorm."""
 
     bias_dropout_fusion: bool = False
-    """Fuse bias add, dropout and residual add."""
+    """Fuse bias add, dropout and residual add (torch.compile, see transformer/fusions.py)."""
 
     apply_rope_fusion: bool = False
-    """Fused RoPE kernel."""
+    """Fused RoPE kernel (torch.compile, see transformer/fusions.py)."""
 
     use_fused_weighted_squared_relu: bool = False
     """Fused weighted squared-ReLU kernel (MoE)."""

@@ -300,8 +300,7 @@ def test_unsupported_fields_raise(name):
 def test_unsupported_table_covers_the_blocked_features():
     blocked = ["mtp_num_layers", "softmax_type", "window_size", "window_attn_skip_freq", "no_rope_freq",
                "qk_clip", "fp8", "fp8_recipe", "fp4", "use_kitchen", "cp_comm_type", "cuda_graph_impl",
-               "enable_cuda_graph", "external_cuda_graph", "bias_activation_fusion", "masked_softmax_fusion",
-               "bias_dropout_fusion", "apply_rope_fusion", "flash_decode", "batch_invariant_mode",
+               "enable_cuda_graph", "external_cuda_graph", "masked_softmax_fusion", "flash_decode", "batch_invariant_mode",
                "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",
                "mrope_section", "symmetric_ar_type", "init_model_with_meta_device"]
     assert not [name for name in blocked if name not in tc.UNSUPPORTED]
@@ -323,6 +322,7 @@ def test_supported_fields_build():
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", qk_layernorm=True,
         init_method=partial(torch.nn.init.normal_, std=0.01), init_method_std=0.01,
         apply_query_key_layer_scaling=True, rotary_interleaved=True, calculate_per_token_loss=True,
+        bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=True,
         attention_backend=AttnBackend.local, transformer_impl="local", test_mode=True,
         distribute_saved_activations=False, recompute_granularity="selective",
         recompute_modules=["core_attn", "mlp", "layernorm"], num_layers_in_first_pipeline_stage=None,

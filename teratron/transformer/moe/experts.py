@@ -20,8 +20,9 @@ import torch
 from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
+from teratron.transformer import fusions
 from teratron.transformer.init_rng import component_rng
-from teratron.transformer.mlp import MLP
+from teratron.transformer.mlp import MLP, bias_activation
 
 
 def _expert_tp_group(pg_collection):
@@ -65,10 +66,8 @@ class SequentialMLP(torch.nn.Module):
 
 
 def _activation(config, x):
-    if not config.gated_linear_unit:
-        return config.activation_func(x)
-    gate, up = x.chunk(2, dim=-1)
-    return config.activation_func(gate) * (up + config.glu_linear_offset)
+    function = fusions.fused(bias_activation) if config.bias_activation_fusion else bias_activation
+    return function(x, None, config.activation_func, config.gated_linear_unit, config.glu_linear_offset)
 
 
 def _grouped_mm_usable(x, weight) -> bool:
