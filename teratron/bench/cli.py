@@ -3,12 +3,15 @@
     teratron bench                       # benchmark shape, 1 GPU, HF baseline with torch.compile
     teratron bench --nproc-per-node 2 --tensor-model-parallel-size 2
     teratron bench --tiny                # CPU smoke test (no baseline)
+    teratron bench --reference-flags "--attention-backend unfused"   # + the loss curve against it
 
 Runs `teratron train` (same code path, as a subprocess; torchrun for several GPUs) on mock data
 at the benchmark shape with bf16 params, fp32 master weights and grads, Adam and clipping, for
 --warmup-iters + --iters iterations; then the HF baseline script on the same GPU; prints
 tokens/s, TFLOP/s, MFU and peak memory of both, their ratio, and `teratron estimate`'s peak next
-to the measured one. Any other flag goes to `teratron train` and overrides the defaults.
+to the measured one. With --reference-flags it trains once more with those flags appended (the
+reference path: same iterations and seed) and compares the two per-iteration lm-loss curves.
+Any other flag goes to `teratron train` and overrides the defaults.
 Nothing is written unless --results-md PATH is given (then an entry is appended to it).
 """
 
@@ -17,6 +20,7 @@ import os
 import shlex
 import sys
 import tempfile
+from dataclasses import asdict
 
 from teratron.training.arguments import ArgumentParser
 
@@ -36,6 +40,9 @@ def add_arguments(parser):
     g.add_argument("--hf-baseline", default=DEFAULT_BASELINE, help="Path of the HF baseline script.")
     g.add_argument("--baseline-eager", action="store_true", help="Run the baseline without torch.compile.")
     g.add_argument("--skip-baseline", action="store_true", help="Do not run the HF baseline.")
+    g.add_argument("--reference-flags", default=None, metavar="FLAGS",
+                   help="Train again with these `teratron train` flags appended (one quoted string) and compare "
+                        "the lm-loss curves.")
     g.add_argument("--results-md", default=None, help="Append a markdown entry with the results here.")
     g.add_argument("--json", action="store_true", help="Print the results as JSON instead of a table.")
     return parser
@@ -48,7 +55,12 @@ def parse_args(argv):
                                           description="Benchmark teratron training against the HF baseline; "
                                                       "other flags go to `teratron train`."))
     args, train_flags = parser.parse_known_args(argv)
-    for flag in train_flags:
+    try:
+        args.reference = None if args.reference_flags is None else shlex.split(args.reference_flags)
+    except ValueError as e:
+        raise ValueError(f"--reference-flags {args.reference_flags!r}: {e}; pass the flags as one quoted string") \
+            from None
+    for flag in train_flags + (args.reference or []):
         owner = _OWNED_FLAGS.get(flag.split("=")[0])
         if owner:
             raise ValueError(f"{flag} is set by teratron bench ({owner}); drop it")
@@ -66,6 +78,15 @@ def _estimate(train_argv, world_size, device_type):
     return estimate.stages[-1].memory.peak_allocated / 2**30  # the last rank logs mem_peak_gib
 
 
+def _reference_overrides(reference: list, checked) -> list:
+    """The reference run's extra flags; a torch.profiler trace of it goes to <profile-dir>/reference
+    unless the flags name a directory, so it does not overwrite the measured run's."""
+    profiled = checked.profile and checked.use_pytorch_profiler
+    if profiled and not any(f.split("=")[0] == "--profile-dir" for f in reference):
+        return reference + ["--profile-dir", os.path.join(checked.profile_dir, "reference")]
+    return reference
+
+
 def run(args) -> int:
     import torch
 
@@ -79,10 +100,19 @@ def run(args) -> int:
     if not skip_baseline and not on_gpu:
         raise ValueError("the HF baseline needs a CUDA GPU; pass --skip-baseline (or --tiny) on CPU")
     with tempfile.TemporaryDirectory(prefix="teratron-bench-") as tmp:
-        metrics = os.path.join(tmp, "metrics.jsonl")
+        metrics, ref_metrics = os.path.join(tmp, "metrics.jsonl"), os.path.join(tmp, "reference.jsonl")
         argv = train_argv(args.tiny, args.warmup_iters, args.iters, args.train_flags, metrics)
         checked = validate_args(parse_train_args(argv), args.nproc_per_node)  # bad flags fail before any run
-        ours = runs.run_training(argv, args.nproc_per_node, metrics, args.warmup_iters)
+        if args.reference is not None:
+            ref_argv = train_argv(args.tiny, args.warmup_iters, args.iters,
+                                  args.train_flags + _reference_overrides(args.reference, checked), ref_metrics)
+            validate_args(parse_train_args(ref_argv), args.nproc_per_node)
+        records = runs.run_training(argv, args.nproc_per_node, metrics)
+        ours = runs.summarize(records, args.warmup_iters)
+        loss = None
+        if args.reference is not None:
+            ref_records = runs.run_training(ref_argv, args.nproc_per_node, ref_metrics)
+            loss = runs.compare_losses(records, ref_records, shlex.join(args.reference), args.warmup_iters)
     baseline = None
     if not skip_baseline:
         accumulation = checked.global_batch_size // (checked.micro_batch_size * checked.data_parallel_size)
@@ -90,9 +120,10 @@ def run(args) -> int:
                                      accumulation, args.iters)
     shown = [a for a in argv if a != metrics and a != "--metrics-file"]
     estimated = _estimate(shown, args.nproc_per_node, "cuda" if on_gpu else "cpu")
-    table = comparison(ours, baseline, args.nproc_per_node, estimated, on_gpu)
+    table = comparison(ours, baseline, args.nproc_per_node, estimated, on_gpu, loss)
     if args.json:
         print(json.dumps({"teratron": vars(ours), "baseline": None if baseline is None else vars(baseline),
+                          "reference": None if loss is None else asdict(loss),
                           "world_size": args.nproc_per_node, "estimated_peak_gib": estimated}))
     else:
         print("\n".join(table))

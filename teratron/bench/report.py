@@ -5,7 +5,7 @@ import subprocess
 import time
 from typing import Optional
 
-from teratron.bench.runs import BaselineResult, TrainResult
+from teratron.bench.runs import BaselineResult, LossComparison, TrainResult
 
 
 def _row(name, tokens, tflops, mfu, mem):
@@ -14,11 +14,16 @@ def _row(name, tokens, tflops, mfu, mem):
 
 
 def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size: int,
-               estimated_peak_gib: float, on_gpu: bool) -> list:
-    """Markdown table lines: per-GPU tokens/s, TFLOP/s/GPU, MFU, peak memory; then the ratio and
-    the estimate against the measured peak."""
+               estimated_peak_gib: float, on_gpu: bool, loss: Optional[LossComparison] = None) -> list:
+    """Markdown table lines: per-GPU tokens/s, TFLOP/s/GPU, MFU, peak memory (of the reference
+    run too, with `loss`); then the ratio, the estimate against the measured peak and the loss
+    curve against the reference."""
     lines = ["| system | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |", "|---|---|---|---|---|",
              _row("teratron", ours.tokens_per_sec / world_size, ours.tflops_per_gpu, ours.mfu, ours.mem_peak_gib)]
+    if loss is not None:
+        ref = loss.reference
+        lines.append(_row(f"teratron reference (`{loss.reference_flags}`)", ref.tokens_per_sec / world_size,
+                          ref.tflops_per_gpu, ref.mfu, ref.mem_peak_gib))
     if baseline is not None:
         kind = "torch.compile" if baseline.compile else "eager"
         lines.append(_row(f"HF Llama, SDPA, {kind}", baseline.tokens_per_sec, baseline.tflops, baseline.mfu,
@@ -29,6 +34,19 @@ def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size
     error = (estimated_peak_gib - ours.mem_peak_gib) / ours.mem_peak_gib
     lines += ["", f"`teratron estimate` peak allocated: {estimated_peak_gib:.2f} GiB; measured {measured}: "
                   f"{ours.mem_peak_gib:.2f} GiB ({error:+.1%})"]
+    return lines + (loss_curve(loss) if loss is not None else [])
+
+
+def loss_curve(loss: LossComparison) -> list:
+    """The lm-loss curve against the reference run: |delta| over all iterations, then a table of
+    the first, every 10th and the last iteration."""
+    (i0, ours0, ref0), (i1, ours1, ref1) = loss.first, loss.last
+    lines = ["", f"lm loss against the reference (`{loss.reference_flags}`) over {loss.iterations} iterations: "
+                 f"max |delta| {loss.max_abs_delta:.3e}, mean |delta| {loss.mean_abs_delta:.3e}; "
+                 f"iteration {i0}: {ours0:.6f} vs {ref0:.6f}; iteration {i1}: {ours1:.6f} vs {ref1:.6f}; "
+                 f"reference tokens/s: {loss.reference.tokens_per_sec:,.0f}",
+             "", "| iteration | teratron lm loss | reference lm loss | delta |", "|---|---|---|---|"]
+    lines += [f"| {i} | {ours:.6f} | {ref:.6f} | {ours - ref:+.3e} |" for i, ours, ref in loss.curve]
     return lines
 
 

@@ -1,5 +1,6 @@
-"""The two measured runs of `teratron bench`, each a subprocess (so each starts with an empty GPU
-and its own peak-memory counter): `teratron train` (under torchrun for several GPUs) and the
+"""The measured runs of `teratron bench`, each a subprocess (so each starts with an empty GPU and
+its own peak-memory counter): `teratron train` (under torchrun for several GPUs), optionally again
+with --reference-flags appended (the reference path, whose loss curve it must match), and the
 Hugging Face baseline script."""
 
 import json
@@ -52,11 +53,11 @@ def _run(command: list, what: str, env=None) -> str:
     return "".join(lines)
 
 
-def run_training(train_argv: list, nproc_per_node: int, metrics_file: str, warmup_iters: int) -> TrainResult:
+def run_training(train_argv: list, nproc_per_node: int, metrics_file: str) -> list:
+    """Run `teratron train`; returns its metrics records."""
     _run(train_command(train_argv, nproc_per_node), "teratron train")
     with open(metrics_file) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return summarize(records, warmup_iters)
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _harmonic_mean(values):
@@ -79,6 +80,44 @@ def summarize(records: list, warmup_iters: int) -> TrainResult:
         mfu=_harmonic_mean(mfu) if len(mfu) == len(timed) else None,
         mem_peak_gib=max(r["mem_peak_gib"] for r in records),
         lm_loss=timed[-1]["lm_loss"],
+    )
+
+
+@dataclass
+class LossComparison:
+    """teratron's per-iteration lm loss against the reference run's (same flags and seed, plus
+    `reference_flags`), over every iteration both logged a loss for, warm-up included."""
+
+    reference_flags: str
+    reference: TrainResult       # the reference run's own rates
+    iterations: int
+    max_abs_delta: float
+    mean_abs_delta: float
+    first: tuple                 # (iteration, teratron loss, reference loss)
+    last: tuple
+    curve: list                  # (iteration, teratron, reference): first, every 10th, last
+
+
+def _losses(records: list) -> dict:
+    return {r["iteration"]: r["lm_loss"] for r in records if "lr" in r and r["lm_loss"] is not None}
+
+
+def compare_losses(records: list, reference_records: list, reference_flags: str, warmup_iters: int) -> LossComparison:
+    ours, ref = _losses(records), _losses(reference_records)
+    common = sorted(ours.keys() & ref.keys())
+    if not common:
+        raise ChildProcessError("the run and the reference run logged no lm loss at a common iteration")
+    deltas = [abs(ours[i] - ref[i]) for i in common]
+    shown = [i for i in common if i == common[0] or i % 10 == 0 or i == common[-1]]
+    return LossComparison(
+        reference_flags=reference_flags,
+        reference=summarize(reference_records, warmup_iters),
+        iterations=len(common),
+        max_abs_delta=max(deltas),
+        mean_abs_delta=sum(deltas) / len(deltas),
+        first=(common[0], ours[common[0]], ref[common[0]]),
+        last=(common[-1], ours[common[-1]], ref[common[-1]]),
+        curve=[(i, ours[i], ref[i]) for i in shown],
     )
 
 
