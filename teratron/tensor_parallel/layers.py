@@ -18,6 +18,9 @@ A layer whose TP group has one rank (or none: model parallel not initialised whe
 built) never communicates, whatever parallel_state holds later. Expert layers
 (`is_expert=True`) communicate nothing: the MoE token dispatcher moves tokens in
 and out of the expert-TP region, as in Megatron.
+
+`enable_fp8(recipe, name)` switches a layer's GEMM to FP8 (`teratron.fp8`; TransformerBlock
+calls it for the layers `config.fp8` covers); the parameters stay in the params dtype.
 """
 
 import torch
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratron import parallel_state
+from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -126,6 +130,11 @@ def _zero_bias(size, config, device):
     return nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=device))
 
 
+def _matmul(fp8, input_, weight, bias=None):
+    """input_ @ weight^T (+ bias): F.linear, or the layer's FP8 GEMM once enabled."""
+    return F.linear(input_, weight, bias) if fp8 is None else fp8(input_, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (the output dim) over TP: [out/tp, in] per rank.
 
@@ -152,6 +161,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = config.sequence_parallel and not is_expert
         allreduce = not is_expert
         device = param_device(config)
+        self.fp8 = None
 
         self.master_weight = None
         if skip_weight_param_allocation:
@@ -172,6 +182,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def enable_fp8(self, recipe, name: str) -> None:
+        # The weight shard and the output gradient [s, b, out/tp] differ across TP ranks; the
+        # input is whole on every rank (replicated, or all-gathered under sequence parallelism).
+        self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size_per_partition, name=name,
+                           tp_group=self.tp_group if self.tp_size > 1 else None, reduce_input=False,
+                           reduce_weight=True, reduce_grad_output=True, device=param_device(self.config))
+
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None:
             if self.weight is None:
@@ -188,7 +205,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(input_parallel, weight, bias)
+        output = _matmul(self.fp8, input_parallel, weight, bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and not self.is_expert and self.tp_size > 1:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -224,6 +241,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
         allreduce = not is_expert
         device = param_device(config)
+        self.fp8 = None
 
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                dtype=config.params_dtype, device=device))
@@ -241,12 +259,19 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def enable_fp8(self, recipe, name: str) -> None:
+        # The weight shard and the input [s, b, in/tp] differ across TP ranks; the output
+        # gradient is whole on every rank (the backward of the all-reduce / reduce-scatter).
+        self.fp8 = Fp8Gemm(recipe, self.input_size_per_partition, self.output_size, name=name,
+                           tp_group=self.tp_group if self.tp_size > 1 else None, reduce_input=True,
+                           reduce_weight=True, reduce_grad_output=False, device=param_device(self.config))
+
     def forward(self, input_):
         if self.input_is_parallel or self.is_expert or self.tp_size == 1:
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output_parallel = F.linear(input_parallel, self.weight)
+        output_parallel = _matmul(self.fp8, input_parallel, self.weight)
         if self.is_expert or self.tp_size == 1:
             output = output_parallel
         elif self.sequence_parallel:
