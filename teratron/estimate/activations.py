@@ -22,13 +22,19 @@ gated (SwiGLU) MLP. Per transformer layer without recompute:
 
 Under sequence parallelism only the norm and dropout terms shrink by tp: the column-parallel
 layers keep their all-gathered input, as teratron's layers gather inside autograd.
+
+The count is storage by storage (`Saved`), each with the modules that keep it, so fine-grained
+activation offloading is exact: a storage of at least `min_offloaded_tensor_size` elements kept by
+an offloaded module is copied to the host, and leaves the device when every module keeping it is
+offloaded (the SDPA output, kept by core_attn and by attn_proj as a view, needs both).
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from teratron.estimate.kernels import KernelProfile
 from teratron.estimate.params import ModelShape
+from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
 from teratron.transformer.enums import AttnBackend
 from teratron.transformer.moe.moe_logging import moe_layer_pattern
 
@@ -65,6 +71,8 @@ class ChunkActivations:
     extra: dict = field(default_factory=dict)    # embedding / output / pipeline tensors
     forward_transient: int = 0                   # live only inside forward (the loss)
     backward_transient: int = 0                  # gradients + recomputed activations in backward
+    loss_backward_transient: int = 0             # the fused loss's backward, its weight gradient included
+    host: int = 0                                # offloaded to host memory (activation offloading)
 
     @property
     def stored(self) -> int:
@@ -78,50 +86,99 @@ def dims_for(config, shape: ModelShape, micro_batch_size: int) -> Dims:
                 r=4 if config.fp32_residual_connection else a)
 
 
-def norm_bytes(config, kernels: KernelProfile, elements: int, rows: int, input_bytes: int,
-               input_is_new: bool) -> int:
+OTHER = "other"  # a saver that is not an offloadable module
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One storage autograd keeps: the report part it belongs to, its bytes, the elements of each
+    of its storages (several equal ones for SequentialMLP's experts), who saves it (offloadable
+    module names, activation_offload.OFFLOAD_MODULES, or OTHER) and whether its bytes count here
+    (not when another part already counts them, as the pipeline's hold on a stage input)."""
+
+    part: str
+    nbytes: int
+    numel: int
+    savers: frozenset = frozenset({OTHER})
+    counted: bool = True
+
+
+def _saved(part, nbytes, numel, *savers, counted=True) -> Saved:
+    return Saved(part, nbytes, numel, frozenset(savers or (OTHER,)), counted)
+
+
+def norm_storages(config, kernels: KernelProfile, part: str, elements: int, rows: int, input_bytes: int,
+                  input_is_new: bool, saver: str = OTHER) -> list:
     """What one norm keeps; `input_is_new` when nothing else keeps its input alive."""
-    kept_input = input_bytes * elements if input_is_new else 0
-    if config.normalization == "LayerNorm":
-        return kept_input + 2 * kernels.layer_norm_stat_bytes * rows  # input, mean and 1/std per row
+    kept = [_saved(part, input_bytes * elements, elements, saver, *([] if input_is_new else [OTHER]),
+                   counted=input_is_new)]
+    if config.normalization == "LayerNorm":  # input, mean and 1/std per row
+        return kept + 2 * [_saved(part, kernels.layer_norm_stat_bytes * rows, rows, saver)]
     if kernels.fused_rms_norm:
-        return kept_input + 4 * rows
+        return kept + [_saved(part, 4 * rows, rows, saver)]
     # Composite: an fp32 upcast of the input (the input itself when already fp32) and the fp32
     # normalised value before the weight, plus 1/rms per row.
-    upcast = 4 * elements if (input_bytes != 4 or input_is_new) else 0
-    return upcast + 4 * elements + 4 * rows
+    upcast = [_saved(part, 4 * elements, elements, saver)] if (input_bytes != 4 or input_is_new) else []
+    return upcast + [_saved(part, 4 * elements, elements, saver), _saved(part, 4 * rows, rows, saver)]
 
 
-def _mlp_bytes(config, tokens: int, ffn: int, tp: int, a: int) -> dict:
-    fc1 = ffn // tp * (2 if config.gated_linear_unit else 1)
-    # Gated: fc1 output (kept whole through the gate view), act(gate), up + offset, product.
-    kept = fc1 + 3 * (ffn // tp) if config.gated_linear_unit else fc1 + ffn // tp
-    return {"fc1 input": a * tokens * config.hidden_size, "mlp intermediates": a * tokens * kept}
+def norm_bytes(config, kernels: KernelProfile, elements: int, rows: int, input_bytes: int,
+               input_is_new: bool) -> int:
+    storages = norm_storages(config, kernels, "norm", elements, rows, input_bytes, input_is_new)
+    return sum(s.nbytes for s in storages if s.counted)
 
 
-def _attention_bytes(config, kernels, d: Dims, rope_dim: int, recompute_core: bool) -> dict:
+def _norm_keeps_input(config, kernels: KernelProfile, input_bytes: int) -> bool:
+    """Whether a norm keeps its input tensor itself (a view keeps its base alive)."""
+    return config.normalization == "LayerNorm" or kernels.fused_rms_norm or input_bytes == 4
+
+
+def _mlp_storages(config, tokens: int, ffn: int, tp: int, a: int, savers=(OTHER,) * 3, pieces: int = 1,
+                  parts=("fc1 input", "mlp intermediates")) -> list:
+    """fc1 input and the intermediates; savers = (fc1, activation, fc2); `pieces` equal
+    storages per tensor (one per expert of a SequentialMLP)."""
+    fc1_saver, act_saver, fc2_saver = savers
+    h, f = config.hidden_size, ffn // tp
+    fc1 = f * (2 if config.gated_linear_unit else 1)
+    each = tokens // pieces
+    out = [_saved(parts[0], a * tokens * h, each * h, fc1_saver),
+           _saved(parts[1], a * tokens * fc1, each * fc1, act_saver)]  # the activation's input
+    if config.gated_linear_unit:  # act(gate) and up + offset for the product; the gate is a view
+        out += 2 * [_saved(parts[1], a * tokens * f, each * f, act_saver)]
+    return out + [_saved(parts[1], a * tokens * f, each * f, fc2_saver)]  # the activation's output
+
+
+def _attention_storages(config, kernels, d: Dims, rope_dim: int, recompute_core: bool) -> list:
     hn, T, a = config.kv_channels, d.tokens, d.a
     heads, groups = config.num_attention_heads // d.tp, config.num_query_groups // d.tp
     q, kv = heads * hn, groups * hn
+    core = OTHER if recompute_core else "core_attn"  # the recompute checkpoint keeps q, k, v
     # Gathering a rank's query heads of several groups out of the interleaved QKV output copies.
     query_copy = heads != groups and groups > 1
-    parts = {"qkv input": a * T * config.hidden_size, "qkv output": a * T * (q + 2 * kv)}
-    # q and k are fresh tensors after RoPE or qk-norm (and q after that copy); otherwise SDPA
-    # keeps views of the QKV output, already counted.
-    new_q = rope_dim > 0 or config.qk_layernorm or query_copy
-    new_k = rope_dim > 0 or config.qk_layernorm
-    parts["q, k"] = a * T * (q * new_q + kv * new_k)
+    # SDPA keeps v, a view of the QKV output (and q, k when they are views too); so does a qk-norm
+    # that keeps its input.
+    qkv_savers = [core] + ([OTHER] if config.qk_layernorm and _norm_keeps_input(config, kernels, a) else [])
+    out = [_saved("qkv input", a * T * config.hidden_size, T * config.hidden_size, "qkv_linear"),
+           _saved("qkv output", a * T * (q + 2 * kv), T * (q + 2 * kv), *qkv_savers)]
+    # q and k are fresh tensors after RoPE or qk-norm (and q after that copy).
+    if rope_dim > 0 or config.qk_layernorm or query_copy:
+        out.append(_saved("q, k", a * T * q, T * q, core))
+    if rope_dim > 0 or config.qk_layernorm:
+        out.append(_saved("q, k", a * T * kv, T * kv, core))
     if config.qk_layernorm:
-        parts["qk norms"] = (norm_bytes(config, kernels, T * q, T * heads, a, query_copy)
-                             + norm_bytes(config, kernels, T * kv, T * groups, a, False))
+        out += (norm_storages(config, kernels, "qk norms", T * q, T * heads, a, query_copy)
+                + norm_storages(config, kernels, "qk norms", T * kv, T * groups, a, False))
     if rope_dim:
-        parts["rope tables"] = 4 * a * T * rope_dim  # cos and sin, for q and for k
+        out.append(_saved("rope tables", 4 * a * T * rope_dim, T * rope_dim))  # cos and sin, for q and k
     # SDPA's output, which linear_proj also keeps (as a view), and flash's fp32 logsumexp.
-    parts["core attention"] = a * T * q + (0 if recompute_core else 4 * T * heads)
-    return parts
+    out_savers = ["attn_proj"] + ([] if recompute_core else ["core_attn"])
+    out.append(_saved("core attention", a * T * q, T * q, *out_savers))
+    if not recompute_core:
+        out.append(_saved("core attention", 4 * T * heads, T * heads, "core_attn"))
+    return out
 
 
-def _moe_bytes(config, d: Dims) -> dict:
+def _moe_storages(config, d: Dims) -> list:
     """MoE layer under balanced routing: every rank's experts get k tokens per local token."""
     h, a, k, experts = config.hidden_size, d.a, config.moe_router_topk, config.num_moe_experts
     etp = config.expert_tensor_parallel_size
@@ -137,49 +194,82 @@ def _moe_bytes(config, d: Dims) -> dict:
     # unpermuting index_add), the probability, the permutation indices (GroupedMLP with biases
     # also the bias-row indices of both layers).
     indices = 3 if config.moe_grouped_gemm and config.add_bias_linear else 1
-    parts = {"moe input": a * d.norm_tokens * h, "router": router,
-             "expert input": a * expert_tokens * h,
-             "expert intermediates": _mlp_bytes(config, expert_tokens, config.moe_ffn_hidden_size, etp,
-                                                a)["mlp intermediates"],
-             "expert output": expert_tokens * (2 * a * h + a + 8 * indices)}
+    pieces = 1 if config.moe_grouped_gemm else config.num_moe_experts // config.expert_model_parallel_size
+    out = [_saved("moe input", a * d.norm_tokens * h, d.norm_tokens * h), _saved("router", router, 0)]
+    out += _mlp_storages(config, expert_tokens, config.moe_ffn_hidden_size, etp, a,
+                         savers=("expert_fc1", "moe_act", OTHER), pieces=pieces,
+                         parts=("expert input", "expert intermediates"))
+    out.append(_saved("expert output", expert_tokens * (2 * a * h + a + 8 * indices), 0))
     if config.moe_shared_expert_intermediate_size is not None:
-        shared = _mlp_bytes(config, d.tokens, config.moe_shared_expert_intermediate_size, d.tp, a)
+        shared = _mlp_storages(config, d.tokens, config.moe_shared_expert_intermediate_size, d.tp, a,
+                               parts=("shared expert", "shared expert"))
         # Without SP the shared expert's fc1 input is the MoE input itself.
-        parts["shared expert"] = shared["mlp intermediates"] + (shared["fc1 input"] if d.sp else 0)
-    return parts
+        out += shared if d.sp else shared[1:]
+    return out
 
 
 def _selective(config) -> set:
     return set(config.recompute_modules or []) if config.recompute_granularity == "selective" else set()
 
 
-def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
-                input_is_new: bool = True) -> dict:
-    """{part: bytes} one transformer layer keeps (no full recompute). `input_is_new`: nothing
-    else (the pipeline schedule) already holds the layer's input."""
+def layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
+                   input_is_new: bool = True, compiled: bool = False) -> list:
+    """The storages one transformer layer keeps (no full recompute). `input_is_new`: nothing
+    else (the pipeline schedule) already holds the layer's input. `compiled`: the layer is
+    compiled (see the module docstring)."""
+    if compiled:  # decomposed norms and dropout, on every device
+        kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
     selective = _selective(config)
     h, Tn = config.hidden_size, d.norm_tokens
-    parts = {}
     if "layernorm" in selective:  # the checkpoints keep only each norm's input
-        parts["norms"] = d.r * Tn * h * (int(input_is_new) + 1)
+        out = [_saved("norms", d.r * Tn * h, Tn * h)] * (int(input_is_new) + 1)
     else:
-        parts["norms"] = (norm_bytes(config, kernels, Tn * h, Tn, d.r, input_is_new)
-                          + norm_bytes(config, kernels, Tn * h, Tn, d.r, True))
-    parts.update(_attention_bytes(config, kernels, d, rope_dim, "core_attn" in selective))
+        out = (norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, input_is_new, "attn_norm")
+               + norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, True, "mlp_norm"))
+    attention = _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
+    out += [s for s in attention if not (compiled and s.part == "rope tables")]
     if ("moe" if is_moe else "mlp") in selective:
-        parts["mlp checkpoint input"] = d.a * Tn * h
+        out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
     elif is_moe:
-        parts.update(_moe_bytes(config, d))
+        out += _moe_storages(config, d)
     else:
-        parts.update(_mlp_bytes(config, d.tokens, config.ffn_hidden_size, d.tp, d.a))
+        mlp = _mlp_storages(config, d.tokens, config.ffn_hidden_size, d.tp, d.a, savers=("mlp",) * 3)
+        out += mlp[:2] + mlp[-1:] if compiled else mlp  # compiled: SwiGLU's act(gate) and up recomputed
     if config.hidden_dropout > 0:
-        parts["dropout masks"] = 2 * kernels.dropout_bytes_per_element(d.a) * Tn * h
-    return parts
+        out.append(_saved("dropout masks", 2 * kernels.dropout_bytes_per_element(d.a) * Tn * h, Tn * h))
+    return out
+
+
+def _offloaded_savers(config, saved: Saved) -> set:
+    """The offloaded modules among a storage's savers (none when it is too small to move)."""
+    if not config.fine_grained_activation_offloading or saved.numel < config.min_offloaded_tensor_size:
+        return set()
+    return saved.savers & set(config.offload_modules)
+
+
+def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
+                input_is_new: bool = True, compiled: bool = False) -> tuple:
+    """({part: bytes on the device}, bytes copied to the host) of one transformer layer. An
+    offloading module copies a storage to the host; it leaves the device only when every module
+    keeping it offloads."""
+    parts, host = {}, 0
+    for saved in layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled):
+        offloaded = _offloaded_savers(config, saved)
+        host += saved.nbytes if offloaded else 0
+        if saved.counted and offloaded != saved.savers:
+            parts[saved.part] = parts.get(saved.part, 0) + saved.nbytes
+    return parts, host
 
 
 def _keeps_layer_input(config, kernels: KernelProfile) -> bool:
     return (config.recompute_granularity == "full" or "layernorm" in _selective(config)
             or config.normalization == "LayerNorm" or kernels.fused_rms_norm)
+
+
+def _layer_input_offloaded(config, numel: int) -> bool:
+    """Whether the first layer's input norm offloads the layer input (a storage of `numel`)."""
+    return (config.recompute_granularity != "full" and "layernorm" not in _selective(config)
+            and bool(_offloaded_savers(config, _saved("", 0, numel, "attn_norm"))))
 
 
 def rope_dim_for(config, shape: ModelShape) -> int:
@@ -189,8 +279,10 @@ def rope_dim_for(config, shape: ModelShape) -> int:
 
 
 def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_batch_size: int,
-                      layer_numbers: list, pre_process: bool, post_process: bool) -> ChunkActivations:
-    """Activation bytes of one micro-batch through one model chunk on one rank."""
+                      layer_numbers: list, pre_process: bool, post_process: bool,
+                      compiled: bool = False) -> ChunkActivations:
+    """Activation bytes of one micro-batch through one model chunk on one rank; `compiled`: the
+    transformer layers are compiled (`teratron train --torch-compile`)."""
     if config.attention_backend in _REFERENCE_BACKENDS:
         raise ValueError(f"attention_backend={config.attention_backend.name}: the estimate models SDPA "
                          "attention (auto/flash/fused); the reference path keeps s x s scores")
@@ -205,34 +297,86 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
         result.extra["embedding"] = 8 * d.tokens * ids + (d.tokens if d.tp > 1 else 0)
         if config.hidden_dropout > 0:
             result.extra["embedding"] += kernels.dropout_bytes_per_element(d.a) * Tn * h
-        elif d.sp and d.tp > 1 and _keeps_layer_input(config, kernels):
+        elif d.sp and d.tp > 1 and (compiled or _keeps_layer_input(config, kernels)):
             # The first layer's input is a view of the whole embedding output before the
-            # sequence scatter; keeping it keeps all s tokens.
-            result.extra["embedding"] += d.r * (d.tokens - Tn) * h
+            # sequence scatter; keeping it keeps all s tokens (on the host when offloaded).
+            whole = d.r * (d.tokens - Tn) * h
+            if layer_numbers and _layer_input_offloaded(config, d.tokens * h):
+                result.host += whole
+            else:
+                result.extra["embedding"] += whole
     else:
         result.extra["stage input"] = hidden
     if not post_process and not config.deallocate_pipeline_outputs:
         result.extra["stage output"] = hidden
 
-    layers = [layer_bytes(config, kernels, d, rope, bool(pattern and pattern[n - 1]),
-                          input_is_new=pre_process or i > 0)
-              for i, n in enumerate(layer_numbers)]
+    layers, host = [], []
+    for i, n in enumerate(layer_numbers):
+        parts, offloaded = layer_bytes(config, kernels, d, rope, bool(pattern and pattern[n - 1]),
+                                       input_is_new=pre_process or i > 0, compiled=compiled)
+        layers.append(parts)
+        host.append(offloaded)
     if layers:
         result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, pattern)
     if config.recompute_granularity == "full":
         layers = _full_recompute(config, result, layers, hidden, pre_process, rope, d)
+        host = host[len(host) - (len(layers) - 1):]  # recomputed layers offload nothing
+    if compiled and rope and layers and config.recompute_granularity != "full":
+        result.extra["rope angles"] = 4 * d.tokens * rope  # fp32 [s, b, 1, rot], one tensor for all layers
     result.layers = layers
+    if any(host):
+        # A layer holds its offloaded storages until its forward ends; in backward a layer's
+        # reloaded storages and the prefetched previous layer's are on the device.
+        result.host += sum(host)
+        result.forward_transient = max(host)
+        result.backward_transient += 2 * max(host)
 
     if post_process:
-        logits = d.tokens * shape.padded_vocab_size // d.tp
-        result.extra["output"] = (norm_bytes(config, kernels, Tn * h, Tn, d.r, True)
-                                  + d.a * d.tokens * h        # output layer input (gathered)
-                                  + 4 * logits + 9 * d.tokens)  # fp32 softmax, target, mask
-        # Inside the loss's forward: the logits, their fp32 copy and the shifted logits (the
-        # exponentials become the kept softmax); in backward the softmax's gradient copy.
-        result.forward_transient = (d.a + (4 if d.a != 4 else 0) + 4) * logits
-        result.backward_transient = max(result.backward_transient, 4 * logits)
+        vocab = shape.padded_vocab_size // d.tp
+        logits = d.tokens * vocab
+        output = norm_bytes(config, kernels, Tn * h, Tn, d.r, True) + d.a * d.tokens * h  # + output layer input
+        if config.cross_entropy_loss_fusion:  # keeps the int64 targets, no logits
+            result.extra["output"] = output + 8 * d.tokens
+            chunk = min(default_chunk_size(vocab), d.tokens)
+            forward, result.loss_backward_transient = fused_loss_transients(d.a, d.tokens, h, vocab, chunk)
+            result.forward_transient = max(result.forward_transient, forward)
+        else:
+            result.extra["output"] = output + 4 * logits + 9 * d.tokens  # fp32 softmax, target, mask
+            # Inside the loss's forward: the logits and its working set but the kept softmax; in
+            # backward the softmax's gradient copy.
+            working = d.a + _cross_entropy_working(d.a) - 4
+            result.forward_transient = max(result.forward_transient, working * logits)
+            result.backward_transient = max(result.backward_transient, 4 * logits)
     return result
+
+
+def _cross_entropy_working(a: int) -> int:
+    """Bytes per logit that vocab_parallel_cross_entropy's forward allocates for logits of `a`
+    bytes: an fp32 copy (none when already fp32), the shifted logits and their exponentials,
+    which become the fp32 softmax it keeps for backward."""
+    return (4 if a != 4 else 0) + 4 + 4
+
+
+def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: int) -> tuple:
+    """(forward, backward) bytes the fused output layer + cross entropy
+    (tensor_parallel.fused_cross_entropy) allocates on top of what it keeps, for `tokens` tokens
+    in chunks of `chunk` over `vocab` columns with `a`-byte weights (per-token vectors left out).
+
+    Forward, one chunk at a time: its logits [chunk, vocab] and the loss's working set. Backward:
+    d(hidden) [T, h] and the fp32 weight-gradient accumulator [vocab, h], and per chunk the
+    recomputed logits with the loss's forward working set, then its backward; the previous
+    chunk's logits (through its loss's graph) and logit gradient are still referenced until the
+    loop rebinds them. With 16-bit weights each chunk's [vocab, h] weight-gradient product is
+    added to the accumulator, and the final cast back (this loss's parameter gradient) is as big."""
+    elements = chunk * vocab
+    working = _cross_entropy_working(a)
+    loss_backward = 8 + (a if a != 4 else 0)  # the kept softmax, its gradient copy, cast to a bytes
+    held = a * elements if tokens > chunk else 0  # one of the previous chunk's [chunk, vocab] tensors
+    product = a * vocab * hidden if a != 4 else 0
+    chunk_peak = max((a + working) * elements + 2 * held,     # the loss's forward
+                     (a + loss_backward) * elements + held,   # the loss's backward
+                     2 * a * elements + product)              # logits, their gradient, the product
+    return (a + working) * elements, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
 
 
 def _largest_tensor(config, d: Dims, pattern) -> int:

@@ -7,6 +7,10 @@ present), runs one training micro-batch forward under `saved_tensors_hooks` and 
 of the distinct storages autograd keeps (parameters excluded) next to the estimate's bytes for
 that micro-batch with the device's probed kernels. The tests run it on CPU; on a GPU it checks
 the CUDA kernels' assumptions at full size.
+
+With --fine-grained-activation-offloading the count is what stays on the device: the offloader
+hands the tensors it leaves in place to the enclosing hooks (these), and
+`transformer.activation_offload.stats` holds what it copied to the host.
 """
 
 import copy
@@ -23,12 +27,15 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
     from teratron.tensor_parallel import model_parallel_cuda_manual_seed
     from teratron.training.arguments import core_transformer_config_from_args, validate_args
     from teratron.training.build import gpt_model_provider, set_vocab_sizes
+    from teratron.transformer.fusions import compile_transformer_layers
 
     args = copy.copy(args)
     validate_args(args, world_size)
     set_vocab_sizes(args, resolve_vocab_size(args))
     torch.manual_seed(args.seed)
     model = gpt_model_provider(args, core_transformer_config_from_args(args), True, True).to(device)
+    if args.torch_compile:  # as `teratron train` does; hooks see what the compiled layers save
+        compile_transformer_layers(model)
     model_parallel_cuda_manual_seed(args.seed)
     model.train()
     saved = []
@@ -54,6 +61,7 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
 def main(argv=None) -> int:
     from teratron.estimate.report import estimate_from_args
     from teratron.training.arguments import parse_train_args
+    from teratron.transformer.activation_offload import stats
 
     args = parse_train_args(sys.argv[1:] if argv is None else argv)
     args.train_iters, args.lr = args.train_iters or 1, args.lr or 0.0
@@ -61,10 +69,13 @@ def main(argv=None) -> int:
         raise ValueError("measure runs one process: drop --tensor/--pipeline-model-parallel-size "
                          "(tests/estimate measure TP ranks under gloo)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stats.reset()
     measured = saved_activation_bytes(args, 1, device)
     estimated = estimate_from_args(args, 1, device.type).stages[0].chunk_activations[0]
     print(f"activations of one micro-batch on {device.type}: measured {measured / 2**30:.4f} GiB, "
           f"estimated {estimated / 2**30:.4f} GiB ({(estimated - measured) / measured:+.2%})")
+    if stats.offloaded:
+        print(f"offloaded to the host: {sum(stats.offloaded.values()) / 2**30:.4f} GiB")
     return 0
 
 

@@ -99,20 +99,24 @@ def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: 
 
 def activation_peak(chunks: list, pp_rank: int, pp_size: int, num_microbatches: int,
                     group_size: int) -> tuple:
-    """(peak bytes, most micro-batches in flight) of this rank over one training step."""
-    live = peak = in_flight = most = 0
+    """(peak device bytes, most micro-batches in flight, peak host bytes of offloaded
+    activations) of this rank over one training step."""
+    live = peak = in_flight = most = host = host_peak = 0
     for action in rank_actions(pp_rank, pp_size, len(chunks), num_microbatches, group_size, False):
         chunk: ChunkActivations = chunks[action.chunk]
         if action.kind == "F":
             peak = max(peak, live + chunk.stored + chunk.forward_transient)
             live += chunk.stored
+            host += chunk.host
+            host_peak = max(host_peak, host)
             in_flight += 1
             most = max(most, in_flight)
         else:
             peak = max(peak, live + chunk.backward_transient)
             live -= chunk.stored
+            host -= chunk.host
             in_flight -= 1
-    return peak, most
+    return peak, most, host_peak
 
 
 @dataclass
@@ -120,6 +124,7 @@ class RankMemory:
     states: StateBytes
     activation_peak: int
     microbatches_in_flight: int
+    host_activations: int = 0   # offloaded activations at their peak (host memory)
     peak_allocated: int = field(init=False)
     device_memory: int = field(init=False)
 

@@ -93,7 +93,7 @@ def _sum_params(parts: list) -> ChunkParams:
             total.add(name, n)
         for name, n in p.expert.items():
             total.add(name, n, is_expert=True)
-        total.largest = max(total.largest, p.largest)
+    total.largest = max((p.largest for p in parts), default=0)  # add() saw whole parts, not parameters
     return total
 
 
@@ -145,22 +145,24 @@ def estimate_from_args(args, world_size: int, device_type: str = "cuda") -> Esti
     )
     for pp_rank in range(config.pipeline_model_parallel_size):
         estimate.stages.append(_stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape,
-                                               args.micro_batch_size, pp_rank))
+                                               args.micro_batch_size, pp_rank, args.torch_compile))
     return estimate
 
 
-def _stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape, micro_batch_size, pp_rank):
+def _stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape, micro_batch_size, pp_rank,
+                    compiled):
     chunks = _stage_chunks(config, pp_rank)
     params = _sum_params([chunk_params(config, shape, layers, pre, post) for layers, pre, post in chunks])
-    acts = [chunk_activations(config, kernels, shape, micro_batch_size, layers, pre, post)
+    acts = [chunk_activations(config, kernels, shape, micro_batch_size, layers, pre, post, compiled)
             for layers, pre, post in chunks]
     for act in acts:  # a parameter's own grad lives until the DDP hook adds it to the buffer
-        act.backward_transient += params.largest * config.params_dtype.itemsize
+        act.backward_transient = max(act.backward_transient + params.largest * config.params_dtype.itemsize,
+                                     act.loss_backward_transient)
     group_size = config.microbatch_group_size_per_vp_stage or config.pipeline_model_parallel_size
-    peak, in_flight = activation_peak(acts, pp_rank, config.pipeline_model_parallel_size,
-                                      par.num_microbatches, group_size)
+    peak, in_flight, host = activation_peak(acts, pp_rank, config.pipeline_model_parallel_size,
+                                            par.num_microbatches, group_size)
     memory = RankMemory(states=state_bytes(config, optimizer_config, ddp_config, par, params),
-                        activation_peak=peak, microbatches_in_flight=in_flight)
+                        activation_peak=peak, microbatches_in_flight=in_flight, host_activations=host)
     first_layer = next((a.layers[0] for a in acts if a.layers), {})
     return StageEstimate(pp_rank=pp_rank, params={**params.dense, **params.expert},
                          layer_activations=first_layer, chunk_activations=[a.stored for a in acts],
@@ -191,7 +193,8 @@ def format_table(estimate: Estimate) -> str:
         ("logits + loss working set (GiB)", [_gib(s.loss_transient) for s in estimate.stages]),
         ("activation peak incl. loss (GiB)", [_gib(s.memory.activation_peak) for s in estimate.stages]),
         ("optimizer-step transient (GiB)", [_gib(s.memory.states.step_transient) for s in estimate.stages]),
-        ("host (offloaded) (GiB)", [_gib(s.memory.states.host) for s in estimate.stages]),
+        ("host (offloaded) (GiB)", [_gib(s.memory.states.host + s.memory.host_activations)
+                                    for s in estimate.stages]),
         ("PEAK ALLOCATED (GiB)", [_gib(s.memory.peak_allocated) for s in estimate.stages]),
         ("device memory (GiB)", [_gib(s.memory.device_memory) for s in estimate.stages]),
     ]

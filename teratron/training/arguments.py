@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import yaml
 
 from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.transformer.activation_offload import OFFLOAD_MODULES
 
 _DATA_SOURCE_FLAGS = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -130,10 +131,18 @@ def _add_network_args(parser):
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="Copy what --offload-modules save for backward to host memory, overlapped with compute.")
+    g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
+                   help=f"Submodules whose saved activations are offloaded: {', '.join(OFFLOAD_MODULES)}.")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=1024 * 1024,
+                   help="Storages of fewer elements stay on the device.")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
                    help="Core attention kernel: SDPA's choice, SDPA flash, SDPA cuDNN, or the reference path.")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile every transformer layer (fuses norms, RoPE, SwiGLU, residual adds).")
+    g.add_argument("--no-torch-compile", action="store_false", dest="torch_compile",
+                   help="Eager layers (the default; undoes an earlier --torch-compile, e.g. in a reference run).")
     for flag, dest, what in (("--apply-rope-fusion", "apply_rope_fusion", "RoPE"),
                              ("--bias-swiglu-fusion", "bias_activation_fusion", "bias + activation (SwiGLU/GeLU)"),
                              ("--bias-dropout-fusion", "bias_dropout_fusion", "bias + dropout + residual add")):
@@ -281,6 +290,43 @@ def _add_training_args(parser):
     g.add_argument("--skip-nan-steps", action="store_true",
                    help="On a NaN/Inf loss skip the optimizer step instead of stopping.")
 
+    g = parser.add_argument_group("CUDA graphs (docs/performance.md)")
+    g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local", "transformer_engine"],
+                   help="CUDA graph capture: 'local' is teratron's own; 'transformer_engine' is refused.")
+    g.add_argument("--cuda-graph-scope", default="full", choices=["full", "attn", "full_iteration"],
+                   help="With 'local': 'full' captures each transformer layer, 'full_iteration' the forward "
+                        "and backward of all micro-batches of a step.")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="Eager training steps before the CUDA graphs are captured.")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="Deprecated: --cuda-graph-impl local.")
+    g.add_argument("--external-cuda-graph", action="store_true",
+                   help="Deprecated: Transformer Engine graphs (refused).")
+
+
+def _add_fp8_args(parser):
+    g = parser.add_argument_group("FP8 linear layers (teratron.fp8; needs --bf16 or --fp16)")
+    g.add_argument("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"],
+                   help="FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or hybrid "
+                        "(e5m2 output gradients).")
+    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
+                   help="Scaling: tensorwise (current amax) or delayed (amax history); the others are not supported.")
+    g.add_argument("--fp8-margin", type=int, default=0, help="Scale = fp8_max / (amax * 2**margin).")
+    g.add_argument("--fp8-interval", type=int, default=1, help="Deprecated and ignored (as in Megatron).")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history length (delayed recipe).")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="Amax from the history: the most recent or the max (delayed recipe).")
+    g.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
+                   help="Weight gradients in the params dtype instead of FP8.")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="Keep the first and last transformer layers out of FP8.")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="Leading layers kept in bf16 with --first-last-layers-bf16.")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="Trailing layers kept in bf16 with --first-last-layers-bf16.")
+    g.add_argument("--tp-only-amax-red", action="store_true",
+                   help="Reduce amaxes over TP only (teratron always does; see docs/performance.md).")
+
 
 def _add_optimizer_args(parser):
     g = parser.add_argument_group("optimizer and learning rate")
@@ -392,6 +438,20 @@ def _add_logging_args(parser):
                    help="No tqdm progress bar (it only shows on a terminal anyway).")
 
 
+def _add_profiling_args(parser):
+    g = parser.add_argument_group("profiling (teratron.training.profiling)")
+    g.add_argument("--profile", action="store_true",
+                   help="Profile iterations [--profile-step-start, --profile-step-end): nsys mode "
+                        "(cudaProfilerStart/Stop) unless --use-pytorch-profiler.")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="With --profile: torch.profiler, writing a chrome trace and a kernel table to --profile-dir.")
+    g.add_argument("--profile-step-start", type=int, default=10, help="First profiled iteration (1-based).")
+    g.add_argument("--profile-step-end", type=int, default=12, help="The iteration profiling stops before.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="Global ranks to profile.")
+    g.add_argument("--profile-dir", default=None,
+                   help="Where --use-pytorch-profiler writes; default <--tensorboard-dir>/profile.")
+
+
 def _add_demo_args(parser):
     g = parser.add_argument_group("embedded demo (no data flags)")
     g.add_argument("--demo-dir", default=None,
@@ -409,11 +469,13 @@ def build_train_parser(prog="teratron train") -> ArgumentParser:
     _add_network_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
+    _add_fp8_args(parser)
     _add_optimizer_args(parser)
     _add_data_args(parser)
     add_tokenizer_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
+    _add_profiling_args(parser)
     _add_demo_args(parser)
     return parser
 
@@ -510,6 +572,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     _validate_schedule(args)
     _validate_optimizer(args)
     _validate_data_and_io(args)
+    _validate_cuda_graphs(args)
+    _validate_profiling(args, world_size)
     return args
 
 
@@ -544,6 +608,9 @@ def _validate_model(args):
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 both given; choose one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.fine_grained_activation_offloading != bool(args.offload_modules):
+        raise ValueError("--fine-grained-activation-offloading and --offload-modules go together; give both "
+                         f"(modules: {' '.join(OFFLOAD_MODULES)}) or neither")
 
 
 def _validate_parallel(args, world_size):
@@ -747,6 +814,43 @@ def _validate_data_and_io(args):
     _check_at_least(args, 0, ("num_workers",))
     if args.load is not None and not os.path.isdir(args.load) and os.path.exists(args.load):
         raise ValueError(f"--load {args.load}: not a directory; pass the checkpoint folder")
+
+
+
+def _validate_profiling(args, world_size):
+    if not args.profile:
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 1 or end <= start:
+        raise ValueError(f"--profile-step-start {start} --profile-step-end {end}: profiling covers iterations "
+                         "[start, end); use 1 <= start < end")
+    if args.train_iters is not None and start > args.train_iters:
+        raise ValueError(f"--profile-step-start {start} is after the last iteration (--train-iters "
+                         f"{args.train_iters}); lower it")
+    outside = [r for r in args.profile_ranks if not 0 <= r < world_size]
+    if outside:
+        raise ValueError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a world of "
+                         f"{world_size}; use ranks 0..{world_size - 1}")
+    if args.use_pytorch_profiler and args.profile_dir is None:
+        if args.tensorboard_dir is None:
+            raise ValueError("--profile needs --profile-dir or --tensorboard-dir (where the trace goes)")
+        args.profile_dir = os.path.join(args.tensorboard_dir, "profile")
+
+def _validate_cuda_graphs(args):
+    """What the training loop around CUDA graphs needs; the TransformerConfig checks the model."""
+    impl = "local" if args.enable_cuda_graph and args.cuda_graph_impl == "none" else args.cuda_graph_impl
+    if impl != "local":
+        return
+    if args.overlap_param_gather:
+        raise ValueError("--overlap-param-gather with --cuda-graph-impl local: its forward pre-hooks would gather "
+                         "parameters only while capturing; drop one")
+    if args.cuda_graph_scope == "full_iteration":
+        if args.overlap_grad_reduce:
+            raise ValueError("--overlap-grad-reduce with --cuda-graph-scope full_iteration: the reduction would be "
+                             "launched inside the graph; drop one (the gradients are reduced after the replay)")
+        if args.rampup_batch_size is not None:
+            raise ValueError("--rampup-batch-size with --cuda-graph-scope full_iteration: the graph holds a fixed "
+                             "number of micro-batches; drop one")
 
 
 def config_from_args(config_class, args, **renamed):

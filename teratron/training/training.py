@@ -3,7 +3,7 @@
     pretrain(parse_train_args(argv))
 
 One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
-(gradient accumulation), stop (or skip the step) on a non-finite loss, step the optimizer and the
+(gradient accumulation; with --cuda-graph-impl local as CUDA graphs, `full_iteration_graph`), stop (or skip the step) on a non-finite loss, step the optimizer and the
 LR schedule, update the MoE routers and collect their metrics, then log, evaluate and save on
 their intervals. At the end (also when --exit-interval or a signal stops the run) it logs the
 last partial log window, evaluates the validation set unless that iteration just did, and the
@@ -27,11 +27,13 @@ from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_w
                                              checkpoint_and_decide_exit, load_checkpoint,
                                              maybe_finalize_async_save, save_checkpoint)
 from teratron.training.data import build_data_loader, build_datasets
+from teratron.training.full_iteration_graph import check_cuda_graph_device, training_forward_backward_func
 from teratron.training.gpt_step import forward_step, reduce_log_dicts
 from teratron.training.initialize import (get_device, initialize_distributed, initialize_model_parallel,
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
 from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.training.profiling import build_profiler
 from teratron.transformer.moe import clear_aux_losses_tracker
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 
@@ -78,6 +80,7 @@ def _pretrain(args, world_size, after_training):
 
     validate_args(args, world_size)
     check_interleaved_schedule(args)
+    check_cuda_graph_device(args)
     if args.context_parallel_size > 1:
         raise NotImplementedError("--context-parallel-size > 1 is not supported by teratron train yet; "
                                   "use 1")
@@ -154,21 +157,27 @@ def _iterators(iterators):
 def train(args, model, optimizer, scheduler, train_iters, valid_iters, logger, state, device,
           test_iters=None):
     exit_handler = ExitSignalHandler() if args.exit_signal_handler else None
+    profiler = build_profiler(args, device)
     try:
         _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, test_iters, logger, state,
-                    device, exit_handler)
+                    device, exit_handler, profiler)
     finally:
+        if profiler is not None:  # training ended inside the profiled range
+            profiler.stop(state.iteration)
         if exit_handler is not None:
             exit_handler.restore()
 
 
 def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, test_iters, logger, state,
-                device, exit_handler):
+                device, exit_handler, profiler=None):
     calculator = build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
                                                    args.data_parallel_size, args.rampup_batch_size)
     step_func = partial(forward_step, device=device)
+    forward_backward_func = training_forward_backward_func(model)  # the schedule, or its CUDA graphs
     for chunk in model:
         chunk.train()
+    if profiler is not None:
+        profiler.step(state.iteration + 1)
     window = {"losses": {}, "moe": {}, "iters": 0, "samples": 0, "skipped": 0,
               "start": time.perf_counter()}
     last_saved = last_evaluated = state.iteration
@@ -178,7 +187,7 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, tes
         global_batch = calculator.get_current_global_batch_size()
         losses, grad_norm, skipped, moe_metrics = train_step(
             args, model, optimizer, scheduler, step_func, _iterators(train_iters), calculator.get(),
-            global_batch, state.iteration + 1, device)
+            global_batch, state.iteration + 1, device, forward_backward_func)
         state.iteration += 1
         state.consumed_train_samples += global_batch
         if "lm loss" in losses:
@@ -203,6 +212,8 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, tes
             state.consumed_valid_samples, exit_handler)
         if saved:
             last_saved = state.iteration
+        if profiler is not None:  # nor does starting, stopping and writing the profile
+            profiler.step(state.iteration + 1)
         window["start"] += time.perf_counter() - paused
 
     if window["iters"]:  # stopped between logging iterations: no iteration goes unlogged
@@ -258,7 +269,7 @@ def _any_rank_true(flag: bool, device) -> bool:
 
 
 def train_step(args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches,
-               global_batch, iteration, device):
+               global_batch, iteration, device, forward_backward_func=None):
     """One optimizer step over `num_microbatches` micro-batches; returns (losses, grad norm,
     skipped, MoE metrics)."""
     from teratron.pipeline_parallel.microbatch_step import get_model_config
@@ -267,18 +278,18 @@ def train_step(args, model, optimizer, scheduler, step_func, data_iterator, num_
     set_moe_aux_loss_scale(config, num_microbatches, device)
     losses, grad_norm, skipped = _forward_backward_and_step(
         args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches, global_batch,
-        iteration, device)
+        iteration, device, forward_backward_func)
     return losses, grad_norm, skipped, finish_moe_step(model, config, num_microbatches)
 
 
 def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, data_iterator,
-                               num_microbatches, global_batch, iteration, device):
+                               num_microbatches, global_batch, iteration, device, forward_backward_func=None):
     from teratron.pipeline_parallel.schedules import get_forward_backward_func
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    log_dicts = get_forward_backward_func()(
+    log_dicts = (forward_backward_func or get_forward_backward_func())(
         forward_step_func=step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,

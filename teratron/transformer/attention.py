@@ -13,7 +13,7 @@ import torch
 
 from teratron import tensor_parallel
 from teratron.process_groups import get_pg_size
-from teratron.transformer import fusions
+from teratron.transformer import activation_offload, fusions
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb
@@ -89,7 +89,8 @@ class SelfAttention(torch.nn.Module):
 
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
-        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        with activation_offload.offload("qkv_linear"):
+            mixed_qkv, _ = self.linear_qkv(hidden_states)
         s, b = mixed_qkv.shape[:2]
         per_group = self.np // self.ng
         mixed_qkv = mixed_qkv.view(s, b, self.ng, (per_group + 2) * self.hn)
@@ -107,5 +108,7 @@ class SelfAttention(torch.nn.Module):
         if self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
-            context = self.core_attention(query, key, value, attention_mask)
-        return self.linear_proj(context)
+            with activation_offload.offload("core_attn"):
+                context = self.core_attention(query, key, value, attention_mask)
+        with activation_offload.offload("attn_proj"):
+            return self.linear_proj(context)

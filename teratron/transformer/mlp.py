@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-from teratron.transformer import fusions
+from teratron.transformer import activation_offload, fusions
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
 
@@ -44,6 +44,8 @@ class MLP(torch.nn.Module):
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, is_expert=is_expert, tp_group=tp_group,
         )
+        # Activation offloading names an expert's pieces; the dense MLP is offloaded whole.
+        self.fc1_offload_name, self.act_offload_name = ("expert_fc1", "moe_act") if is_expert else (None, None)
 
     def activation(self, x, bias=None):
         """act(x + bias), gated: act(gate) * (up + glu_linear_offset); one fused kernel with
@@ -53,8 +55,11 @@ class MLP(torch.nn.Module):
         return function(x, bias, c.activation_func, c.gated_linear_unit, c.glu_linear_offset)
 
     def forward(self, hidden_states):
-        intermediate, bias = self.linear_fc1(hidden_states)
-        return self.linear_fc2(self.activation(intermediate, bias))
+        with activation_offload.offload(self.fc1_offload_name):
+            intermediate, bias = self.linear_fc1(hidden_states)
+        with activation_offload.offload(self.act_offload_name):
+            activated = self.activation(intermediate, bias)
+        return self.linear_fc2(activated)
 
 
 def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float):

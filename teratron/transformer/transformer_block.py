@@ -5,6 +5,10 @@ each under its own init stream (`init_rng`), so a layer's weights do not depend 
 Activation recompute: 'full' recomputes whole layers in backward (method 'uniform': chunks of
 `recompute_num_layers` layers; 'block': the stage's first `recompute_num_layers` layers);
 'selective' is decided inside each layer (core_attn, mlp, layernorm).
+With cuda_graph_impl='local' (scope 'full') the layers run as CUDA graphs once the training loop
+switches them on (`transformer.cuda_graphs`).
+With `config.fp8` the layers' linears run FP8 GEMMs (`fp8.apply_fp8`; first/last layers may
+stay bf16), not the embedding or the output layer, which are outside the block.
 """
 
 from dataclasses import dataclass, field
@@ -13,8 +17,10 @@ from typing import List, Union
 import torch
 
 from teratron import tensor_parallel
+from teratron.fp8 import apply_fp8
 from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.transformer.cuda_graphs import LayerCudaGraphs
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.norms import Norm
 from teratron.transformer.spec_utils import ModuleSpec, build_module
@@ -63,7 +69,11 @@ class TransformerBlock(torch.nn.Module):
             with component_rng(f"layer{layer_number}"):
                 layers.append(build_module(layer_spec, config=config, layer_number=layer_number,
                                            pg_collection=self.pg_collection, vp_stage=vp_stage))
+            apply_fp8(layers[-1], config, layer_number)
         self.layers = torch.nn.ModuleList(layers)
+        self.cuda_graphs = None
+        if config.cuda_graph_impl == "local" and config.cuda_graph_scope == "full" and layers:
+            self.cuda_graphs = LayerCudaGraphs(self.layers, config.cuda_graph_retain_backward_graph)
         self.final_layernorm = None
         if post_process and post_layer_norm and submodules.layer_norm is not None:
             with component_rng("final_norm"):
@@ -78,7 +88,9 @@ class TransformerBlock(torch.nn.Module):
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if self.config.recompute_granularity == "full" and self.training:
+        if self.cuda_graphs is not None and self.cuda_graphs.active(self.training):
+            hidden_states = self.cuda_graphs(hidden_states, attention_mask, rotary_pos_emb)
+        elif self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
         else:
             hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from teratron.model_parallel_config import ModelParallelConfig, check_unsupported
+from teratron.fp8.recipe import check_fp8_config
+from teratron.transformer.cuda_graphs import check_cuda_graph_config
 from teratron.transformer.enums import AttnBackend
 from teratron.utils import init_method_normal, scaled_init_method_normal
 
@@ -47,21 +49,10 @@ UNSUPPORTED = {
     "use_fused_weighted_squared_relu": "fused weighted squared ReLU",
     "fused_single_qkv_rope": "fused QKV RoPE",
     "distribute_saved_activations": "distributing recomputed activations over TP",
-    "fp8": "FP8 training",
-    "fp8_recipe": "FP8 training",
-    "fp8_param": "FP8 training",
-    "fp8_quantizer_factory": "FP8 training",
-    "fp8_margin": "FP8 training",
-    "fp8_interval": "FP8 training",
-    "fp8_amax_history_len": "FP8 training",
-    "fp8_amax_compute_algo": "FP8 training",
-    "fp8_wgrad": "FP8 training",
-    "fp8_dot_product_attention": "FP8 training",
-    "fp8_multi_head_attention": "FP8 training",
-    "tp_only_amax_red": "FP8 training",
-    "first_last_layers_bf16": "FP8 training",
-    "num_layers_at_start_in_bf16": "FP8 training",
-    "num_layers_at_end_in_bf16": "FP8 training",
+    "fp8_param": "FP8 parameters (FP8 weights with higher-precision master copies)",
+    "fp8_quantizer_factory": "custom FP8 quantizers (fp8_recipe='custom')",
+    "fp8_dot_product_attention": "FP8 attention (FP8 covers the linear layers only)",
+    "fp8_multi_head_attention": "FP8 attention (FP8 covers the linear layers only)",
     "use_kitchen": "the kitchen quantization extension",
     "use_kitchen_attention": "the kitchen quantization extension",
     "kitchen_attention_backend": "the kitchen quantization extension",
@@ -76,13 +67,6 @@ UNSUPPORTED = {
     "moe_permute_fusion": "fused MoE permutation",
     "moe_router_fusion": "fused MoE routing",
     "cp_comm_type": "context parallelism",
-    "enable_cuda_graph": "CUDA graphs",
-    "cuda_graph_use_single_mempool": "CUDA graphs",
-    "cuda_graph_retain_backward_graph": "CUDA graphs",
-    "cuda_graph_warmup_steps": "CUDA graphs",
-    "external_cuda_graph": "CUDA graphs",
-    "cuda_graph_impl": "CUDA graphs",
-    "cuda_graph_scope": "CUDA graphs",
     "clone_scatter_output_in_embedding": "not cloning the SP-scattered embedding output",
     "disable_parameter_transpose_cache": "Transformer Engine's parameter transpose cache",
     "config_logger_dir": "config dumping",
@@ -112,7 +96,8 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
-TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema",)
+TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
+                         "offload_modules", "min_offloaded_tensor_size")
 
 
 @dataclass
@@ -329,6 +314,16 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[List[str]] = None
     """With 'selective': submodules to recompute; None means ["core_attn"]."""
 
+    fine_grained_activation_offloading: bool = False
+    """Copy what the `offload_modules` save for backward to host memory (docs/performance.md)."""
+
+    offload_modules: Optional[List[str]] = None
+    """With fine_grained_activation_offloading: submodules whose saved tensors go to the host
+    (OFFLOAD_MODULES in transformer.activation_offload); None means none."""
+
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """With fine_grained_activation_offloading: storages of fewer elements stay on the device."""
+
     ####################
     # fp8 / fp4
     ####################
@@ -529,25 +524,28 @@ class TransformerConfig(ModelParallelConfig):
     # CUDA graphs
     ####################
     enable_cuda_graph: bool = False
-    """Deprecated: local CUDA graphs (use cuda_graph_impl)."""
+    """Deprecated: sets cuda_graph_impl='local'."""
 
     cuda_graph_use_single_mempool: bool = False
-    """Capture all CUDA graphs in one memory pool."""
+    """Megatron's single pool for all graphs, used once per step; teratron accepts it without
+    pipeline parallelism (where each block's one capture is reused anyway) and refuses it with."""
 
     cuda_graph_retain_backward_graph: bool = False
-    """Capture backward graphs with retain_graph."""
+    """Capture the backward graphs with retain_graph=True."""
 
     cuda_graph_warmup_steps: int = 3
-    """Eager steps before CUDA-graph capture."""
+    """Eager training steps before the CUDA graphs are captured."""
 
     external_cuda_graph: bool = False
-    """Deprecated: user-provided CUDA graphs (use cuda_graph_impl)."""
+    """Deprecated: means cuda_graph_impl='transformer_engine' (refused: no Transformer Engine)."""
 
     cuda_graph_impl: str = "none"
-    """CUDA graph implementation: 'none', 'local' or 'transformer_engine'."""
+    """'none', 'local' (teratron's own capture, `transformer.cuda_graphs`) or 'transformer_engine'
+    (refused: no Transformer Engine)."""
 
     cuda_graph_scope: str = "full"
-    """What one CUDA graph captures."""
+    """With 'local': 'full' captures each transformer layer, 'full_iteration' the forward and
+    backward of all micro-batches of a step (`training.full_iteration_graph`)."""
 
     ####################
     # miscellaneous
@@ -625,8 +623,11 @@ class TransformerConfig(ModelParallelConfig):
         self._resolve_defaults()
         self._check_attention()
         self._check_recompute()
+        self._check_offloading()
         self._set_init_methods()
         self._check_moe()
+        check_fp8_config(self)
+        check_cuda_graph_config(self)
         # Imported here: the pipeline package imports model code, which imports this module.
         from teratron.pipeline_parallel.layout import validate_pipeline_config
 
@@ -773,6 +774,23 @@ class TransformerConfig(ModelParallelConfig):
                         f"recompute_modules contains {module!r}: recomputing it needs MoE/MLA, which "
                         f"is not supported yet; use {list(SUPPORTED_RECOMPUTE_MODULES)}"
                     )
+
+    def _check_offloading(self):
+        from teratron.transformer.activation_offload import OFFLOAD_MODULES
+
+        self.offload_modules = list(self.offload_modules or [])
+        invalid = [m for m in self.offload_modules if m not in OFFLOAD_MODULES]
+        if invalid:
+            raise ValueError(f"offload_modules has unknown entries {invalid}; choose from {list(OFFLOAD_MODULES)}")
+        if self.fine_grained_activation_offloading and not self.offload_modules:
+            raise ValueError("fine_grained_activation_offloading needs offload_modules; choose from "
+                             f"{list(OFFLOAD_MODULES)}")
+        if self.offload_modules and not self.fine_grained_activation_offloading:
+            raise ValueError(f"offload_modules {self.offload_modules} is set but fine_grained_activation_offloading "
+                             "is False; set it to True or leave offload_modules empty")
+        if not isinstance(self.min_offloaded_tensor_size, int) or self.min_offloaded_tensor_size < 0:
+            raise ValueError(f"min_offloaded_tensor_size must be a non-negative integer, got "
+                             f"{self.min_offloaded_tensor_size!r}")
 
     def _set_init_methods(self):
         if self.init_method_std <= 0:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from teratron import tensor_parallel
-from teratron.transformer import fusions
+from teratron.transformer import activation_offload, fusions
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.moe.moe_layer import MoELayer
 from teratron.transformer.spec_utils import ModuleSpec, build_module
@@ -71,22 +71,25 @@ class TransformerLayer(torch.nn.Module):
         selective = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
         self.recompute_layernorm = "layernorm" in selective
         self.recompute_mlp = ("moe" if is_moe else "mlp") in selective
+        self.mlp_offload_name = None if is_moe else "mlp"  # an MoE layer offloads inside its experts
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
-        hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb)
-        return self._mlp_residual(hidden_states), None
+        with activation_offload.layer_forward(self, hidden_states) as finish:
+            hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb)
+            return finish(self._mlp_residual(hidden_states)), None
 
     def _attention_residual(self, hidden_states, attention_mask, rotary_pos_emb):
-        normed = self._norm(self.input_layernorm, hidden_states)
+        normed = self._norm(self.input_layernorm, hidden_states, "attn_norm")
         attention_output = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         return self._residual_add(self.self_attn_bda, attention_output, normed, hidden_states)
 
     def _mlp_residual(self, hidden_states):
-        normed = self._norm(self.pre_mlp_layernorm, hidden_states)
+        normed = self._norm(self.pre_mlp_layernorm, hidden_states, "mlp_norm")
         if self.recompute_mlp:
             mlp_output = (tensor_parallel.checkpoint(self._mlp_plus_bias, False, normed), None)
         else:
-            mlp_output = self.mlp(normed)
+            with activation_offload.offload(self.mlp_offload_name):
+                mlp_output = self.mlp(normed)
         return self._residual_add(self.mlp_bda, mlp_output, normed, hidden_states)
 
     def _mlp_plus_bias(self, x):
@@ -95,10 +98,11 @@ class TransformerLayer(torch.nn.Module):
         output, bias = self.mlp(x)
         return output if bias is None else output + bias
 
-    def _norm(self, norm, x):
+    def _norm(self, norm, x, offload_name):
         if self.recompute_layernorm and not isinstance(norm, IdentityOp):
             return tensor_parallel.checkpoint(norm, False, x)
-        return norm(x)
+        with activation_offload.offload(offload_name):
+            return norm(x)
 
     def _residual_add(self, bda, output_with_bias, normed, hidden_states):
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states

@@ -7,16 +7,24 @@ CPU's kernel profile (probed, not assumed). Under TP the same holds per rank, wi
 sequence parallelism.
 """
 
+import copy
+import weakref
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dist import run_distributed
-from teratron.estimate.activations import norm_bytes
+from teratron.estimate.activations import fused_loss_transients, norm_bytes
 from teratron.estimate.kernels import CUDA_KERNELS, KernelProfile, probe_kernels
 from teratron.estimate.report import estimate_from_args
 from teratron.estimate.measure import main as measure_main
 from teratron.estimate.measure import saved_activation_bytes
+from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.training.arguments import parse_train_args, validate_args
+from teratron.transformer import activation_offload
 
 VOCAB, SEQ, MBS = 250, 32, 2
 BASE = (f"--mock-data --tokenizer-type NullTokenizer --vocab-size {VOCAB} --num-layers 2 --hidden-size 64 "
@@ -103,6 +111,9 @@ def test_saved_activations_per_tensor_parallel_rank():
         "--tensor-model-parallel-size 2 --bf16 --num-experts 4 --moe-router-topk 2 --swiglu --disable-bias-linear",
         "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --num-experts 4 --moe-router-topk 2 "
         "--moe-shared-expert-intermediate-size 32 --disable-bias-linear --expert-tensor-parallel-size 1",
+        # The first layer's input norm offloads the whole embedding output it keeps a view of.
+        "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --fine-grained-activation-offloading "
+        "--min-offloaded-tensor-size 1 --offload-modules attn_norm qkv_linear core_attn attn_proj mlp",
     ]
     for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets):
         for flags, (measured, estimated) in zip(flag_sets, rank_results):
@@ -132,3 +143,182 @@ def test_norm_bytes_by_kernel():
 def test_measure_command(capsys):
     assert measure_main(BASE + ["--bf16", "--swiglu", "--normalization", "RMSNorm"]) == 0
     assert "measured" in capsys.readouterr().out
+
+
+
+def _estimate_chunk(args):
+    """The estimate's ChunkActivations of a single-process run (device and host bytes)."""
+    from teratron.estimate.activations import chunk_activations
+    from teratron.estimate.kernels import kernels_for
+    from teratron.estimate.params import ModelShape
+    from teratron.estimate.report import _configs, resolve_vocab_size
+    from teratron.training.build import set_vocab_sizes
+
+    args = copy.copy(args)
+    validate_args(args, 1)
+    set_vocab_sizes(args, resolve_vocab_size(args))
+    config = _configs(args)[0]
+    shape = ModelShape(padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+                       max_position_embeddings=args.max_position_embeddings,
+                       position_embedding_type=args.position_embedding_type,
+                       share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                       rotary_percent=args.rotary_percent)
+    return chunk_activations(config, kernels_for("cpu", config.params_dtype), shape, args.micro_batch_size,
+                             list(range(1, config.num_layers + 1)), True, True)
+
+
+OFFLOAD = "--fine-grained-activation-offloading --min-offloaded-tensor-size 1 --offload-modules"
+OFFLOAD_CASES = [
+    f"--bf16 --swiglu --normalization RMSNorm --position-embedding-type rope {OFFLOAD} attn_norm qkv_linear "
+    "core_attn attn_proj mlp_norm mlp",
+    f"--bf16 {OFFLOAD} core_attn",                      # SDPA's output stays: linear_proj keeps a view
+    f"--bf16 {OFFLOAD} attn_proj",                      # copies SDPA's output, frees nothing: SDPA keeps it
+    f"--group-query-attention --num-query-groups 2 --qk-layernorm {OFFLOAD} core_attn attn_proj",  # k-norm keeps QKV
+    f"--bf16 --hidden-dropout 0.1 {OFFLOAD} attn_norm mlp_norm mlp",
+    f"--bf16 --recompute-granularity selective {OFFLOAD} core_attn attn_proj mlp",
+    f"--bf16 --num-layers 3 --recompute-granularity full --recompute-method block --recompute-num-layers 1 "
+    f"{OFFLOAD} attn_norm mlp",
+    f"--bf16 --num-experts 4 --moe-router-topk 2 --swiglu {OFFLOAD} expert_fc1 moe_act mlp_norm",
+    f"--bf16 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm {OFFLOAD} expert_fc1 moe_act",
+    # [T, h] storages move, the per-token norm statistics and SDPA's logsumexp stay.
+    "--normalization RMSNorm --fine-grained-activation-offloading --min-offloaded-tensor-size 1024 "
+    "--offload-modules attn_norm core_attn attn_proj mlp_norm",
+]
+
+
+def _offloaded_and_device_bytes(args):
+    """(bytes the offloader copied to the host, device bytes measure counts) of one micro-batch."""
+    activation_offload.stats.reset()
+    device = measured_saved_bytes(args)
+    return sum(activation_offload.stats.offloaded.values()), device
+
+
+@pytest.mark.parametrize("flags", OFFLOAD_CASES)
+def test_offloaded_activations_match_autograd(flags):
+    args = parse(flags)
+    chunk = _estimate_chunk(args)
+    host, device = _offloaded_and_device_bytes(args)
+    assert (chunk.host, chunk.stored) == (host, device)
+    without = estimated_bytes(parse(flags.split("--fine-grained")[0]))
+    frees_device = not flags.endswith("--offload-modules attn_proj")
+    assert host > 0 and (chunk.stored < without if frees_device else chunk.stored == without)
+
+
+# Speed levers: `--torch-compile` (Inductor's partitioner decides what each compiled layer keeps;
+# the hooks see what its autograd function saves) and `--cross-entropy-loss-fusion`.
+DENSE = "--bf16 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear"
+COMPILED_CASES = [
+    DENSE,                                                        # the benchmark's layer
+    "--hidden-dropout 0.1",                                       # fp32, LayerNorm, GELU, biases, masks
+    "--bf16 --qk-layernorm --group-query-attention --num-query-groups 2 --position-embedding-type rope",
+    f"{DENSE} --recompute-granularity selective",                 # core_attn: graph breaks at the checkpoint
+    f"{DENSE} --num-layers 3 --recompute-granularity full --recompute-method block --recompute-num-layers 1",
+    f"{DENSE} --cross-entropy-loss-fusion",
+]
+
+
+@pytest.mark.parametrize("flags", COMPILED_CASES)
+def test_compiled_layers_keep_what_the_estimate_counts(flags):
+    args = parse(f"{flags} --torch-compile")
+    estimated = estimated_bytes(args)
+    assert estimated == measured_saved_bytes(args)
+    if "full" not in flags:  # full recompute keeps only the checkpoint inputs either way
+        assert estimated < estimated_bytes(parse(flags))
+
+
+@pytest.mark.parametrize("modules", [["mlp"], ["layernorm"]])
+def test_compiled_layers_under_selective_recompute(modules):
+    args = parse(f"{DENSE} --recompute-granularity selective --torch-compile", recompute_modules=modules)
+    assert estimated_bytes(args) == measured_saved_bytes(args)
+
+
+def test_fused_loss_keeps_no_logits():
+    for flags in ("--cross-entropy-loss-fusion", "--bf16 --cross-entropy-loss-fusion --untie-embeddings-and-output-weights"):
+        args = parse(flags)
+        assert estimated_bytes(args) == measured_saved_bytes(args), flags
+
+
+def test_compiled_and_fused_per_tensor_parallel_rank():
+    flag_sets = [f"--tensor-model-parallel-size 2 --sequence-parallel {DENSE} --torch-compile "
+                 "--cross-entropy-loss-fusion"]
+    for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets):
+        for flags, (measured, estimated) in zip(flag_sets, rank_results):
+            assert estimated == measured, flags
+
+
+class _PeakBytes(TorchDispatchMode):
+    """Peak bytes of the storages the ops under this mode allocate; storages of `existing`
+    tensors (and views of them) are not new."""
+
+    def __init__(self, *existing):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                storage = t.untyped_storage()
+                self.known.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def _freed(self, ptr, nbytes):
+        self.live -= nbytes
+        self.known.discard(ptr)
+
+
+def _fused_loss_peaks(group, dtype, vocab, hidden, chunk, tokens=(32, 2)):
+    """(forward, backward) peak bytes allocated by the fused output layer + loss."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*tokens, hidden, dtype=dtype, generator=g).requires_grad_()
+    weight = torch.randn(vocab, hidden, dtype=dtype, generator=g).requires_grad_()
+    target = torch.randint(0, vocab, tokens, generator=g)
+    with _PeakBytes(x, weight, target) as forward:
+        loss = fused_vocab_parallel_cross_entropy(x, weight, target, group=group, chunk_size=chunk)
+    grad = torch.ones_like(loss)
+    with _PeakBytes(x, weight, target, loss, grad) as backward:
+        loss.backward(grad)
+    return forward.peak, backward.peak
+
+
+def _fused_loss_cases():
+    group = dist.group.WORLD
+    results = []
+    # One chunk, several (the last one shorter), and a wide hidden size where the [vocab, h]
+    # weight-gradient product outweighs the chunk's logits.
+    for dtype, hidden, chunk in [(torch.bfloat16, 32, 64), (torch.bfloat16, 32, 24), (torch.float32, 32, 16),
+                                 (torch.float32, 32, 64), (torch.bfloat16, 256, 8)]:
+        peaks = [_fused_loss_peaks(group, dtype, vocab, hidden, chunk) for vocab in (256, 1024)]
+        results.append((dtype.itemsize, hidden, chunk, peaks))
+    return results
+
+
+def test_fused_loss_transients():
+    (cases,) = run_distributed(_fused_loss_cases, 1)
+    for a, hidden, chunk, (small, large) in cases:
+        model = [fused_loss_transients(a, 64, hidden, vocab, chunk) for vocab in (256, 1024)]
+        for phase in (0, 1):  # forward, backward
+            assert large[phase] - small[phase] == model[1][phase] - model[0][phase], (a, hidden, chunk, phase)
+            assert small[phase] >= model[0][phase]
+
+
+SHAPE = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 50304 --num-layers 24 --hidden-size 2048 "
+         "--ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 "
+         "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+         "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 4 "
+         "--global-batch-size 32 --bf16 --accumulate-allreduce-grads-in-fp32")
+
+
+@pytest.mark.parametrize("levers, measured_gib", [
+    ("", 47.64),
+    ("--torch-compile", 43.33),
+    ("--torch-compile --cross-entropy-loss-fusion --attention-backend fused", 39.50),
+])
+def test_benchmark_shape_against_the_h200(levers, measured_gib):
+    """torch.cuda.max_memory_allocated of `teratron bench` on one H200 (commit 33a6e3a)."""
+    estimate = estimate_from_args(parse_train_args((SHAPE + " " + levers).split()), 1, "cuda")
+    assert estimate.peak_allocated / 2**30 == pytest.approx(measured_gib, rel=0.01)

@@ -120,17 +120,17 @@ def _chunks(*stored):
 
 def test_one_f_one_b_holds_pp_minus_rank_microbatches():
     for rank in range(4):
-        peak, in_flight = activation_peak(_chunks(1), rank, 4, 8, 4)
+        peak, in_flight, _ = activation_peak(_chunks(1), rank, 4, 8, 4)
         assert (peak, in_flight) == (4 - rank, 4 - rank)
-    assert activation_peak(_chunks(1), 0, 4, 2, 4) == (2, 2)  # fewer micro-batches than stages
-    assert activation_peak(_chunks(5), 0, 1, 8, 1) == (5, 1)  # no pipelining: one at a time
+    assert activation_peak(_chunks(1), 0, 4, 2, 4)[:2] == (2, 2)  # fewer micro-batches than stages
+    assert activation_peak(_chunks(5), 0, 1, 8, 1)[:2] == (5, 1)  # no pipelining: one at a time
 
 
 def test_interleaved_schedule_holds_more():
     # pp 2, 2 chunks, 4 micro-batches in groups of 2: rank 0 warms up (2-0-1)*2 + (2-1)*2 = 4
     # forwards, then alternates F/B: 5 in flight at most; rank 1 warms up 2, so 3.
-    assert activation_peak(_chunks(1, 1), 0, 2, 4, 2) == (5, 5)
-    assert activation_peak(_chunks(1, 1), 1, 2, 4, 2) == (3, 3)
+    assert activation_peak(_chunks(1, 1), 0, 2, 4, 2)[:2] == (5, 5)
+    assert activation_peak(_chunks(1, 1), 1, 2, 4, 2)[:2] == (3, 3)
     # Chunk sizes count where they are held. Rank 0: F(c0 m0) F(c0 m1) F(c1 m0) F(c1 m1)
     # F(c0 m2) B(c1 m0) F(c0 m3) -> chunk 0 of m0..m3 and chunk 1 of m1.
     assert activation_peak(_chunks(10, 1), 0, 2, 4, 2)[0] == 4 * 10 + 1
@@ -166,3 +166,20 @@ def test_cli_table_and_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "--world-size" in capsys.readouterr().out
+
+
+def test_activation_offloading_moves_layer_activations_to_the_host(capsys):
+    offload = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj", "mlp"]
+    outs = []
+    for flags in ([], offload):
+        assert cli.main(BENCHMARK + flags + ["--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    (base,), (off,) = (o["stages"] for o in outs)
+    T, h, f = 4 * 2048, 2048, 5632
+    # Per layer, bf16: the MLP's fc1 input, fc1 output [T, 2f], act(gate), up, product; attention's
+    # QKV output, q and k after RoPE, SDPA's output. The logsumexp [b, np, s] is under the default
+    # min_offloaded_tensor_size and stays.
+    per_layer = 2 * T * (h + 2 * f + 3 * f) + 2 * T * (3 * h + 2 * h + h)
+    assert off["memory"]["host_activations"] == 24 * per_layer  # one micro-batch in flight (PP = 1)
+    assert off["chunk_activations"][0] == base["chunk_activations"][0] - 24 * per_layer
+    assert off["memory"]["peak_allocated"] < base["memory"]["peak_allocated"] - 20 * per_layer

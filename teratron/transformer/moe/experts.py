@@ -20,7 +20,7 @@ import torch
 from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
-from teratron.transformer import fusions
+from teratron.transformer import activation_offload, fusions
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.mlp import MLP, bias_activation
 
@@ -135,10 +135,14 @@ class GroupedMLP(torch.nn.Module):
 
     def forward(self, tokens, tokens_per_expert, probs):
         counts = torch.tensor(tokens_per_expert, device=tokens.device)
-        x = grouped_gemm(_scale_input(tokens, probs, self.config), self.weight1, tokens_per_expert)
+        tokens = _scale_input(tokens, probs, self.config)
+        with activation_offload.offload("expert_fc1"):
+            x = grouped_gemm(tokens, self.weight1, tokens_per_expert)
         if self.bias1 is not None:
             x = x + self.bias1.repeat_interleave(counts, dim=0)
-        x = grouped_gemm(_activation(self.config, x), self.weight2, tokens_per_expert)
+        with activation_offload.offload("moe_act"):
+            x = _activation(self.config, x)
+        x = grouped_gemm(x, self.weight2, tokens_per_expert)
         if self.bias2 is not None:
             x = x + self.bias2.repeat_interleave(counts, dim=0)
         return _scale_output(x, probs, self.config)
