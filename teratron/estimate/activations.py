@@ -27,6 +27,19 @@ The count is storage by storage (`Saved`), each with the modules that keep it, s
 activation offloading is exact: a storage of at least `min_offloaded_tensor_size` elements kept by
 an offloaded module is copied to the host, and leaves the device when every module keeping it is
 offloaded (the SDPA output, kept by core_attn and by attn_proj as a view, needs both).
+
+A layer compiled by `--torch-compile` keeps what Inductor's partitioner chooses
+(`layer_storages(compiled=True)`): norms and dropout are decomposed on every device (a norm keeps
+its input and per-row statistics, dropout a bool mask); RoPE's cos/sin and SwiGLU's act(gate) and
+up are recomputed in backward (the fp32 RoPE angles, one tensor for all layers, are kept
+instead); so is the second norm's input, from the layer input and linear_proj's output, which is
+kept in its place. Selective recompute's checkpoints break the graph and change nothing else.
+An MoE layer's router and experts are counted as without compilation.
+
+The last stage keeps the output layer's input and, with the unfused loss, the logits (the loss
+recomputes the softmax in backward; its passes are compiled kernels on CUDA, eager elsewhere); with
+`cross_entropy_loss_fusion` the int64 targets only, the logits living one chunk at a time
+(`fused_loss_transients`).
 """
 
 import math
@@ -338,29 +351,36 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
         if config.cross_entropy_loss_fusion:  # keeps the int64 targets, no logits
             result.extra["output"] = output + 8 * d.tokens
             chunk = min(default_chunk_size(vocab), d.tokens)
-            forward, result.loss_backward_transient = fused_loss_transients(d.a, d.tokens, h, vocab, chunk)
+            forward, result.loss_backward_transient = fused_loss_transients(
+                d.a, d.tokens, h, vocab, chunk, kernels.compiled_loss)
             result.forward_transient = max(result.forward_transient, forward)
         else:
-            result.extra["output"] = output + 4 * logits + 9 * d.tokens  # fp32 softmax, target, mask
-            # Inside the loss's forward: the logits and its working set but the kept softmax; in
-            # backward the softmax's gradient copy.
-            working = d.a + _cross_entropy_working(d.a) - 4
-            result.forward_transient = max(result.forward_transient, working * logits)
-            result.backward_transient = max(result.backward_transient, 4 * logits)
+            # The logits themselves, and per token the max, log-sum-exp (fp32), target (int64), mask.
+            result.extra["output"] = output + d.a * logits + 17 * d.tokens
+            forward, backward = _cross_entropy_working(d.a, kernels.compiled_loss, d.tokens, vocab)
+            result.forward_transient = max(result.forward_transient, forward)
+            result.backward_transient = max(result.backward_transient, backward)
     return result
 
 
-def _cross_entropy_working(a: int) -> int:
-    """Bytes per logit that vocab_parallel_cross_entropy's forward allocates for logits of `a`
-    bytes: an fp32 copy (none when already fp32), the shifted logits and their exponentials,
-    which become the fp32 softmax it keeps for backward."""
-    return (4 if a != 4 else 0) + 4 + 4
+def _cross_entropy_working(a: int, compiled: bool, tokens: int, vocab: int) -> tuple:
+    """(forward, backward) bytes vocab_parallel_cross_entropy allocates beyond the logits it keeps,
+    for [tokens, vocab] logits of `a` bytes. Compiled (CUDA): each pass is one kernel, so only the
+    logits' gradient. Eager: forward's peak is the shifted logits, their exponentials and the
+    masked exponentials (fp32) and the [vocab] real-column mask; backward's the shifted logits, the
+    softmax, the target mask (bool), the gradient, its product with the upstream gradient and that
+    cast to `a` bytes, and the [vocab] column ids (int64) and mask."""
+    logits = tokens * vocab
+    if compiled:
+        return 0, a * logits
+    return 12 * logits + vocab, (17 + (a if a != 4 else 0)) * logits + 9 * vocab
 
 
-def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: int) -> tuple:
+def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: int, compiled: bool = False) -> tuple:
     """(forward, backward) bytes the fused output layer + cross entropy
     (tensor_parallel.fused_cross_entropy) allocates on top of what it keeps, for `tokens` tokens
-    in chunks of `chunk` over `vocab` columns with `a`-byte weights (per-token vectors left out).
+    in chunks of `chunk` over `vocab` columns with `a`-byte weights (per-token vectors left out);
+    `compiled`: the cross entropy's passes are compiled kernels (CUDA).
 
     Forward, one chunk at a time: its logits [chunk, vocab] and the loss's working set. Backward:
     d(hidden) [T, h] and the fp32 weight-gradient accumulator [vocab, h], and per chunk the
@@ -369,14 +389,13 @@ def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: i
     loop rebinds them. With 16-bit weights each chunk's [vocab, h] weight-gradient product is
     added to the accumulator, and the final cast back (this loss's parameter gradient) is as big."""
     elements = chunk * vocab
-    working = _cross_entropy_working(a)
-    loss_backward = 8 + (a if a != 4 else 0)  # the kept softmax, its gradient copy, cast to a bytes
+    loss_forward, loss_backward = _cross_entropy_working(a, compiled, chunk, vocab)
     held = a * elements if tokens > chunk else 0  # one of the previous chunk's [chunk, vocab] tensors
     product = a * vocab * hidden if a != 4 else 0
-    chunk_peak = max((a + working) * elements + 2 * held,     # the loss's forward
-                     (a + loss_backward) * elements + held,   # the loss's backward
-                     2 * a * elements + product)              # logits, their gradient, the product
-    return (a + working) * elements, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
+    chunk_peak = max(a * elements + loss_forward + 2 * held,   # the loss's forward
+                     a * elements + loss_backward + held,      # the loss's backward
+                     2 * a * elements + product)               # logits, their gradient, the product
+    return a * elements + loss_forward, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
 
 
 def _largest_tensor(config, d: Dims, pattern) -> int:

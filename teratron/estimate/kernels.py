@@ -11,6 +11,9 @@ ops are not:
   activation dtype.
 - LayerNorm keeps its input and a mean and 1/std per row: fp32 on CUDA, the input's dtype on
   CPU.
+- the cross entropy's passes are compiled kernels on CUDA (no fp32 temporaries), eager on CPU
+  (the rule of `tensor_parallel.cross_entropy._kernel`); Adam is torch's fused kernel on CUDA
+  (`optimizer._torch_optimizer_factory`), foreach with a sqrt(v) temporary elsewhere.
 
 `probe_kernels(device, dtype)` runs both ops on a tiny tensor under `saved_tensors_hooks` and
 reads off which variant the device uses; `CUDA_KERNELS` is the answer for CUDA when the estimate
@@ -28,12 +31,15 @@ class KernelProfile:
     fused_rms_norm: bool
     fused_dropout: bool
     layer_norm_stat_bytes: int
+    compiled_loss: bool = False  # the cross entropy's passes run compiled (tensor_parallel.cross_entropy)
+    fused_adam: bool = False  # Adam steps on-device parameters with torch's fused kernel (no temporaries)
 
     def dropout_bytes_per_element(self, act_bytes: int) -> int:
         return 1 if self.fused_dropout else act_bytes
 
 
-CUDA_KERNELS = KernelProfile(fused_rms_norm=True, fused_dropout=True, layer_norm_stat_bytes=4)
+CUDA_KERNELS = KernelProfile(fused_rms_norm=True, fused_dropout=True, layer_norm_stat_bytes=4, compiled_loss=True,
+                            fused_adam=True)
 
 
 def _saved_bytes(fn, *inputs) -> int:
@@ -60,7 +66,8 @@ def probe_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
     drop = _saved_bytes(lambda t: F.dropout(t, 0.5, True), x)
     layer_norm = _saved_bytes(lambda t, w: F.layer_norm(t, (width,), w, None, 1e-5), x, weight)
     return KernelProfile(fused_rms_norm=norm < rows * width * 8, fused_dropout=drop < rows * width * element,
-                         layer_norm_stat_bytes=(layer_norm - rows * width * element) // (2 * rows))
+                         layer_norm_stat_bytes=(layer_norm - rows * width * element) // (2 * rows),
+                         compiled_loss=device.type == "cuda", fused_adam=device.type == "cuda")
 
 
 def kernels_for(device_type: str, dtype: torch.dtype) -> KernelProfile:

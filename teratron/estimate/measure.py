@@ -3,9 +3,10 @@
     python -m teratron.estimate.measure [teratron train flags]
 
 builds the model exactly as `teratron train` does (one process, the current device: CUDA when
-present), runs one training micro-batch forward under `saved_tensors_hooks` and prints the bytes
-of the distinct storages autograd keeps (parameters excluded) next to the estimate's bytes for
-that micro-batch with the device's probed kernels. The tests run it on CPU; on a GPU it checks
+present; with --torch-compile the layers compiled, their autograd functions saving through the
+same hooks), runs one training micro-batch forward under `saved_tensors_hooks` and prints the
+bytes of the distinct storages autograd keeps (parameters excluded) next to the estimate's bytes
+for that micro-batch with the device's probed kernels. The tests run it on CPU; on a GPU it checks
 the CUDA kernels' assumptions at full size.
 
 With --fine-grained-activation-offloading the count is what stays on the device: the offloader

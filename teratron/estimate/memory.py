@@ -70,8 +70,10 @@ def _states_per_element(optimizer_config, part: str) -> int:
     return _STATES[kind]
 
 
-def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: ChunkParams) -> StateBytes:
-    """Model and optimizer states of one rank (params summed over its model chunks)."""
+def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: ChunkParams,
+                fused_adam: bool = False) -> StateBytes:
+    """Model and optimizer states of one rank (params summed over its model chunks). `fused_adam`:
+    on-device Adam is torch's fused kernel (CUDA), which needs no temporaries."""
     param_bytes = config.params_dtype.itemsize
     mixed = param_bytes < 4
     grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
@@ -92,7 +94,8 @@ def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: 
         groups.append(masters * on_device)
     if mixed and grad_bytes != 4:
         out.step_transient += int(4 * sum(groups))  # fp32 copies of the masters' grads
-    if optimizer_config.optimizer in ("adam", "muon"):
+    foreach_adam = optimizer_config.optimizer == "muon" or (optimizer_config.optimizer == "adam" and not fused_adam)
+    if foreach_adam:
         out.step_transient += int(4 * max(groups))  # foreach Adam's sqrt(v) temporary
     return out
 

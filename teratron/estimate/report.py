@@ -161,7 +161,7 @@ def _stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape, m
     group_size = config.microbatch_group_size_per_vp_stage or config.pipeline_model_parallel_size
     peak, in_flight, host = activation_peak(acts, pp_rank, config.pipeline_model_parallel_size,
                                             par.num_microbatches, group_size)
-    memory = RankMemory(states=state_bytes(config, optimizer_config, ddp_config, par, params),
+    memory = RankMemory(states=state_bytes(config, optimizer_config, ddp_config, par, params, kernels.fused_adam),
                         activation_peak=peak, microbatches_in_flight=in_flight, host_activations=host)
     first_layer = next((a.layers[0] for a in acts if a.layers), {})
     return StageEstimate(pp_rank=pp_rank, params={**params.dense, **params.expert},

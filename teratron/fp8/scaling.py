@@ -83,20 +83,21 @@ class DelayedScaling(nn.Module):
         self.dtype, self.margin, self.compute_algo, self.group = dtype, margin, compute_algo, group
         self.register_buffer("amax_history", torch.zeros(history_len, device=device), persistent=False)
         self.register_buffer("scale", torch.ones((), device=device), persistent=False)
-        self.initialized = False
+        # A device flag, not a Python bool: torch.compile would guard on (and recompile for) a bool.
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
 
     def history_amax(self) -> torch.Tensor:
         return self.amax_history.max() if self.compute_algo == "max" else self.amax_history[0]
 
     def scale_for(self, x: torch.Tensor, update: bool = True) -> torch.Tensor:
         """The scale to quantise x with, from the history; then x's amax is recorded if `update`."""
-        amax = tensor_amax(x, self.group) if update or not self.initialized else None
-        scale = self.scale.clone() if self.initialized else compute_scale(amax, self.dtype, self.margin)
+        amax = tensor_amax(x, self.group)
+        scale = torch.where(self.initialized, self.scale, compute_scale(amax, self.dtype, self.margin))
         if update:
             rolled = torch.cat([amax.view(1), self.amax_history[:-1]])
             self.amax_history.copy_(torch.where(torch.isfinite(amax), rolled, self.amax_history))
             self.scale.copy_(compute_scale(self.history_amax(), self.dtype, self.margin))
-            self.initialized = True
+            self.initialized.fill_(True)
         return scale
 
 

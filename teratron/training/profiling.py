@@ -111,7 +111,10 @@ class Profiler:
 
     def _report(self, averages, wall_us: float, last_iteration: int) -> str:
         if self.on_cuda:
-            kernels = [(e.key, e.self_device_time_total) for e in averages if e.device_type != DeviceType.CPU]
+            # Device events only, without the annotations mirrored on the device timeline
+            # (record_function ranges such as compiled graphs' "## Call ..."), which hold kernels.
+            kernels = [(e.key, e.self_device_time_total) for e in averages
+                       if e.device_type != DeviceType.CPU and not e.is_user_annotation]
             what, sort_by = "CUDA kernel time", "device_time_total"
         else:
             # No GPU: the ops' own CPU time (threads add up, so the sum can pass 100 %).

@@ -14,8 +14,9 @@ import torch
 
 @functools.cache
 def fused(fn):
-    """`fn` compiled once per process (recompiled by Dynamo when shapes or dtypes change)."""
-    return torch.compile(fn, fullgraph=True)
+    """`fn` compiled once per process, recompiled by Dynamo when shapes, dtypes or Python
+    arguments change; past Dynamo's recompile limit it runs eagerly (same results), never fails."""
+    return torch.compile(fn)
 
 
 def compile_transformer_layers(module: torch.nn.Module) -> int:

@@ -152,7 +152,8 @@ def test_benchmark_shape(capsys):
     states = out["stages"][0]["memory"]["states"]
     assert states["weights"] == 2 * params and states["grads"] == 4 * params
     assert states["master_weights"] == 4 * params and states["optimizer_states"] == 8 * params
-    assert out["kernels"] == {"fused_rms_norm": True, "fused_dropout": True, "layer_norm_stat_bytes": 4}
+    assert out["kernels"] == {"fused_rms_norm": True, "fused_dropout": True, "layer_norm_stat_bytes": 4,
+                              "compiled_loss": True, "fused_adam": True}
     assert out["peak_allocated"] > sum(states.values()) - states["step_transient"] - states["host"]
 
 

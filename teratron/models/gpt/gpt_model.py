@@ -171,9 +171,9 @@ class GPTModel(torch.nn.Module):
         return loss.transpose(0, 1).contiguous()
 
     def compute_language_model_loss(self, labels, logits):
-        """labels [b, s], vocab-parallel logits [s, b, V/tp] -> per-token loss [b, s]."""
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
+        """labels [b, s], vocab-parallel logits [s, b, V/tp] -> per-token loss [b, s]. The loss is
+        computed in fp32 whatever the logits' dtype (so fp16_lm_cross_entropy changes nothing), without
+        an fp32 copy of the logits."""
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
                                                             group=self.pg_collection.tp,
                                                             unpadded_vocab_size=self.unpadded_vocab_size)
