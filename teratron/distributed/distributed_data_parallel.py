@@ -122,17 +122,31 @@ class DistributedDataParallel(torch.nn.Module):
             self.param_to_bucket[param].register_grad_ready(param)
 
     def _forward_pre_hook(self, module, args):
-        for param in module.parameters(recurse=False):
-            bucket = self.param_to_bucket.get(param)
-            if bucket is not None:
-                bucket.finish_param_sync()
+        for param in self._params_gathered_before[module]:
+            self.param_to_bucket[param].finish_param_sync()
+
+    def _param_gather_points(self) -> dict:
+        """{module: the bucketed params to have gathered before it runs}: each module's own, except
+        that a module compiled in place (`--torch-compile` layers) takes over its whole subtree: a
+        hook on a module inside it would split its compiled graph at every linear layer."""
+        compiled_owner = {}
+        for module in self.module.modules():  # pre-order: outer compiled modules first
+            if getattr(module, "_compiled_call_impl", None) is not None and module not in compiled_owner:
+                for inner in module.modules():
+                    compiled_owner[inner] = module
+        points = {}
+        for module in self.module.modules():
+            owned = [p for p in module.parameters(recurse=False) if p in self.param_to_bucket]
+            if owned:
+                points.setdefault(compiled_owner.get(module, module), []).extend(owned)
+        return points
 
     def enable_forward_pre_hook(self):
         """Gather params bucket by bucket just before the modules that use them run."""
         assert not self._param_gather_hooks, "forward pre-hooks are already enabled"
-        self._param_gather_hooks = [
-            m.register_forward_pre_hook(self._forward_pre_hook) for m in self.module.modules()
-            if any(p in self.param_to_bucket for p in m.parameters(recurse=False))]
+        self._params_gathered_before = self._param_gather_points()
+        self._param_gather_hooks = [module.register_forward_pre_hook(self._forward_pre_hook)
+                                    for module in self._params_gathered_before]
 
     def disable_forward_pre_hook(self, param_sync: bool = True):
         """Remove the pre-hooks (evaluation, checkpointing); gather all params now if asked."""

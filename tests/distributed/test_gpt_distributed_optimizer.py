@@ -18,6 +18,8 @@ from teratron.pipeline_parallel import get_forward_backward_func
 from teratron.pipeline_parallel.layout import get_transformer_layer_offset
 from teratron.process_groups import ProcessGroupCollection
 from teratron.tensor_parallel.utils import shard_tensor
+from teratron.transformer.fusions import compile_transformer_layers
+from teratron.transformer.transformer_layer import TransformerLayer
 from teratron.transformer.transformer_config import TransformerConfig
 
 VOCAB, SEQ, MBS, MICROBATCHES, DP, ITERS, LR, WD, CLIP, SEED = 64, 16, 2, 2, 2, 3, 1e-2, 0.1, 0.3, 1234
@@ -72,15 +74,23 @@ def _forward_step(data_iterator, model):
     return _per_token_loss(model, next(data_iterator)), _mean_loss
 
 
-def _train(**layout):
+def _train(compile_layers=False, **layout):
     config = _config(finalize_model_grads_func=finalize_model_grads, **layout)
     ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
     torch.manual_seed(SEED)
     model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=True,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    if compile_layers:
+        torch._inductor.config.compile_threads = 1  # no compile-worker pool in forked ranks
+        compile_transformer_layers(model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=4000),
         model)
+    if compile_layers:  # param-gather hooks on the compiled layers, none inside them
+        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+        inside = {inner for layer in layers for inner in layer.modules()} - set(layers)
+        hooked = set(ddp._params_gathered_before)
+        assert set(layers) <= hooked and not hooked & inside
     config.no_sync_func = ddp.no_sync
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
                                                  use_distributed_optimizer=True), [ddp])
@@ -118,6 +128,16 @@ def _train(**layout):
 def _body():
     return [_train(pipeline_model_parallel_size=2),
             _train(tensor_model_parallel_size=2, sequence_parallel=True)]
+
+
+def test_gpt_distributed_optimizer_with_compiled_layers_dp2():
+    """--torch-compile layers: the parameter all-gather waits at each compiled layer's entry (not
+    inside it, which would split its graph) and training still equals the single process."""
+    ref_losses, ref_params = _reference()
+    for result in run_distributed(lambda: _train(compile_layers=True), 2, timeout=240):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, (local, _, _) in result["params"].items():
+            torch.testing.assert_close(local, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_gpt_distributed_optimizer_pp2_dp2_and_tp2_sp_dp2():
