@@ -328,7 +328,6 @@ SHAPE = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 50304 --num-la
     ("--torch-compile", 39.50),
     ("--torch-compile --recompute-granularity selective", 39.49),
     ("--torch-compile --fine-grained-activation-offloading --offload-modules mlp", 32.59),
-    ("--torch-compile --recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 26.55),
 ])
 def test_benchmark_shape_against_the_h200(levers, measured_gib):
     """torch.cuda.max_memory_allocated of `teratron bench` on one H200 (bench/RESULTS.md, the
