@@ -65,6 +65,8 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     by_key = saved_state_names(saved)
     refresh_masters = False
     for opt in optimizer.chained_optimizers:
+        # torch's fused (and capturable) kernels keep the step count on the parameter's device.
+        on_device = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
         for param, main, _ in _pieces(opt):
             names = by_key.get(layouts[param].key, {})
             if main is not param and "fp32_param" not in names:
@@ -75,8 +77,9 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
                     continue
                 if shape is None:
                     state[name] = None
-                elif len(shape) == 0:  # a step count: torch keeps it on the CPU
-                    state[name] = torch.zeros((), dtype=torch.float32)
+                elif len(shape) == 0:  # a step count: on the CPU unless a fused kernel steps `main`
+                    device = main.device if id(main) in on_device else "cpu"
+                    state[name] = torch.zeros((), dtype=torch.float32, device=device)
                 else:
                     state[name] = torch.zeros_like(main)
     items = [i for i in optimizer_sharded_items(optimizer, layouts) if i.key in saved]
@@ -86,6 +89,8 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
 # Param groups are matched by what they mean, not by position: the split into chained
 # optimizers (dense / expert) depends on the layout (experts are separate only under EP > 1).
 _GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_decoupled_lr")
+# How torch runs the step, chosen from this run's devices, not a hyper-parameter to restore.
+_IMPLEMENTATION_KEYS = ("params", "is_expert_parallel", "fused", "foreach", "capturable", "differentiable")
 
 
 def _groups(optimizer):
@@ -98,7 +103,7 @@ def _groups(optimizer):
 
 def optimizer_common_state(optimizer) -> dict:
     """Param-group hyper-parameters (by group signature) and the shared loss scaler's state."""
-    groups = {signature: {k: v for k, v in group.items() if k not in ("params", "is_expert_parallel")}
+    groups = {signature: {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
               for signature, group in _groups(optimizer)}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
     return {"param_groups": groups, "grad_scaler": scaler}
@@ -111,6 +116,6 @@ def load_optimizer_common_state(optimizer, common: dict, source: str) -> None:
             raise ValueError(f"{source}: the checkpoint has no {signature[0]} parameter group with "
                              f"{dict(zip(_GROUP_SIGNATURE, signature[1:]))}; use the optimizer settings "
                              "it was saved with, or --no-load-optim")
-        group.update(saved[signature])
+        group.update({k: v for k, v in saved[signature].items() if k not in _IMPLEMENTATION_KEYS})
     if optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])

@@ -104,6 +104,9 @@ def _check_local_graphs(config) -> None:
         if pp > 1:
             raise ValueError(f"cuda_graph_scope='full_iteration' needs pipeline_model_parallel_size=1 (got {pp}): "
                              "pipeline transfers wait on other ranks inside the step; use cuda_graph_scope='full'")
+        if config.cuda_graph_warmup_steps < 1:
+            raise ValueError("cuda_graph_scope='full_iteration' needs cuda_graph_warmup_steps >= 1: the eager "
+                             "steps compile kernels and set up cuBLAS/NCCL, which must not happen while capturing")
         return
     if config.enable_autocast:
         raise ValueError(f"{what} with per-layer graphs does not support enable_autocast: autocast's weight-cast "

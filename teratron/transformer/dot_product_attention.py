@@ -29,8 +29,21 @@ _SDPA_BACKENDS = {
 
 def _sdpa_backends(backend: AttnBackend, on_cuda: bool):
     if on_cuda and backend in _SDPA_BACKENDS:
-        return sdpa_kernel(_SDPA_BACKENDS[backend])
+        return _pinned_sdpa(backend)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _pinned_sdpa(backend: AttnBackend):
+    with sdpa_kernel(_SDPA_BACKENDS[backend]):
+        try:
+            yield
+        except RuntimeError as error:
+            if "No available kernel" not in str(error):
+                raise
+            raise RuntimeError(
+                f"attention_backend={backend.name}: SDPA's {backend.name} kernel cannot run these inputs (e.g. fp32, "
+                "an explicit attention mask, or an unsupported head size); use attention_backend auto") from error
 
 
 class DotProductAttention(torch.nn.Module):

@@ -178,3 +178,28 @@ def test_saving_an_iteration_again_keeps_the_old_one_until_the_new_is_in_place(t
     saved = load_full(folder, lambda k: True)
     assert all(torch.equal(v, second.state_dict()[k]) for k, v in saved.items())
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))
+
+
+def test_how_torch_steps_is_not_restored(tmp_path):
+    """fused / foreach are this run's choice (fused Adam on CUDA), not checkpointed hyper-parameters:
+    a checkpoint from a foreach run loads into a fused optimizer (and back) keeping the loader's
+    choice, its step counts where the fused kernel wants them, and the next step matches."""
+    root = str(tmp_path / "ckpt")
+    model, optimizer = model_and_optimizer(1)
+    save_checkpoint(root, 1, [model], optimizer)
+    expected_model, expected_opt = model_and_optimizer(2)
+    fused_model, fused_opt = model_and_optimizer(2)
+    for group in fused_opt.param_groups:
+        group["fused"], group["foreach"] = True, None  # torch's fused Adam runs on CPU too
+    for m, opt in ((expected_model, expected_opt), (fused_model, fused_opt)):
+        load_checkpoint(storage.resolve_checkpoint_dir(root), [m], opt)
+    assert all(g["fused"] is True and g["foreach"] is None for g in fused_opt.param_groups)
+    assert all(g.get("fused") is not True for g in expected_opt.param_groups)
+    for main, state in fused_opt.chained_optimizers[0].optimizer.state.items():
+        assert state["step"].device == main.device
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(3))
+    for m, opt in ((expected_model, expected_opt), (fused_model, fused_opt)):
+        m(ids[:, :-1], torch.arange(8).expand(2, 8), labels=ids[:, 1:]).mean().backward()
+        opt.step()
+    for (name, p), q in zip(expected_model.named_parameters(), fused_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)

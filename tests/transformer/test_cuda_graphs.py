@@ -54,6 +54,8 @@ ERRORS = [
      "does not support fine_grained_activation_offloading"),
     (dict(LOCAL, cuda_graph_scope="full_iteration", pipeline_model_parallel_size=2),
      "full_iteration' needs pipeline_model_parallel_size=1"),
+    (dict(LOCAL, cuda_graph_scope="full_iteration", cuda_graph_warmup_steps=0),
+     "full_iteration' needs cuda_graph_warmup_steps >= 1"),
     (dict(LOCAL, enable_autocast=True), "does not support enable_autocast"),
     (dict(LOCAL, cuda_graph_use_single_mempool=True, pipeline_model_parallel_size=2),
      "cuda_graph_use_single_mempool=True with pipeline parallelism"),
