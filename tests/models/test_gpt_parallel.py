@@ -174,6 +174,27 @@ def test_tensor_and_sequence_parallel_gpt_equals_single_process():
             check_against_reference(case, [per_rank[r][i] for r in (2, 3)], reference)
 
 
+COMPILED_CASE = Case(2, True, 2, position="rope", normalization="RMSNorm", swiglu=True, bias=False)
+
+
+def _compiled_tp2_sp():
+    import torch._inductor.config
+
+    from teratron.transformer.fusions import compile_transformer_layers
+
+    torch._inductor.config.compile_threads = 1  # no compile-worker pool in forked ranks
+    pgc = ProcessGroupCollection(tp=dist.group.WORLD)
+    model = build_model(COMPILED_CASE, 2, pgc)
+    assert compile_transformer_layers(model) == 2
+    return forward_backward(model, COMPILED_CASE, pgc)
+
+
+def test_compiled_layers_under_tensor_and_sequence_parallel_equal_the_eager_single_process():
+    """--torch-compile with the TP collectives inside the compiled layers (graph breaks there)."""
+    reference = forward_backward(build_model(COMPILED_CASE, 1), COMPILED_CASE)
+    check_against_reference(COMPILED_CASE, run_distributed(_compiled_tp2_sp, 2, timeout=240), reference)
+
+
 # ----- vocabulary padding: every layout pads differently, all equal the unpadded model -----------
 
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
