@@ -25,7 +25,6 @@ UNSUPPORTED = {
     "moe_extended_tp": "extended tensor parallelism for MoE",
     "mtp_grad_scale_func": "multi-token prediction",
     "num_microbatches_with_partial_activation_checkpoints": "partial activation checkpointing",
-    "gradient_accumulation_fusion": "fused weight-gradient accumulation (Apex/TE kernel)",
     "async_tensor_model_parallel_allreduce": "async TP all-reduce overlap",
     "use_te_rng_tracker": "Transformer Engine's RNG tracker",
     "tp_comm_overlap": "TP communication/GEMM overlap (userbuffers)",
@@ -192,7 +191,8 @@ class ModelParallelConfig:
     # Optimizations
     ###################
     gradient_accumulation_fusion: bool = False
-    """Fuse weight-gradient accumulation into the GEMM (needs a custom kernel)."""
+    """Weight-gradient GEMMs of the linear layers add straight into the fp32 `main_grad` (with
+    DDP); see tensor_parallel/grad_accumulation_fusion.py."""
 
     async_tensor_model_parallel_allreduce: bool = False
     """Legacy: overlap the TP all-reduce of input grads with the weight-grad GEMM."""

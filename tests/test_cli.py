@@ -427,12 +427,13 @@ def test_shrunken_moe_examples_train(tmp_path):
 
 
 def test_speed_levers_keep_the_loss_curve(tmp_path):
-    """--torch-compile, the fusion flags and the reference attention path train like the default
-    eager SDPA path (fp32 on CPU: differences are rounding only)."""
+    """--torch-compile, the fusion flags (gradient accumulation's too) and the reference attention
+    path train like the default eager SDPA path (fp32 on CPU: differences are rounding only)."""
     common = TINY + NO_DROPOUT + ["--train-iters", "4", "--eval-iters", "0", "--disable-bias-linear"]
     losses = {}
     for name, flags in {"eager": [], "compiled": ["--torch-compile", "--apply-rope-fusion",
-                                                  "--bias-swiglu-fusion", "--bias-dropout-fusion"],
+                                                  "--bias-swiglu-fusion", "--bias-dropout-fusion",
+                                                  "--gradient-accumulation-fusion"],
                         "reference_attention": ["--attention-backend", "unfused"]}.items():
         metrics = tmp_path / f"{name}.jsonl"
         _teratron(common + flags + ["--metrics-file", str(metrics)], tmp_path)

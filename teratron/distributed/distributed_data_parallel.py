@@ -2,7 +2,7 @@
 
 Each trainable parameter gets `param.main_grad`, a view into a contiguous buffer (fp32 with
 `grad_reduce_in_fp32`); a hook after grad accumulation adds `param.grad` into it and frees
-`param.grad`. Gradients are averaged over the data-parallel (x context-parallel) group, or for
+`param.grad` (with gradient-accumulation fusion the layer's GEMM has added it already). Gradients are averaged over the data-parallel (x context-parallel) group, or for
 expert parameters (attribute `allreduce=False`) over the expert-data-parallel group, by one
 all-reduce per bucket, or a reduce-scatter with the distributed optimizer.
 """
@@ -116,7 +116,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _grad_hook(self, param):
         if param.grad is not None:
-            param.main_grad.add_(param.grad)
+            # With gradient-accumulation fusion the GEMM already added dW; .grad is a placeholder.
+            if not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket[param].register_grad_ready(param)

@@ -21,6 +21,10 @@ and out of the expert-TP region, as in Megatron.
 
 `enable_fp8(recipe, name)` switches a layer's GEMM to FP8 (`teratron.fp8`; TransformerBlock
 calls it for the layers `config.fp8` covers); the parameters stay in the params dtype.
+
+With `config.gradient_accumulation_fusion` a layer's own weight gets its gradient added straight
+into `main_grad` by the weight-gradient GEMM (grad_accumulation_fusion.py), once DDP has given it
+one; not for FP8 layers, nor for a weight passed to forward (a tied output layer).
 """
 
 import torch
@@ -30,6 +34,7 @@ from torch import nn
 from teratron import parallel_state
 from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.tensor_parallel.grad_accumulation_fusion import linear_with_grad_accumulation
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -85,11 +90,6 @@ def param_device(config) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _check_config(config) -> None:
-    if config.gradient_accumulation_fusion:
-        raise ValueError("gradient_accumulation_fusion=True is not supported by teratron's layers; set it False")
-
-
 def _init_weight(weight, full_shape, partition_dim, stride, init_method, rank, world_size,
                  keep_master_weight):
     """Initialise the full fp32 weight, copy this rank's shard into `weight`; returns the full
@@ -130,9 +130,21 @@ def _zero_bias(size, config, device):
     return nn.Parameter(torch.zeros(size, dtype=config.params_dtype, device=device))
 
 
+def _fuse_grad_accumulation(weight, config) -> None:
+    """Mark a layer's own weight for gradient-accumulation fusion (grad_accumulation_fusion.py)."""
+    if weight is not None and config.gradient_accumulation_fusion:
+        weight.grad_added_to_main_grad = True
+
+
 def _matmul(fp8, input_, weight, bias=None):
-    """input_ @ weight^T (+ bias): F.linear, or the layer's FP8 GEMM once enabled."""
-    return F.linear(input_, weight, bias) if fp8 is None else fp8(input_, weight, bias)
+    """input_ @ weight^T (+ bias): F.linear; the layer's FP8 GEMM once enabled; with
+    gradient-accumulation fusion, once DDP gave the weight a main_grad, the GEMM whose weight
+    gradient adds into it."""
+    if fp8 is not None:
+        return fp8(input_, weight, bias)
+    if getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad") and weight.requires_grad:
+        return linear_with_grad_accumulation(input_, weight, bias)
+    return F.linear(input_, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -148,7 +160,6 @@ class ColumnParallelLinear(nn.Module):
                  skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
                  is_expert: bool = False, tp_group=None):
         super().__init__()
-        _check_config(config)
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
         self.stride = stride
@@ -175,6 +186,7 @@ class ColumnParallelLinear(nn.Module):
                     self.tp_rank, self.tp_size, keep_master_weight_for_test)
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
             self.weight.allreduce = allreduce
+            _fuse_grad_accumulation(self.weight, config)
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, config, device)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -183,6 +195,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def enable_fp8(self, recipe, name: str) -> None:
+        if self.weight is not None:  # the FP8 GEMM returns dW itself
+            self.weight.grad_added_to_main_grad = False
         # The weight shard and the output gradient [s, b, out/tp] differ across TP ranks; the
         # input is whole on every rank (replicated, or all-gathered under sequence parallelism).
         self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size_per_partition, name=name,
@@ -227,7 +241,6 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
                  keep_master_weight_for_test: bool = False, is_expert: bool = False, tp_group=None):
         super().__init__()
-        _check_config(config)
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
@@ -252,6 +265,7 @@ class RowParallelLinear(nn.Module):
                 self.tp_rank, self.tp_size, keep_master_weight_for_test)
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         self.weight.allreduce = allreduce
+        _fuse_grad_accumulation(self.weight, config)
         if bias:
             self.bias = _zero_bias(output_size, config, device)
             self.bias.sequence_parallel = self.sequence_parallel
@@ -260,6 +274,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def enable_fp8(self, recipe, name: str) -> None:
+        if self.weight is not None:  # the FP8 GEMM returns dW itself
+            self.weight.grad_added_to_main_grad = False
         # The weight shard and the input [s, b, in/tp] differ across TP ranks; the output
         # gradient is whole on every rank (the backward of the all-reduce / reduce-scatter).
         self.fp8 = Fp8Gemm(recipe, self.input_size_per_partition, self.output_size, name=name,

@@ -150,6 +150,10 @@ def _add_network_args(parser):
         g.add_argument(flag.replace("--", "--no-", 1).replace("apply-rope", "rope"), action="store_false",
                        dest=dest, help=argparse.SUPPRESS)
     g.add_argument("--bias-gelu-fusion", action="store_true", dest="bias_activation_fusion", help=argparse.SUPPRESS)
+    g.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="Weight-gradient GEMMs add straight into the fp32 main_grad buffers (no bf16 dW pass).")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="Weight gradients in the params dtype, added into main_grad by DDP's hook (the default).")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Fuse the output layer with the cross entropy (token chunks; no full logits).")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],

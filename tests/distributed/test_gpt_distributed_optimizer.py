@@ -2,7 +2,9 @@
 small buckets, clipping) equals plain single-process AdamW training of the same model.
 
 Layouts on 4 ranks: PP=2 x DP=2 with the embedding tied across stages, and TP=2 x DP=2 with
-sequence parallelism and a tied embedding. The reference runs in the test process: the full
+sequence parallelism and a tied embedding; and DP=2 with compiled layers. All with
+gradient-accumulation fusion (weight-gradient GEMMs adding into main_grad; the tied copy passed to
+the output layer is not fused). The reference runs in the test process: the full
 model on all microbatches, torch.optim.AdamW, torch.nn.utils.clip_grad_norm_.
 """
 
@@ -75,7 +77,7 @@ def _forward_step(data_iterator, model):
 
 
 def _train(compile_layers=False, **layout):
-    config = _config(finalize_model_grads_func=finalize_model_grads, **layout)
+    config = _config(finalize_model_grads_func=finalize_model_grads, gradient_accumulation_fusion=True, **layout)
     ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
     torch.manual_seed(SEED)
     model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=True,

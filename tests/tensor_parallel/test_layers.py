@@ -221,10 +221,6 @@ def test_layer_options_single_process():
     with pytest.raises(ValueError, match="input_is_parallel"):
         RowParallelLinear(F_, H, config=_config(2, True), init_method=_init, bias=True,
                           input_is_parallel=False, skip_bias_add=False)
-    fused = _config(1, False)
-    fused.gradient_accumulation_fusion = True
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
-        ColumnParallelLinear(H, F_, config=fused, init_method=_init)
     bf16 = ModelParallelConfig(params_dtype=torch.bfloat16)
     layer = _build(ColumnParallelLinear, H, F_, config=bf16)
     assert layer.weight.dtype == layer.bias.dtype == torch.bfloat16
