@@ -32,6 +32,25 @@ def _(main_grad, grad_output, input_):
     return None
 
 
+def main_grad_to_fuse(weight):
+    """`weight.main_grad` when its gradient is to be accumulated there by the GEMM (the layer
+    marked it, DDP gave it a main_grad, it is trained), else None."""
+    if getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad") and weight.requires_grad:
+        return weight.main_grad
+    return None
+
+
+def weight_gradient(grad_output, input_, weight, main_grad):
+    """The weight's gradient g^T x of a linear layer (grad_output [*, out], input_ [*, in]): dW in
+    the weight's dtype when main_grad is None, else added into main_grad (a placeholder returned)."""
+    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if main_grad is None:
+        return grad_output.t() @ input_
+    wgrad_accumulate_(main_grad, grad_output, input_)
+    return torch.empty_like(weight)
+
+
 class LinearWithGradAccumulation(torch.autograd.Function):
     """y [*, out] = x [*, in] @ weight^T; backward accumulates dW into `main_grad`."""
 
@@ -47,9 +66,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
-        wgrad_accumulate_(ctx.main_grad, grad_output.reshape(-1, grad_output.shape[-1]),
-                          x.reshape(-1, x.shape[-1]))
-        return grad_input, torch.empty_like(weight), None
+        return grad_input, weight_gradient(grad_output, x, weight, ctx.main_grad), None
 
 
 def linear_with_grad_accumulation(x, weight, bias=None):
