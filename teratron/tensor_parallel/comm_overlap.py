@@ -20,6 +20,8 @@ against the plain layers. Weight gradients come from the gathered tensors saved 
 (or gathered in backward), and go into main_grad with gradient-accumulation fusion.
 """
 
+import warnings
+
 import torch
 
 from teratron.tensor_parallel.grad_accumulation_fusion import weight_gradient
@@ -31,7 +33,9 @@ def enable_for_group(group, device: torch.device) -> None:
     if device.type == "cuda":
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        enable_symm_mem_for_group(group.group_name)
+        with warnings.catch_warnings():  # needed before torch 2.10, a deprecated no-op since
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(group.group_name)
 
 
 def all_gather_matmul(x_shard, matrix, group):
@@ -52,33 +56,33 @@ def matmul_reduce_scatter(x, matrix, group):
 
 class AllGatherLinear(torch.autograd.Function):
     """Column-parallel GEMM under SP: y [s, b, out/tp] = all_gather(x [s/tp, b, in]) @ weight^T.
-    `main_grad`: the weight's fp32 gradient buffer with gradient-accumulation fusion, else None."""
+    `fuse_wgrad`: add the weight gradient into weight.main_grad (gradient-accumulation fusion)."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, main_grad, group):
+    def forward(ctx, x_shard, weight, fuse_wgrad, group):
         x_full, output = all_gather_matmul(x_shard, weight.t(), group)
         ctx.save_for_backward(x_full, weight)
-        ctx.main_grad, ctx.group = main_grad, group
+        ctx.fuse_wgrad, ctx.group = fuse_wgrad, group
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         x_full, weight = ctx.saved_tensors
         grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)
-        return grad_input, weight_gradient(grad_output, x_full, weight, ctx.main_grad), None, None
+        return grad_input, weight_gradient(grad_output, x_full, weight, ctx.fuse_wgrad), None, None
 
 
 class LinearReduceScatter(torch.autograd.Function):
     """Row-parallel GEMM under SP: y [s/tp, b, out] = reduce_scatter(x [s, b, in/tp] @ weight^T)."""
 
     @staticmethod
-    def forward(ctx, x, weight, main_grad, group):
+    def forward(ctx, x, weight, fuse_wgrad, group):
         ctx.save_for_backward(x, weight)
-        ctx.main_grad, ctx.group = main_grad, group
+        ctx.fuse_wgrad, ctx.group = fuse_wgrad, group
         return matmul_reduce_scatter(x, weight.t(), group)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_output_full, grad_input = all_gather_matmul(grad_output, weight, ctx.group)
-        return grad_input, weight_gradient(grad_output_full, x, weight, ctx.main_grad), None, None
+        return grad_input, weight_gradient(grad_output_full, x, weight, ctx.fuse_wgrad), None, None

@@ -7,69 +7,73 @@ cuBLAS computes main_grad += g^T @ x with bf16 inputs, fp32 accumulation and bet
 fp32 buffer (`torch.addmm(..., out_dtype=float32)`), as Megatron's Apex kernel does; dW is also
 never rounded to bf16. Elsewhere (CPU) the product is taken in main_grad's dtype.
 
-The accumulation is a custom op that declares its mutation of main_grad, so Dynamo traces a
-compiled layer through it without a graph break. The weight still receives a gradient, an
-uninitialised placeholder, so that autograd runs the parameter's post-accumulate-grad hook
-(DDP's overlap needs it); the weight carries `grad_added_to_main_grad = True`, which tells
-the hook to drop the placeholder instead of adding it.
+The accumulation is a custom op, `teratron::wgrad_into_main_grad(grad_output, input, weight)`,
+so a compiled layer traces through it without a graph break. It finds main_grad on the weight
+when it runs: main_grad never enters a compiled graph (main_grads are views of one buffer, and
+aliased graph inputs make the compiler copy that buffer). The op returns an uninitialised
+placeholder that becomes the weight's .grad, so autograd still runs the parameter's
+post-accumulate-grad hook (DDP's overlap needs it); the weight carries
+`grad_added_to_main_grad = True`, which tells the hook to drop the placeholder.
 """
 
 import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("teratron::wgrad_accumulate_", mutates_args=("main_grad",))
-def wgrad_accumulate_(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
-    """main_grad [out, in] += grad_output[t, out]^T @ input_[t, in]."""
+@torch.library.custom_op("teratron::wgrad_into_main_grad", mutates_args=())
+def wgrad_into_main_grad(grad_output: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight.main_grad [out, in] += grad_output[t, out]^T @ input_[t, in]; returns a placeholder
+    [out, in] for weight's .grad."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("gradient_accumulation_fusion: the weight reached its weight-gradient GEMM without "
+                           "a main_grad; wrap the model in DistributedDataParallel or set "
+                           "gradient_accumulation_fusion=False")
     if main_grad.is_cuda and main_grad.dtype != grad_output.dtype:
         torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
     else:
         main_grad.addmm_(grad_output.t().to(main_grad.dtype), input_.to(main_grad.dtype))
-
-
-@wgrad_accumulate_.register_fake
-def _(main_grad, grad_output, input_):
-    return None
-
-
-def main_grad_to_fuse(weight):
-    """`weight.main_grad` when its gradient is to be accumulated there by the GEMM (the layer
-    marked it, DDP gave it a main_grad, it is trained), else None."""
-    if getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad") and weight.requires_grad:
-        return weight.main_grad
-    return None
-
-
-def weight_gradient(grad_output, input_, weight, main_grad):
-    """The weight's gradient g^T x of a linear layer (grad_output [*, out], input_ [*, in]): dW in
-    the weight's dtype when main_grad is None, else added into main_grad (a placeholder returned)."""
-    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
-    input_ = input_.reshape(-1, input_.shape[-1])
-    if main_grad is None:
-        return grad_output.t() @ input_
-    wgrad_accumulate_(main_grad, grad_output, input_)
     return torch.empty_like(weight)
 
 
+@wgrad_into_main_grad.register_fake
+def _(grad_output, input_, weight):
+    return torch.empty_like(weight)
+
+
+def fuses_grad_accumulation(weight) -> bool:
+    """Whether the GEMM adds `weight`'s gradient into its main_grad: the layer marked it, DDP gave
+    it a main_grad, it is trained."""
+    return (getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad")
+            and weight.requires_grad)
+
+
+def weight_gradient(grad_output, input_, weight, fuse: bool):
+    """The weight's gradient g^T x of a linear layer (grad_output [*, out], input_ [*, in]): dW in
+    the weight's dtype, or with `fuse` added into weight.main_grad (a placeholder returned)."""
+    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if fuse:
+        return wgrad_into_main_grad(grad_output, input_, weight)
+    return grad_output.t() @ input_
+
+
 class LinearWithGradAccumulation(torch.autograd.Function):
-    """y [*, out] = x [*, in] @ weight^T; backward accumulates dW into `main_grad`."""
+    """y [*, out] = x [*, in] @ weight^T; backward accumulates dW into `weight.main_grad`."""
 
     @staticmethod
-    def forward(ctx, x, weight, main_grad):
+    def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        # Not saved for backward: main_grad shares its version counter with the whole grad
-        # buffer, which other layers' backward writes before this one runs.
-        ctx.main_grad = main_grad
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
-        return grad_input, weight_gradient(grad_output, x, weight, ctx.main_grad), None
+        return grad_input, weight_gradient(grad_output, x, weight, fuse=True)
 
 
 def linear_with_grad_accumulation(x, weight, bias=None):
     """x @ weight^T (+ bias) with weight's gradient accumulated into `weight.main_grad`."""
-    output = LinearWithGradAccumulation.apply(x, weight, weight.main_grad)
+    output = LinearWithGradAccumulation.apply(x, weight)
     return output if bias is None else output + bias

@@ -38,7 +38,7 @@ from teratron import parallel_state
 from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel import comm_overlap
-from teratron.tensor_parallel.grad_accumulation_fusion import LinearWithGradAccumulation, main_grad_to_fuse
+from teratron.tensor_parallel.grad_accumulation_fusion import fuses_grad_accumulation, linear_with_grad_accumulation
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -146,10 +146,8 @@ def _matmul(fp8, input_, weight, bias=None):
     gradient adds into it."""
     if fp8 is not None:
         return fp8(input_, weight, bias)
-    main_grad = main_grad_to_fuse(weight)
-    if main_grad is not None:
-        output = LinearWithGradAccumulation.apply(input_, weight, main_grad)
-        return output if bias is None else output + bias
+    if fuses_grad_accumulation(weight):
+        return linear_with_grad_accumulation(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
 
@@ -229,7 +227,8 @@ class ColumnParallelLinear(nn.Module):
                                f"{(self.output_size_per_partition, self.input_size)}")
         bias = None if self.skip_bias_add else self.bias
         if self.tp_comm_overlap and self.fp8 is None:
-            output = comm_overlap.AllGatherLinear.apply(input_, weight, main_grad_to_fuse(weight), self.tp_group)
+            output = comm_overlap.AllGatherLinear.apply(input_, weight, fuses_grad_accumulation(weight),
+                                                        self.tp_group)
             output = output if bias is None else output + bias
         else:
             if self.is_expert or self.tp_size == 1:
@@ -309,7 +308,7 @@ class RowParallelLinear(nn.Module):
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.tp_comm_overlap and self.fp8 is None:
             output = comm_overlap.LinearReduceScatter.apply(input_parallel, self.weight,
-                                                            main_grad_to_fuse(self.weight), self.tp_group)
+                                                            fuses_grad_accumulation(self.weight), self.tp_group)
         else:
             output = _matmul(self.fp8, input_parallel, self.weight)
             if self.is_expert or self.tp_size == 1:

@@ -56,7 +56,7 @@ def _main_grads(model, inputs, overlap=False, warm_up=False):
                 ddp(x).square().sum().backward()
         ddp(inputs[-1]).square().sum().backward()
     ddp.finish_grad_sync()
-    fused_calls = sum(e.count for e in prof.key_averages() if e.key == "teratron::wgrad_accumulate_")
+    fused_calls = sum(e.count for e in prof.key_averages() if e.key == "teratron::wgrad_into_main_grad")
     assert fused_calls == (2 * len(inputs) if model.fc1.config.gradient_accumulation_fusion else 0)
     assert all(p.grad is None for p in model.parameters())
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}
