@@ -27,6 +27,7 @@ UNSUPPORTED = {
     "num_microbatches_with_partial_activation_checkpoints": "partial activation checkpointing",
     "async_tensor_model_parallel_allreduce": "async TP all-reduce overlap",
     "use_te_rng_tracker": "Transformer Engine's RNG tracker",
+    "tp_comm_overlap": "TP communication/GEMM overlap (userbuffers)",
     "tp_comm_bulk_wgrad": "TP communication/GEMM overlap (userbuffers)",
     "tp_comm_bulk_dgrad": "TP communication/GEMM overlap (userbuffers)",
     "tp_comm_overlap_ag": "TP communication/GEMM overlap (userbuffers)",
@@ -200,9 +201,7 @@ class ModelParallelConfig:
     """Use Transformer Engine's RNG tracker instead of ours."""
 
     tp_comm_overlap: bool = False
-    """Overlap sequence parallelism's all-gathers and reduce-scatters with the GEMMs of the linear
-    layers, chunk by chunk (tensor_parallel/comm_overlap.py: PyTorch's symmetric-memory ops on
-    CUDA). Needs sequence_parallel."""
+    """Overlap TP collectives with the GEMMs of the linear layers."""
 
     tp_comm_bulk_wgrad: bool = True
     """With tp_comm_overlap: overlap all-gather with the activation-gradient GEMM."""
@@ -344,9 +343,6 @@ class ModelParallelConfig:
             # Megatron's launcher does the same: SP splits over the TP group, a group of one is a no-op.
             warnings.warn("sequence_parallel needs tensor_model_parallel_size > 1; turning it off")
             self.sequence_parallel = False
-        if self.tp_comm_overlap and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
-            raise ValueError("tp_comm_overlap overlaps sequence parallelism's all-gathers and reduce-scatters "
-                             "with the GEMMs; set sequence_parallel=True (--sequence-parallel) or drop it")
         if self.virtual_pipeline_model_parallel_size is not None:
             _check_positive(self, "virtual_pipeline_model_parallel_size")
             if self.pipeline_model_parallel_size == 1:

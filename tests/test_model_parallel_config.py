@@ -113,7 +113,7 @@ def test_unsupported_message():
         ModelParallelConfig(context_parallel_size=2)
     assert str(info.value) == ("context_parallel_size=2: context parallelism is not supported yet; "
                                "leave it at 1")
-    assert "tp_comm_split_ag" in mpc.UNSUPPORTED and "tp_comm_overlap" not in mpc.UNSUPPORTED
+    assert "tp_comm_overlap" in mpc.UNSUPPORTED and "gradient_accumulation_fusion" not in mpc.UNSUPPORTED
 
 
 def test_supported_fields_build():

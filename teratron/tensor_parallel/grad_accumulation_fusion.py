@@ -48,16 +48,6 @@ def fuses_grad_accumulation(weight) -> bool:
             and weight.requires_grad)
 
 
-def weight_gradient(grad_output, input_, weight, fuse: bool):
-    """The weight's gradient g^T x of a linear layer (grad_output [*, out], input_ [*, in]): dW in
-    the weight's dtype, or with `fuse` added into weight.main_grad (a placeholder returned)."""
-    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
-    input_ = input_.reshape(-1, input_.shape[-1])
-    if fuse:
-        return wgrad_into_main_grad(grad_output, input_, weight)
-    return grad_output.t() @ input_
-
-
 class LinearWithGradAccumulation(torch.autograd.Function):
     """y [*, out] = x [*, in] @ weight^T; backward accumulates dW into `weight.main_grad`."""
 
@@ -70,7 +60,9 @@ class LinearWithGradAccumulation(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
-        return grad_input, weight_gradient(grad_output, x, weight, fuse=True)
+        grad_weight = wgrad_into_main_grad(grad_output.reshape(-1, grad_output.shape[-1]),
+                                           x.reshape(-1, x.shape[-1]), weight)
+        return grad_input, grad_weight
 
 
 def linear_with_grad_accumulation(x, weight, bias=None):

@@ -25,9 +25,6 @@ calls it for the layers `config.fp8` covers); the parameters stay in the params 
 With `config.gradient_accumulation_fusion` a layer's own weight gets its gradient added straight
 into `main_grad` by the weight-gradient GEMM (grad_accumulation_fusion.py), once DDP has given it
 one; not for FP8 layers, nor for a weight passed to forward (a tied output layer).
-
-With `config.tp_comm_overlap` (and sequence parallelism, TP > 1) the all-gather / reduce-scatter
-of a layer runs chunk by chunk with its GEMM (comm_overlap.py); FP8 layers keep the plain path.
 """
 
 import torch
@@ -37,7 +34,6 @@ from torch import nn
 from teratron import parallel_state
 from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.tensor_parallel import comm_overlap
 from teratron.tensor_parallel.grad_accumulation_fusion import fuses_grad_accumulation, linear_with_grad_accumulation
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -151,14 +147,6 @@ def _matmul(fp8, input_, weight, bias=None):
     return F.linear(input_, weight, bias)
 
 
-def _uses_comm_overlap(layer, config) -> bool:
-    """tp_comm_overlap applies to a non-expert layer under sequence parallelism with TP > 1."""
-    overlap = config.tp_comm_overlap and layer.sequence_parallel and layer.tp_size > 1
-    if overlap:
-        comm_overlap.enable_for_group(layer.tp_group, param_device(config))
-    return overlap
-
-
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (the output dim) over TP: [out/tp, in] per rank.
 
@@ -182,7 +170,6 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         self.output_size_per_partition = _per_partition(output_size, self.tp_size, "output_size")
         self.sequence_parallel = config.sequence_parallel and not is_expert
-        self.tp_comm_overlap = _uses_comm_overlap(self, config)
         allreduce = not is_expert
         device = param_device(config)
         self.fp8 = None
@@ -225,19 +212,14 @@ class ColumnParallelLinear(nn.Module):
         elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
             raise RuntimeError(f"supplied weight has shape {tuple(weight.shape)}, expected "
                                f"{(self.output_size_per_partition, self.input_size)}")
-        bias = None if self.skip_bias_add else self.bias
-        if self.tp_comm_overlap and self.fp8 is None:
-            output = comm_overlap.AllGatherLinear.apply(input_, weight, fuses_grad_accumulation(weight),
-                                                        self.tp_group)
-            output = output if bias is None else output + bias
+        if self.is_expert or self.tp_size == 1:
+            input_parallel = input_
+        elif self.sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_, True, self.tp_group)
         else:
-            if self.is_expert or self.tp_size == 1:
-                input_parallel = input_
-            elif self.sequence_parallel:
-                input_parallel = gather_from_sequence_parallel_region(input_, True, self.tp_group)
-            else:
-                input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-            output = _matmul(self.fp8, input_parallel, weight, bias)
+            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output = _matmul(self.fp8, input_parallel, weight, bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and not self.is_expert and self.tp_size > 1:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -270,7 +252,6 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = config.sequence_parallel and not is_expert
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
-        self.tp_comm_overlap = _uses_comm_overlap(self, config)
         allreduce = not is_expert
         device = param_device(config)
         self.fp8 = None
@@ -306,17 +287,13 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        if self.tp_comm_overlap and self.fp8 is None:
-            output = comm_overlap.LinearReduceScatter.apply(input_parallel, self.weight,
-                                                            fuses_grad_accumulation(self.weight), self.tp_group)
+        output_parallel = _matmul(self.fp8, input_parallel, self.weight)
+        if self.is_expert or self.tp_size == 1:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
-            output = _matmul(self.fp8, input_parallel, self.weight)
-            if self.is_expert or self.tp_size == 1:
-                pass
-            elif self.sequence_parallel:
-                output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
-            else:
-                output = reduce_from_tensor_model_parallel_region(output, self.tp_group)
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None

@@ -250,9 +250,6 @@ def _add_parallel_args(parser):
                    help="TP size of the experts (default: --tensor-model-parallel-size).")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Shard norm/dropout activations along the sequence over TP.")
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="Overlap sequence parallelism's all-gathers/reduce-scatters with the linear layers' "
-                        "GEMMs, chunk by chunk (symmetric memory on CUDA).")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")

@@ -99,9 +99,6 @@ def _check_local_graphs(config) -> None:
     if config.fine_grained_activation_offloading:
         raise ValueError(f"{what} does not support fine_grained_activation_offloading: its host copies and "
                          "backward hooks would run only while capturing; drop one")
-    if config.tp_comm_overlap:
-        raise ValueError(f"{what} is not combined with tp_comm_overlap: its symmetric-memory workspace may be "
-                         "re-allocated (a rendezvous) on first use, which a capture cannot hold; drop one")
     pp = config.pipeline_model_parallel_size
     if config.cuda_graph_scope == "full_iteration":
         if pp > 1:

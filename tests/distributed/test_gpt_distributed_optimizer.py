@@ -2,11 +2,10 @@
 small buckets, clipping) equals plain single-process AdamW training of the same model.
 
 Layouts on 4 ranks: PP=2 x DP=2 with the embedding tied across stages, and TP=2 x DP=2 with
-sequence parallelism (its collectives fused with the GEMMs: tp_comm_overlap) and a tied
-embedding; and DP=2 with compiled layers. All with gradient-accumulation fusion (weight-gradient
-GEMMs adding into main_grad; the tied copy passed to the output layer is not fused). The
-reference runs in the test process: the full model on all microbatches, torch.optim.AdamW,
-torch.nn.utils.clip_grad_norm_.
+sequence parallelism and a tied embedding; and DP=2 with compiled layers. All with
+gradient-accumulation fusion (weight-gradient GEMMs adding into main_grad; the tied copy passed to
+the output layer is not fused). The reference runs in the test process: the full
+model on all microbatches, torch.optim.AdamW, torch.nn.utils.clip_grad_norm_.
 """
 
 import torch
@@ -130,7 +129,7 @@ def _train(compile_layers=False, **layout):
 
 def _body():
     return [_train(pipeline_model_parallel_size=2),
-            _train(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)]
+            _train(tensor_model_parallel_size=2, sequence_parallel=True)]
 
 
 def test_gpt_distributed_optimizer_with_compiled_layers_dp2():
