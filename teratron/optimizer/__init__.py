@@ -4,6 +4,7 @@ gradient clipping and CPU offload, built by `get_megatron_optimizer` (Megatron's
 import torch
 
 from teratron.optimizer.clip_grads import all_reduce_over_groups, calc_params_l2_norm, default_device
+from teratron.optimizer.cpu_offload import use_host_cores
 from teratron.optimizer.distrib_optimizer import DistributedOptimizer
 from teratron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from teratron.optimizer.lion import Lion
@@ -185,6 +186,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     grad_scaler = _grad_scaler(config)
+    if config.optimizer_cpu_offload:
+        use_host_cores()
 
     if config.optimizer == "muon":
         if config.fp16:

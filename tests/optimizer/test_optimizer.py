@@ -289,3 +289,19 @@ def test_init_state_creates_states_without_moving_params(name):
     assert len(opt.state) == len(before)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
+
+
+def test_offload_uses_this_process_share_of_the_cores(monkeypatch):
+    """torchrun's OMP_NUM_THREADS=1 would step the host optimizer on one core."""
+    from teratron.optimizer.cpu_offload import use_host_cores
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    try:
+        torch.set_num_threads(1)
+        assert use_host_cores() == 4
+        torch.set_num_threads(3)    # a thread count someone chose stays
+        assert use_host_cores() == 3
+    finally:
+        torch.set_num_threads(threads)
