@@ -373,11 +373,15 @@ def test_moe_expert_and_pipeline_parallel_equal_single_process(tmp_path):
     ep2 = ["--expert-model-parallel-size", "2"]
     runs = {
         "ep2-alltoall": (sigmoid, biased + ep2 + ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]),
-        "ep2-allgather": (softmax, ep2 + ["--moe-token-dispatcher-type", "allgather"]),
+        # The expert loop's linears, like the dense ones, with their weight gradients added into
+        # main_grad by the GEMM (expert grad buffers included).
+        "ep2-allgather": (softmax, ep2 + ["--moe-token-dispatcher-type", "allgather",
+                                          "--gradient-accumulation-fusion"]),
         "pp2-moe-on-one-stage": (softmax, ["--pipeline-model-parallel-size", "2",
                                            "--decoder-first-pipeline-num-layers", "3"]),
         # Whole experts on both TP ranks: their grads go over expert-DP (allreduce=False at EP 1).
-        "tp2-etp1": (softmax, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+        "tp2-etp1": (softmax, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                               "--gradient-accumulation-fusion"]),
     }
     for name, (reference, extra) in runs.items():
         for a, b in zip(reference, train(name, extra, torchrun)):
