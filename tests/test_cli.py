@@ -445,3 +445,16 @@ def test_speed_levers_keep_the_loss_curve(tmp_path):
     assert len(losses["eager"]) == 4 and losses["eager"][-1] < losses["eager"][0]
     for name in ("compiled", "reference_attention"):
         assert losses[name] == pytest.approx(losses["eager"], rel=1e-5), name
+
+
+def test_fused_loss_with_gradient_accumulation_fusion_trains_the_output_layer(tmp_path):
+    """The fused cross entropy computes the untied output layer's weight gradient itself (not
+    through the layer's GEMM): with gradient-accumulation fusion on, DDP must still add it."""
+    common = TINY + NO_DROPOUT + ["--train-iters", "4", "--eval-iters", "0", "--untie-embeddings-and-output-weights",
+                                  "--cross-entropy-loss-fusion"]
+    losses = {}
+    for name, flags in {"plain": [], "fused": ["--gradient-accumulation-fusion"]}.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        _teratron(common + flags + ["--metrics-file", str(metrics)], tmp_path)
+        losses[name] = [r["lm_loss"] for r in _metrics(metrics)]
+    assert losses["fused"] == pytest.approx(losses["plain"], rel=1e-5)

@@ -120,6 +120,7 @@ class DistributedDataParallel(torch.nn.Module):
             if not getattr(param, "grad_added_to_main_grad", False):
                 param.main_grad.add_(param.grad)
             param.grad = None
+        param.grad_added_to_main_grad = False
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket[param].register_grad_ready(param)
 
@@ -213,6 +214,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero every main_grad and reset the reduction state; call before each iteration."""
         for param in self.param_to_bucket:
             param.grad = None
+            param.grad_added_to_main_grad = False
         for buffer in self._all_buffers():
             buffer.reset()
 

@@ -12,8 +12,13 @@ so a compiled layer traces through it without a graph break. It finds main_grad 
 when it runs: main_grad never enters a compiled graph (main_grads are views of one buffer, and
 aliased graph inputs make the compiler copy that buffer). The op returns an uninitialised
 placeholder that becomes the weight's .grad, so autograd still runs the parameter's
-post-accumulate-grad hook (DDP's overlap needs it); the weight carries
-`grad_added_to_main_grad = True`, which tells the hook to drop the placeholder.
+post-accumulate-grad hook (DDP's overlap needs it), and sets `weight.grad_added_to_main_grad`
+(Megatron's name), which tells that hook to drop the placeholder and clear the flag. The flag is
+set when the op runs, not when the layer is built: a weight whose gradient comes from elsewhere
+(the fused cross entropy's output-layer weight) still has it added by the hook.
+
+A layer marks its own weight with `fuse_wgrad_accumulation = True`; the fused GEMM runs for a
+marked weight once DDP has given it a main_grad.
 """
 
 import torch
@@ -33,6 +38,7 @@ def wgrad_into_main_grad(grad_output: torch.Tensor, input_: torch.Tensor, weight
         torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
     else:
         main_grad.addmm_(grad_output.t().to(main_grad.dtype), input_.to(main_grad.dtype))
+    weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)
 
 
@@ -44,7 +50,7 @@ def _(grad_output, input_, weight):
 def fuses_grad_accumulation(weight) -> bool:
     """Whether the GEMM adds `weight`'s gradient into its main_grad: the layer marked it, DDP gave
     it a main_grad, it is trained."""
-    return (getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad")
+    return (getattr(weight, "fuse_wgrad_accumulation", False) and hasattr(weight, "main_grad")
             and weight.requires_grad)
 
 

@@ -133,7 +133,7 @@ def _zero_bias(size, config, device):
 def _fuse_grad_accumulation(weight, config) -> None:
     """Mark a layer's own weight for gradient-accumulation fusion (grad_accumulation_fusion.py)."""
     if weight is not None and config.gradient_accumulation_fusion:
-        weight.grad_added_to_main_grad = True
+        weight.fuse_wgrad_accumulation = True
 
 
 def _matmul(fp8, input_, weight, bias=None):
@@ -196,7 +196,7 @@ class ColumnParallelLinear(nn.Module):
 
     def enable_fp8(self, recipe, name: str) -> None:
         if self.weight is not None:  # the FP8 GEMM returns dW itself
-            self.weight.grad_added_to_main_grad = False
+            self.weight.fuse_wgrad_accumulation = False
         # The weight shard and the output gradient [s, b, out/tp] differ across TP ranks; the
         # input is whole on every rank (replicated, or all-gathered under sequence parallelism).
         self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size_per_partition, name=name,
@@ -274,8 +274,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def enable_fp8(self, recipe, name: str) -> None:
-        if self.weight is not None:  # the FP8 GEMM returns dW itself
-            self.weight.grad_added_to_main_grad = False
+        self.weight.fuse_wgrad_accumulation = False  # the FP8 GEMM returns dW itself
         # The weight shard and the input [s, b, in/tp] differ across TP ranks; the output
         # gradient is whole on every rank (the backward of the all-reduce / reduce-scatter).
         self.fp8 = Fp8Gemm(recipe, self.input_size_per_partition, self.output_size, name=name,

@@ -114,11 +114,27 @@ def test_fused_layers_compile_without_graph_breaks():
 
 def test_without_main_grad_or_with_fp8_the_layer_uses_plain_autograd():
     layer = _Mlp(_config(True)).fc1
-    assert layer.weight.grad_added_to_main_grad
+    assert layer.weight.fuse_wgrad_accumulation
     layer(_inputs(1)[0])[0].sum().backward()  # no DDP: no main_grad, an ordinary .grad
     assert layer.weight.grad is not None and torch.count_nonzero(layer.weight.grad) > 0
     layer.enable_fp8(Fp8Recipe(format="e4m3"), "fc1")
-    assert not layer.weight.grad_added_to_main_grad
+    assert not layer.weight.fuse_wgrad_accumulation
+
+
+def test_a_marked_weight_used_outside_its_layer_still_gets_its_gradient():
+    """DDP drops .grad only after the fused GEMM ran for the weight in that backward: the fused
+    cross entropy, say, takes the output layer's weight directly and returns a real dW."""
+    model = _Mlp(_config(True))
+    ddp = DistributedDataParallel(_DdpConfig(), DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    x = _inputs(1)[0]
+    F.linear(x, model.fc1.weight).sum().backward()   # not through fc1's GEMM
+    assert_close(model.fc1.weight.main_grad, torch.ones(S * B, F_).t() @ x.reshape(-1, H))
+    ddp.zero_grad_buffer()
+    model(x).sum().backward()                        # through it: the placeholder is dropped
+    assert not model.fc1.weight.grad_added_to_main_grad  # cleared by the hook
+    ref = _Mlp(_config(False))
+    ref(x).sum().backward()
+    assert_close(model.fc1.weight.main_grad, ref.fc1.weight.grad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMM into fp32)")
