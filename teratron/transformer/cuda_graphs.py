@@ -99,6 +99,10 @@ def _check_local_graphs(config) -> None:
     if config.fine_grained_activation_offloading:
         raise ValueError(f"{what} does not support fine_grained_activation_offloading: its host copies and "
                          "backward hooks would run only while capturing; drop one")
+    if config.gradient_accumulation_fusion:
+        raise ValueError(f"{what} does not support gradient_accumulation_fusion: the flag telling DDP's hook "
+                         "that the GEMM already added a weight's gradient is set in Python, which a replay "
+                         "skips; drop one")
     pp = config.pipeline_model_parallel_size
     if config.cuda_graph_scope == "full_iteration":
         if pp > 1:

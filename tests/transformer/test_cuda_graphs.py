@@ -52,6 +52,7 @@ ERRORS = [
     (dict(LOCAL, fp8="hybrid", bf16=True, params_dtype=torch.bfloat16), "is not combined with fp8"),
     (dict(LOCAL, fine_grained_activation_offloading=True, offload_modules=["mlp"]),
      "does not support fine_grained_activation_offloading"),
+    (dict(LOCAL, gradient_accumulation_fusion=True), "does not support gradient_accumulation_fusion"),
     (dict(LOCAL, cuda_graph_scope="full_iteration", pipeline_model_parallel_size=2),
      "full_iteration' needs pipeline_model_parallel_size=1"),
     (dict(LOCAL, cuda_graph_scope="full_iteration", cuda_graph_warmup_steps=0),
