@@ -3,9 +3,9 @@
     pretrain(parse_train_args(argv))
 
 One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
-(gradient accumulation; with --cuda-graph-impl local as CUDA graphs, `full_iteration_graph`), stop (or skip the step) on a non-finite loss, step the optimizer and the
-LR schedule, update the MoE routers and collect their metrics, then log, evaluate and save on
-their intervals. At the end (also when --exit-interval or a signal stops the run) it logs the
+(gradient accumulation; with --cuda-graph-impl local as CUDA graphs, `full_iteration_graph`),
+stop (or skip the step) on a non-finite loss, step the optimizer and the LR schedule, update the
+MoE routers and collect their metrics, then log, evaluate and save on their intervals. At the end (also when --exit-interval or a signal stops the run) it logs the
 last partial log window, evaluates the validation set unless that iteration just did, and the
 test split.
 """
@@ -33,9 +33,9 @@ from teratron.training.initialize import (get_device, initialize_distributed, in
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
 from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
 from teratron.transformer.moe import clear_aux_losses_tracker
-from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 
 
 class NonFiniteLossError(RuntimeError):
