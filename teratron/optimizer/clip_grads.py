@@ -33,16 +33,28 @@ def param_is_counted(param, tp_group=None, pp_group=None) -> bool:
     return getattr(param, "tensor_model_parallel", False) or get_pg_rank(tp_group) == 0
 
 
+def by_device(tensors) -> dict:
+    """{device: [tensors on it]}, in order: multi-tensor (`torch._foreach_*`) kernels take one
+    device per call, and CPU offload puts some main params on the host."""
+    groups = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
 def local_grad_stats(grads, count_zeros: bool = False) -> torch.Tensor:
     """[sum of squares, number of zero elements] of this rank's `grads`, in fp64 so that the
     count stays exact past 2**24 (the count is 0 unless `count_zeros`)."""
     # The accumulator lives on the collective's device; grads may sit elsewhere (CPU offload).
     stats = torch.zeros(2, dtype=torch.float64, device=default_device())
-    for grad in grads:
-        grad = grad.detach()
-        stats[0] += (grad.float().norm() ** 2).to(stats)
+    # One multi-tensor norm per device instead of a few kernels per grad: after the loss sync the
+    # GPU idles until these are launched.
+    for group in by_device([grad.detach() for grad in grads]).values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        stats[0] += torch.stack(norms).double().square().sum().to(stats)
         if count_zeros:
-            stats[1] += (grad.numel() - torch.count_nonzero(grad)).to(stats)
+            for grad in group:
+                stats[1] += (grad.numel() - torch.count_nonzero(grad)).to(stats)
     return stats
 
 
@@ -50,9 +62,9 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm: float, total_norm: float)
     """Scale every `param.grad` by max_norm / total_norm when that is below 1."""
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.detach().mul_(clip_coeff)
+        grads = [param.grad.detach() for param in parameters if param.grad is not None]
+        for group in by_device(grads).values():
+            torch._foreach_mul_(group, clip_coeff)
 
 
 def calc_params_l2_norm(model_chunks, pg_collection=None) -> float:
@@ -69,16 +81,19 @@ def calc_params_l2_norm(model_chunks, pg_collection=None) -> float:
             tp = pg_collection.expt_tp if is_expert else pg_collection.tp
             if param_is_counted(param, tp, pg_collection.pp):
                 (expert if is_expert else dense).append(param)
-    device = default_device()
-    dense_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for param in dense:
-        dense_sq += (param.detach().float().norm() ** 2).to(device)
-    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for param in expert:
-        expert_sq += (param.detach().float().norm() ** 2).to(device)
+    dense_sq, expert_sq = _sum_of_squares(dense), _sum_of_squares(expert)
     all_reduce_over_groups(dense_sq, [pg_collection.tp, pg_collection.pp])
     all_reduce_over_groups(expert_sq, [pg_collection.expt_tp, pg_collection.ep, pg_collection.pp])
     return math.sqrt((dense_sq + expert_sq).item())
+
+
+def _sum_of_squares(params) -> torch.Tensor:
+    """fp32 sum of the squared elements of `params` (any devices), on the default device."""
+    device = default_device()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in by_device([param.detach() for param in params]).values():
+        total += torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum().to(device)
+    return total
 
 
 def default_device():

@@ -12,7 +12,7 @@ ranks walk the same param list (Muon's full-matrix gather relies on it).
 import torch
 
 from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
-from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attributes
+from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attributes, copy_tensors
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -77,9 +77,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        for param, (start, end), main, as_view in self.shards:
-            if not as_view:
-                param.detach().view(-1)[start:end].copy_(main)
+        copy_tensors((param.detach().view(-1)[start:end], main)
+                     for param, (start, end), main, as_view in self.shards if not as_view)
         self.start_param_sync()
         return True
 

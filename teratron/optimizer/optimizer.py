@@ -36,6 +36,18 @@ def copy_param_attributes(dst, src):
             setattr(dst, name, getattr(src, name))
 
 
+def copy_tensors(pairs) -> None:
+    """dst.copy_(src) for each (dst, src), one multi-tensor copy per (dst device, src device) (a
+    loop of copies launches one kernel per param, which the GPU waits on after the step's syncs)."""
+    groups = {}
+    for dst, src in pairs:
+        pair = groups.setdefault((dst.device, src.device), ([], []))
+        pair[0].append(dst)
+        pair[1].append(src)
+    for group_dsts, group_srcs in groups.values():
+        torch._foreach_copy_(group_dsts, group_srcs)
+
+
 def _model_grad(param):
     return param.main_grad if hasattr(param, "main_grad") else param.grad
 
@@ -242,9 +254,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        for model_param, main in self.model_to_main:
-            if main is not model_param:
-                model_param.data.copy_(main)
+        copy_tensors((model_param.data, main) for model_param, main in self.model_to_main
+                     if main is not model_param)
         return True
 
     def zero_grad(self, set_to_none: bool = True):

@@ -4,8 +4,9 @@
 - `--use-pytorch-profiler`: torch.profiler records CPU ops (and CUDA kernels when a GPU is
   present) and, when the range ends (or training does), writes to --profile-dir
   `trace_rank{r}.json` (a chrome trace: Perfetto or chrome://tracing) and `kernels_rank{r}.txt`:
-  the time per kernel category as a fraction of the profiled wall time, then `key_averages`
-  sorted by total device time (CPU time without a GPU), top 60 rows.
+  the time per kernel category as a fraction of the profiled wall time; on a GPU, the device's
+  busy time, the NCCL time no compute kernel hides and the largest idle gaps; then
+  `key_averages` sorted by total device time (CPU time without a GPU), top 60 rows.
 - otherwise (Megatron's nsys mode): `torch.cuda.profiler.start/stop` (cudaProfilerStart/Stop) and
   NVTX ranges per op bracket the range, for
   `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop ...`.
@@ -47,6 +48,61 @@ def category_times(kernels) -> dict:
 def summary_lines(totals: dict, wall_us: float, what: str) -> list:
     return [f"{category:<28} {us / 1e3:12.3f} ms  {us / wall_us:7.1%} of wall time ({what})"
             for category, us in totals.items()]
+
+
+def _merge(intervals) -> list:
+    """Sorted, non-overlapping [start, end] covering the (start, end) pairs."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _length(merged) -> float:
+    return sum(end - start for start, end in merged)
+
+
+def _overlap(a, b) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_lines(kernels, wall_us: float, top: int = 8) -> list:
+    """What the device timeline says beyond kernel totals: kernels are (name, start_us, end_us).
+
+    Busy is the union of all kernels; NCCL not hidden is collective time with no compute kernel
+    running beside it (the communication a step waits for); the largest idle gaps, with the
+    kernels around them, point at host syncs and launch-bound code."""
+    if not kernels:
+        return []
+    spans = []  # [start, end, first kernel, kernel ending last] of each busy stretch
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if spans and start <= spans[-1][1]:
+            if end >= spans[-1][1]:
+                spans[-1][1], spans[-1][3] = end, name
+        else:
+            spans.append([start, end, name, name])
+    busy = [span[:2] for span in spans]
+    nccl = _merge((start, end) for name, start, end in kernels if kernel_category(name) == "NCCL")
+    compute = _merge((start, end) for name, start, end in kernels if kernel_category(name) != "NCCL")
+    idle = [(nxt[0] - cur[1], cur[1] - spans[0][0], cur[3], nxt[2]) for cur, nxt in zip(spans, spans[1:])]
+    hidden = _overlap(nccl, compute)
+    lines = [f"{'device busy (union of kernels)':<28} {_length(busy) / 1e3:12.3f} ms  {_length(busy) / wall_us:7.1%} of wall time",
+             f"{'NCCL not hidden by compute':<28} {(_length(nccl) - hidden) / 1e3:12.3f} ms",
+             "largest idle gaps, ms (at ms after the first kernel: last kernel before -> next kernel):"]
+    for gap, at, before, after in sorted(idle, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:8.3f} at {at / 1e3:10.3f}: {before[:60]} -> {after[:60]}")
+    return lines
 
 
 class Profiler:
@@ -106,16 +162,19 @@ class Profiler:
         table = os.path.join(self.profile_dir, f"kernels_rank{self.rank}.txt")
         session.export_chrome_trace(trace)
         with open(table, "w") as f:
-            f.write(self._report(session.key_averages(), wall_us, last_iteration))
+            f.write(self._report(session, wall_us, last_iteration))
         print(f"profile of iterations {self.first}-{last_iteration} (rank {self.rank}): {trace}, {table}", flush=True)
 
-    def _report(self, averages, wall_us: float, last_iteration: int) -> str:
+    def _report(self, session, wall_us: float, last_iteration: int) -> str:
+        averages, timeline = session.key_averages(), []
         if self.on_cuda:
             # Device events only, without the annotations mirrored on the device timeline
             # (record_function ranges such as compiled graphs' "## Call ..."), which hold kernels.
             kernels = [(e.key, e.self_device_time_total) for e in averages
                        if e.device_type != DeviceType.CPU and not e.is_user_annotation]
             what, sort_by = "CUDA kernel time", "device_time_total"
+            timeline = timeline_lines([(e.name, e.time_range.start, e.time_range.end) for e in session.events()
+                                       if e.device_type != DeviceType.CPU and not e.is_user_annotation], wall_us)
         else:
             # No GPU: the ops' own CPU time (threads add up, so the sum can pass 100 %).
             kernels = [(e.key, e.self_cpu_time_total) for e in averages if e.device_type == DeviceType.CPU]
@@ -123,7 +182,7 @@ class Profiler:
         count = last_iteration - self.first + 1
         header = (f"rank {self.rank}, iterations {self.first}-{last_iteration} ({count}), "
                   f"wall time {wall_us / 1e3:.3f} ms ({wall_us / 1e3 / count:.3f} ms per iteration)")
-        return "\n".join([header, "", *summary_lines(category_times(kernels), wall_us, what), "",
+        return "\n".join([header, "", *summary_lines(category_times(kernels), wall_us, what), *timeline, "",
                           averages.table(sort_by=sort_by, row_limit=TABLE_ROWS), ""])
 
 

@@ -10,7 +10,7 @@ import torch
 
 from teratron import cli
 from teratron.training.arguments import parse_train_args, validate_args
-from teratron.training.profiling import OTHER, category_times, kernel_category
+from teratron.training.profiling import OTHER, category_times, kernel_category, timeline_lines
 from test_cli import NO_DROPOUT, TINY
 
 RUN = TINY + NO_DROPOUT + ["--train-iters", "3", "--eval-iters", "0"]
@@ -93,3 +93,22 @@ def test_profile_flags_are_validated(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert cli.main(["train"] + RUN + ["--profile", "--profile-step-start", "2", "--profile-step-end", "3"]) == 2
         assert "add --use-pytorch-profiler" in capsys.readouterr().err
+
+
+def test_timeline_busy_hidden_nccl_and_idle_gaps():
+    # GEMM 0-10 us, NCCL 5-20 (5 us beside the GEMM), elementwise 30-35 and 36-40, NCCL 50-60 alone.
+    kernels = [("ncclDevKernel_ReduceScatter", 5.0, 20.0), ("sm90_xmma_gemm", 0.0, 10.0),
+               ("vectorized_elementwise", 30.0, 35.0), ("vectorized_elementwise_b", 36.0, 40.0),
+               ("ncclDevKernel_AllGather", 50.0, 60.0)]
+    lines = timeline_lines(kernels, wall_us=100.0)
+    # busy = 20 + 5 + 4 + 10 = 39 us; NCCL 25 us of which 5 overlap compute -> 20 not hidden.
+    assert re.search(r"device busy \(union of kernels\)\s+0\.039 ms\s+39\.0% of wall time", lines[0])
+    assert re.search(r"NCCL not hidden by compute\s+0\.020 ms", lines[1])
+    gaps = [line.split() for line in lines[3:]]
+    # Idle gaps, largest first: 10 us after the reduce-scatter (ends at 20), 10 us before the
+    # all-gather (after the elementwise ending at 40), 1 us between the elementwise kernels.
+    assert [(g[0], g[2].rstrip(":"), g[3], g[5]) for g in gaps] == [
+        ("0.010", "0.040", "vectorized_elementwise_b", "ncclDevKernel_AllGather"),
+        ("0.010", "0.020", "ncclDevKernel_ReduceScatter", "vectorized_elementwise"),
+        ("0.001", "0.035", "vectorized_elementwise", "vectorized_elementwise_b")]
+    assert timeline_lines([], 1.0) == []
