@@ -72,9 +72,14 @@ class _ParamAndGradBucket:
                 raise RuntimeError(
                     f"rank {dist.get_rank() if dist.is_initialized() else 0}: NaN or Inf in local "
                     f"gradients before the data-parallel reduce (bucket {self.bucket_id}, norm {norm.item()})")
-        if buffer.gradient_scaling_factor != 1.0:
-            self.grad_data.mul_(buffer.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
+        scale = buffer.gradient_scaling_factor
+        if scale != 1.0 and op == dist.ReduceOp.SUM and buffer.dp_size > 1 and buffer.nccl:
+            # NCCL multiplies each rank's input by `scale` as it sums: the same values as the
+            # multiply below, without a pass over the whole fp32 bucket.
+            op = dist._make_nccl_premul_sum(scale)
+        elif scale != 1.0:
+            self.grad_data.mul_(scale)
         async_op = config.overlap_grad_reduce and buffer.dp_size > 1
         self.grad_reduce_started = True
         if buffer.dp_size == 1:
@@ -137,6 +142,7 @@ class _ParamAndGradBuffer:
         self.data_parallel_group = data_parallel_group
         self.dp_size = get_pg_size(data_parallel_group)
         self.dp_rank = get_pg_rank(data_parallel_group)
+        self.nccl = self.dp_size > 1 and dist.get_backend(data_parallel_group) == "nccl"
         self.gradient_scaling_factor = gradient_scaling_factor
 
         self.tied_embedding_params = set(tied_embedding_params)

@@ -83,6 +83,9 @@ def _worker():
             lr=LR, weight_decay=0.01, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0,
             use_distributed_optimizer=True, optimizer_cpu_offload=offload > 0,
             optimizer_offload_fraction=offload), [ddp])
+        # NCCL scales each rank's grads by 1/DP inside the reduce-scatter (premultiplied sum);
+        # the bit-for-bit comparison below holds that to the reference's sum then halving.
+        assert all(buffer.nccl for buffer in ddp.buffers)
         x, y = _data(device)
         for step in range(STEPS):
             ddp.zero_grad_buffer()
