@@ -40,11 +40,12 @@ def forward_step(data_iterator, model, device):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def reduce_log_dicts(log_dicts: list, device) -> dict:
+def reduce_log_dicts(log_dicts: list, device, on_host: bool = True) -> dict:
     """Average the schedule's per-micro-batch logs over micro-batches and data-parallel ranks.
 
     [sum, count] pairs are averaged by count; anything else by micro-batch. Call on every rank of
-    the last pipeline stage; returns {} elsewhere.
+    the last pipeline stage; returns {} elsewhere. Floats, or with on_host=False 0-d device
+    tensors (no wait for the GPU; `losses_on_host` converts them later).
     """
     if not log_dicts:
         return {}
@@ -58,4 +59,12 @@ def reduce_log_dicts(log_dicts: list, device) -> dict:
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group is not None:
         torch.distributed.all_reduce(stacked, group=group)
-    return {key: (stacked[i, 0] / stacked[i, 1]).item() for i, key in enumerate(keys)}
+    means = dict(zip(keys, stacked[:, 0] / stacked[:, 1]))
+    return losses_on_host(means) if on_host else means
+
+
+def losses_on_host(losses: dict) -> dict:
+    """{key: float} of reduce_log_dicts' device tensors: one device-to-host copy."""
+    if not losses:
+        return {}
+    return dict(zip(losses, torch.stack(list(losses.values())).tolist()))

@@ -28,7 +28,7 @@ from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_w
                                              maybe_finalize_async_save, save_checkpoint)
 from teratron.training.data import build_data_loader, build_datasets
 from teratron.training.full_iteration_graph import check_cuda_graph_device, training_forward_backward_func
-from teratron.training.gpt_step import forward_step, reduce_log_dicts
+from teratron.training.gpt_step import forward_step, losses_on_host, reduce_log_dicts
 from teratron.training.initialize import (get_device, initialize_distributed, initialize_model_parallel,
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
@@ -294,23 +294,31 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
-    losses = reduce_log_dicts(log_dicts, device)
-    if args.check_for_nan_in_loss_and_grad:
-        bad = _any_rank_true(any(not math.isfinite(v) for v in losses.values()), device)
-        if bad and not args.skip_nan_steps:
-            raise NonFiniteLossError(
-                f"iteration {iteration}: the loss is NaN/Inf ({_fmt(losses)}); lower --lr, check the "
-                "data, or pass --skip-nan-steps to skip such steps")
-        if bad:
-            return losses, None, 1
+    # With --skip-nan-steps the loss decides whether to step, so the host waits for it first.
+    # Otherwise the step is queued before the host waits for the loss, so the GPU goes from the
+    # backward pass to the optimizer without idling while the host reduces and checks the loss.
+    wait_for_loss = args.skip_nan_steps
+    losses = reduce_log_dicts(log_dicts, device, on_host=wait_for_loss)
+    if wait_for_loss and _any_rank_true(_non_finite(losses), device):
+        return losses, None, 1
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=global_batch)
+    if not wait_for_loss:
+        losses = losses_on_host(losses)
+        if args.check_for_nan_in_loss_and_grad and _any_rank_true(_non_finite(losses), device):
+            raise NonFiniteLossError(
+                f"iteration {iteration}: the loss is NaN/Inf ({_fmt(losses)}); lower --lr, check the "
+                "data, or pass --skip-nan-steps to skip such steps")
     if (args.check_for_nan_in_loss_and_grad and grad_norm is not None
             and not math.isfinite(float(grad_norm))):
         raise NonFiniteLossError(f"iteration {iteration}: the gradient norm is {float(grad_norm)}; "
                                  "lower --lr or set --clip-grad")
     return losses, grad_norm, 0 if update_successful else 1
+
+
+def _non_finite(losses: dict) -> bool:
+    return any(not math.isfinite(v) for v in losses.values())
 
 
 def _fmt(losses):
