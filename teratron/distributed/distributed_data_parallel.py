@@ -210,6 +210,16 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 bucket.start_param_sync(async_op=False)
 
+    def dispatch_param_gathers(self):
+        """overlap_param_gather: launch now, in forward order, the all-gather of every bucket the
+        optimizer has updated since its last gather; the forward pre-hooks then only wait for
+        them. Called at the start of a training step, the gathers overlap the host's work before
+        the first forward (zeroing grads, fetching the batch) instead of starting one bucket
+        ahead of the forward."""
+        for bucket in self._buckets_in_forward_order:
+            if not bucket.param_gather_dispatched:
+                bucket.start_param_sync(async_op=True)
+
     def zero_grad_buffer(self):
         """Zero every main_grad and reset the reduction state; call before each iteration."""
         for param in self.param_to_bucket:

@@ -287,6 +287,8 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
     from teratron.pipeline_parallel.schedules import get_forward_backward_func
 
     for chunk in model:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.dispatch_param_gathers()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     log_dicts = (forward_backward_func or get_forward_backward_func())(

@@ -74,6 +74,11 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
     local = GLOBAL_BATCH // dp
     losses = []
     for step in range(STEPS):
+        if ddp_config.overlap_param_gather and step % 2 == 1:
+            # As the training loop does: launch the stale buckets' gathers before the forward
+            # (odd steps); even steps leave them to the forward pre-hooks.
+            ddp.dispatch_param_gathers()
+            assert all(b.param_gather_dispatched for b in ddp._all_buckets())
         ddp.zero_grad_buffer()
         opt.zero_grad()
         xs = x[step][rank * local:(rank + 1) * local].chunk(micro_batches)
