@@ -7,8 +7,8 @@ the updated values host-to-device after it (`main_grad_for`, and the optimizer's
 On a CPU-only machine the same code runs with host "devices" and must equal no offload.
 
 The host step is as fast as the cores it gets: torchrun starts each process with
-OMP_NUM_THREADS=1, so `use_host_cores` gives every local process its share of the machine's
-cores when torch would otherwise step on one. Grads land in a pinned host buffer per master
+OMP_NUM_THREADS=1, so under torchrun `use_host_cores` gives every local process its share of the
+machine's cores when torch would otherwise step on one. Grads land in a pinned host buffer per master
 (allocated once), which copies faster than pageable memory.
 """
 
@@ -38,11 +38,15 @@ def make_master(model_tensor: torch.Tensor, offload: bool, pin: bool) -> torch.T
 
 
 def use_host_cores() -> int:
-    """If torch runs single-threaded (torchrun's default), use this process's share of the cores
-    (cores / LOCAL_WORLD_SIZE) for the host optimizer step; returns the thread count."""
-    share = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if torch.get_num_threads() == 1 and share > 1:
-        torch.set_num_threads(share)
+    """Under torchrun (LOCAL_WORLD_SIZE set), if torch runs single-threaded (torchrun's default),
+    use this process's share of the cores (cores / LOCAL_WORLD_SIZE) for the host optimizer step;
+    returns the thread count. Other launchers keep the thread count they chose (a process forked
+    from one that already ran threads can hang if it raises it)."""
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world_size is not None and torch.get_num_threads() == 1:
+        share = (os.cpu_count() or 1) // max(1, int(local_world_size))
+        if share > 1:
+            torch.set_num_threads(share)
     return torch.get_num_threads()
 
 

@@ -303,5 +303,8 @@ def test_offload_uses_this_process_share_of_the_cores(monkeypatch):
         assert use_host_cores() == 4
         torch.set_num_threads(3)    # a thread count someone chose stays
         assert use_host_cores() == 3
+        torch.set_num_threads(1)    # not under torchrun (e.g. forked test ranks): left alone
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        assert use_host_cores() == 1
     finally:
         torch.set_num_threads(threads)
