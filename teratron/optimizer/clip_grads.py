@@ -47,8 +47,8 @@ def local_grad_stats(grads, count_zeros: bool = False) -> torch.Tensor:
     count stays exact past 2**24 (the count is 0 unless `count_zeros`)."""
     # The accumulator lives on the collective's device; grads may sit elsewhere (CPU offload).
     stats = torch.zeros(2, dtype=torch.float64, device=default_device())
-    # One multi-tensor norm per device instead of a few kernels per grad: after the loss sync the
-    # GPU idles until these are launched.
+    # One multi-tensor norm per device instead of a few kernels per grad: hundreds of small
+    # launches the GPU would wait for at the end of every step.
     for group in by_device([grad.detach() for grad in grads]).values():
         norms = torch._foreach_norm(group, 2, dtype=torch.float32)
         stats[0] += torch.stack(norms).double().square().sum().to(stats)

@@ -99,8 +99,8 @@ class MegatronOptimizer(ABC):
         return self.grad_scaler.scale if self.grad_scaler is not None else torch.tensor(1.0)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        # By a Python float: moving the host scale tensor to the GPU is a blocking copy, which
-        # made the host wait for every micro-batch's forward before launching its backward.
+        # By a Python float: moving the host scale tensor to the GPU would be a blocking copy,
+        # making the host wait for every micro-batch's forward before launching its backward.
         return loss * self.get_loss_scale().item()
 
     # ----- grad statistics -----------------------------------------------------------------------
