@@ -54,14 +54,20 @@ def test_resume_is_bit_exact(tmp_path):
     assert all(resumed[i] == full[i] for i in (4, 5, 6)), (resumed, full)
 
 
-def _train_dp2_distributed_optimizer(save):
-    return train(["--train-iters", "4", "--save", save, "--save-interval", "2", "--use-distributed-optimizer"])
+def _train_dp2_distributed_optimizer(save, *extra):
+    return train(["--train-iters", "4", "--save", save, "--save-interval", "2", "--use-distributed-optimizer",
+                  *extra])
 
 
-def test_resume_into_another_layout(tmp_path):
+OVERLAPS = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "2000"]
+
+
+@pytest.mark.parametrize("overlap", [[], OVERLAPS], ids=["no-overlap", "overlap"])
+def test_resume_into_another_layout(tmp_path, overlap):
     """DP = 2 with the distributed optimizer saves; one process with the plain optimizer resumes
-    and continues the same curve (up to reduction order)."""
-    full = run_distributed(_train_dp2_distributed_optimizer, 2, str(tmp_path / "a"))[-1]
+    and continues the same curve (up to reduction order). With --overlap-param-gather the step
+    leaves other ranks' param slices to the next forward: the save must gather them first."""
+    full = run_distributed(_train_dp2_distributed_optimizer, 2, str(tmp_path / "a"), *overlap)[-1]
     resumed = train(["--train-iters", "4", "--load", rewind(tmp_path / "a", 2, tmp_path / "b")])
     assert sorted(resumed) == [3, 4]
     for i in (3, 4):
