@@ -80,6 +80,12 @@ def parallel_layout(model_chunks) -> dict:
 
 
 def sharded_items(model_chunks, optimizer=None, with_rng=True) -> list:
+    for chunk in model_chunks:
+        # DDP with --overlap-param-gather leaves the slices other data-parallel ranks updated to
+        # the next forward's all-gathers: without them the save would hold the previous step there.
+        finish_param_sync = getattr(chunk, "finish_param_sync", None)
+        if finish_param_sync is not None:
+            finish_param_sync()
     layouts = param_layouts(model_chunks)
     items = model_sharded_items(model_chunks)
     if optimizer is not None:

@@ -2,9 +2,10 @@
 
 Each trainable parameter gets `param.main_grad`, a view into a contiguous buffer (fp32 with
 `grad_reduce_in_fp32`); a hook after grad accumulation adds `param.grad` into it and frees
-`param.grad` (with gradient-accumulation fusion the layer's GEMM has added it already). Gradients are averaged over the data-parallel (x context-parallel) group, or for
-expert parameters (attribute `allreduce=False`) over the expert-data-parallel group, by one
-all-reduce per bucket, or a reduce-scatter with the distributed optimizer.
+`param.grad` (with gradient-accumulation fusion the layer's GEMM has added it already).
+Gradients are averaged over the data-parallel (x context-parallel) group, or for expert
+parameters (attribute `allreduce=False`) over the expert-data-parallel group, by one all-reduce
+per bucket, or a reduce-scatter with the distributed optimizer.
 """
 
 from contextlib import contextmanager
@@ -219,6 +220,13 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self._buckets_in_forward_order:
             if not bucket.param_gather_dispatched:
                 bucket.start_param_sync(async_op=True)
+
+    def finish_param_sync(self):
+        """Make every param current: launch the all-gathers overlap_param_gather left to the next
+        forward and wait for them (a checkpoint reads the params outside the forward)."""
+        self.dispatch_param_gathers()
+        for bucket in self._buckets_in_forward_order:
+            bucket.finish_param_sync()
 
     def zero_grad_buffer(self):
         """Zero every main_grad and reset the reduction state; call before each iteration."""

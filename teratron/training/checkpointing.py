@@ -92,11 +92,6 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, cons
     (published now, or by maybe_finalize_async_save with --async-save)."""
     global _pending_save
     maybe_finalize_async_save(blocking=True)
-    for chunk in model:
-        # --overlap-param-gather leaves the other ranks' updated slices of the params to the next
-        # forward's all-gathers: gather them now, or the checkpoint holds the previous step there.
-        if chunk.ddp_config.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
     common = {"args": args, "iteration": iteration, "consumed_train_samples": consumed_samples,
               "consumed_valid_samples": consumed_valid_samples}
     if not args.no_save_optim:

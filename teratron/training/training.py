@@ -5,9 +5,9 @@
 One iteration: zero the grad buffers, run the pipeline schedule over this step's micro-batches
 (gradient accumulation; with --cuda-graph-impl local as CUDA graphs, `full_iteration_graph`),
 stop (or skip the step) on a non-finite loss, step the optimizer and the LR schedule, update the
-MoE routers and collect their metrics, then log, evaluate and save on their intervals. At the end (also when --exit-interval or a signal stops the run) it logs the
-last partial log window, evaluates the validation set unless that iteration just did, and the
-test split.
+MoE routers and collect their metrics, then log, evaluate and save on their intervals. At the end
+(also when --exit-interval or a signal stops the run) it logs the last partial log window,
+evaluates the validation set unless that iteration just did, and the test split.
 """
 
 import math
