@@ -34,3 +34,24 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     residual, so scaling keeps the residual's variance independent of depth (GPT-2's recipe).
     """
     return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host: the copy is queued on creation and
+    waited for in `get()`, so GPU work queued in between runs while the host waits only for
+    these values (a `.tolist()` after queuing that work would wait for all of it)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor.detach().clone()
+
+    def get(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -214,9 +214,9 @@ class DistributedDataParallel(torch.nn.Module):
     def dispatch_param_gathers(self):
         """overlap_param_gather: launch now, in forward order, the all-gather of every bucket the
         optimizer has updated since its last gather; the forward pre-hooks then only wait for
-        them. Called at the start of a training step, the gathers overlap the host's work before
-        the first forward (zeroing grads, fetching the batch) instead of starting one bucket
-        ahead of the forward."""
+        them. Called right after the optimizer step, the gathers overlap the host's work before
+        the next forward (checking the loss, logging, zeroing grads, fetching the batch) instead
+        of starting one bucket ahead of the forward."""
         for bucket in self._buckets_in_forward_order:
             if not bucket.param_gather_dispatched:
                 bucket.start_param_sync(async_op=True)

@@ -24,6 +24,7 @@ from teratron.optimizer.clip_grads import (all_reduce_over_groups, clip_grad_by_
                                            local_grad_stats, param_is_counted)
 from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
 from teratron.process_groups import get_pg_rank
+from teratron.utils import HostCopy
 
 # Attributes a main param inherits from its model param (norm de-duplication, Muon layout).
 _INHERITED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
@@ -112,11 +113,18 @@ class MegatronOptimizer(ABC):
         return [p.grad for p in self.get_parameters()
                 if p.grad is not None and param_is_counted(p, self.tp_group, self.pp_group)]
 
-    def _grad_stats(self, count_zeros: bool):
-        """(global grad norm, global zero count or None): one reduction over the grid."""
+    def _grad_stats_tensor(self, count_zeros: bool) -> torch.Tensor:
+        """[global sum of squared grads, global zero count] on the device: one reduction over the grid."""
         stats = local_grad_stats(self.get_main_grads_for_grad_norm(), count_zeros)
-        all_reduce_over_groups(stats, self.grad_stats_groups)
-        return math.sqrt(stats[0].item()), int(stats[1].item()) if count_zeros else None
+        return all_reduce_over_groups(stats, self.grad_stats_groups)
+
+    @staticmethod
+    def _norm_and_zeros(stats: list, count_zeros: bool):
+        return math.sqrt(stats[0]), int(stats[1]) if count_zeros else None
+
+    def _grad_stats(self, count_zeros: bool):
+        """(global grad norm, global zero count or None)."""
+        return self._norm_and_zeros(self._grad_stats_tensor(count_zeros).tolist(), count_zeros)
 
     def get_grad_norm(self) -> float:
         return self._grad_stats(count_zeros=False)[0]
@@ -162,10 +170,36 @@ class MegatronOptimizer(ABC):
             self.grad_scaler.update(found_inf)
         if found_inf:
             return False, None, None
-        grad_norm, num_zeros = self._grad_stats(self.config.log_num_zeros_in_grad)
-        if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
-        return self.step_with_ready_grads(), grad_norm, num_zeros
+        count_zeros, clip = self.config.log_num_zeros_in_grad, self.config.clip_grad
+        stats = self._grad_stats_tensor(count_zeros)
+        if clip > 0.0 and not self._clips_in_kernel():
+            grad_norm, num_zeros = self._norm_and_zeros(stats.tolist(), count_zeros)
+            clip_grad_by_total_norm_fp32(self.get_parameters(), clip, grad_norm)
+            return self.step_with_ready_grads(), grad_norm, num_zeros
+        # The update is queued before the host waits for the norm, so the GPU does not idle
+        # while the host reads it and launches the update. Clipping, if any, happens inside
+        # the fused Adam kernel, which divides each grad by `grad_scale` as it reads it:
+        # max(1, (norm + 1e-6) / clip), the inverse of clip_grad_by_total_norm_fp32's factor.
+        if clip > 0.0:
+            self._set_grad_scale(((stats[0].sqrt() + 1.0e-6) / clip).clamp(min=1.0).float())
+        norm_on_host = HostCopy(stats)
+        try:
+            success = self.step_with_ready_grads()
+        finally:
+            self._set_grad_scale(None)
+        return (success, *self._norm_and_zeros(norm_on_host.get(), count_zeros))
+
+    def _torch_optimizers(self):
+        return [opt.optimizer for opt in self.chained_optimizers if opt.optimizer.param_groups]
+
+    def _clips_in_kernel(self) -> bool:
+        """Whether every part steps with torch's fused Adam/AdamW (which can clip by a device scale)."""
+        return all(isinstance(opt, torch.optim.Adam) and all(g["fused"] for g in opt.param_groups)
+                   for opt in self._torch_optimizers())
+
+    def _set_grad_scale(self, scale):
+        for opt in self._torch_optimizers():
+            opt.grad_scale = scale
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.get_parameters():

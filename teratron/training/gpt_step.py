@@ -5,6 +5,7 @@ from functools import partial
 import torch
 
 from teratron import parallel_state
+from teratron.utils import HostCopy
 
 
 def get_batch(data_iterator, device):
@@ -45,7 +46,7 @@ def reduce_log_dicts(log_dicts: list, device, on_host: bool = True) -> dict:
 
     [sum, count] pairs are averaged by count; anything else by micro-batch. Call on every rank of
     the last pipeline stage; returns {} elsewhere. Floats, or with on_host=False 0-d device
-    tensors (no wait for the GPU; `losses_on_host` converts them later).
+    tensors (no wait for the GPU; `LossesInFlight` brings them to the host later).
     """
     if not log_dicts:
         return {}
@@ -60,11 +61,27 @@ def reduce_log_dicts(log_dicts: list, device, on_host: bool = True) -> dict:
     if group is not None:
         torch.distributed.all_reduce(stacked, group=group)
     means = dict(zip(keys, stacked[:, 0] / stacked[:, 1]))
-    return losses_on_host(means) if on_host else means
+    return LossesInFlight(means).get() if on_host else means
 
 
-def losses_on_host(losses: dict) -> dict:
-    """{key: float} of reduce_log_dicts' device tensors: one device-to-host copy."""
-    if not losses:
-        return {}
-    return dict(zip(losses, torch.stack(list(losses.values())).tolist()))
+class LossesInFlight:
+    """reduce_log_dicts' device tensors, and optionally a device flag, on their way to the host
+    (`HostCopy`): queued before the optimizer step, waited for after it, so the GPU goes from the
+    backward to the optimizer and on to the next step without idling while the host checks and
+    logs."""
+
+    def __init__(self, losses: dict, flag: torch.Tensor | None = None):
+        self.keys = list(losses)
+        values = [v.reshape(()).float() for v in losses.values()]
+        if flag is not None:
+            values.append(flag.reshape(()).float())
+        self.has_flag = flag is not None
+        self.flag = False   # the flag's value, after get()
+        self.copy = HostCopy(torch.stack(values)) if values else None
+
+    def get(self) -> dict:
+        """{key: float}; sets `self.flag`."""
+        values = self.copy.get() if self.copy is not None else []
+        if self.has_flag:
+            self.flag = bool(values.pop())
+        return dict(zip(self.keys, values))

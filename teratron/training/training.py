@@ -28,7 +28,7 @@ from teratron.training.checkpointing import (ExitSignalHandler, check_save_dir_w
                                              maybe_finalize_async_save, save_checkpoint)
 from teratron.training.data import build_data_loader, build_datasets
 from teratron.training.full_iteration_graph import check_cuda_graph_device, training_forward_backward_func
-from teratron.training.gpt_step import forward_step, losses_on_host, reduce_log_dicts
+from teratron.training.gpt_step import LossesInFlight, forward_step, reduce_log_dicts
 from teratron.training.initialize import (get_device, initialize_distributed, initialize_model_parallel,
                                           set_random_seed, shutdown)
 from teratron.training.metrics import TrainingLogger
@@ -202,7 +202,7 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, tes
         logger.advance(state.iteration, losses.get("lm loss"))
 
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            _log(args, logger, window, state, optimizer, grad_norm, global_batch, device)
+            _log(args, logger, window, state, optimizer, grad_norm, global_batch)
         paused = time.perf_counter()  # evaluation and saving do not count as training time
         if valid_iters and state.iteration % args.eval_interval == 0:
             evaluate_and_log(args, model, step_func, valid_iters, logger, state, device)
@@ -217,7 +217,7 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, tes
         window["start"] += time.perf_counter() - paused
 
     if window["iters"]:  # stopped between logging iterations: no iteration goes unlogged
-        _log(args, logger, window, state, optimizer, grad_norm, global_batch, device)
+        _log(args, logger, window, state, optimizer, grad_norm, global_batch)
     if stop:
         logger.print(f"exiting after iteration {state.iteration} (--exit-interval or a signal)")
     if valid_iters and last_evaluated != state.iteration:
@@ -232,9 +232,9 @@ def _train_loop(args, model, optimizer, scheduler, train_iters, valid_iters, tes
     maybe_finalize_async_save(blocking=True)
 
 
-def _log(args, logger, window, state, optimizer, grad_norm, global_batch, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _log(args, logger, window, state, optimizer, grad_norm, global_batch):
+    # No device sync: each step's host already waited for its losses (the end of its backward),
+    # and a sync here would idle the GPU while the host logs and launches the next step.
     now = time.perf_counter()
     counted = max(window["iters"] - window["skipped"], 1)
     losses = {k: v / counted for k, v in window["losses"].items()}
@@ -258,6 +258,16 @@ def _accumulate(totals: dict, metrics: dict) -> None:
             totals[key] = [a + b for a, b in zip(totals[key], value)]
         else:
             totals[key] += value
+
+
+def _any_rank_non_finite(losses: dict, device) -> torch.Tensor:
+    """1.0 on every rank (a device tensor, no host sync) when any rank's losses hold NaN/Inf."""
+    flag = torch.zeros((), device=device)
+    if losses:
+        flag = (~torch.isfinite(torch.stack(list(losses.values())))).any().float()
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
 
 
 def _any_rank_true(flag: bool, device) -> bool:
@@ -287,8 +297,6 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
     from teratron.pipeline_parallel.schedules import get_forward_backward_func
 
     for chunk in model:
-        if chunk.ddp_config.overlap_param_gather:
-            chunk.dispatch_param_gathers()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     log_dicts = (forward_backward_func or get_forward_backward_func())(
@@ -296,19 +304,28 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
-    # With --skip-nan-steps the loss decides whether to step, so the host waits for it first.
-    # Otherwise the step is queued before the host waits for the loss, so the GPU goes from the
-    # backward pass to the optimizer without idling while the host reduces and checks the loss.
-    wait_for_loss = args.skip_nan_steps
-    losses = reduce_log_dicts(log_dicts, device, on_host=wait_for_loss)
-    if wait_for_loss and _any_rank_true(_non_finite(losses), device):
-        return losses, None, 1
+    losses = reduce_log_dicts(log_dicts, device, on_host=False)
+    if args.skip_nan_steps:  # the loss decides whether to step, so the host waits for it first
+        losses = LossesInFlight(losses).get()
+        if _any_rank_true(_non_finite(losses), device):
+            return losses, None, 1
+    else:
+        # The losses (and whether any rank's is NaN/Inf) start for the host before the optimizer
+        # step is queued and are waited for after it: the GPU goes from the backward to the
+        # optimizer, and on to the next step, without idling while the host checks and logs.
+        flag = _any_rank_non_finite(losses, device) if args.check_for_nan_in_loss_and_grad else None
+        in_flight = LossesInFlight(losses, flag)
     update_successful, grad_norm, _ = optimizer.step()
+    for chunk in model:
+        if chunk.ddp_config.overlap_param_gather:
+            # Launch the next forward's all-gathers now: they run while the host checks the loss,
+            # logs and starts the next step, instead of after it.
+            chunk.dispatch_param_gathers()
     if update_successful:
         scheduler.step(increment=global_batch)
-    if not wait_for_loss:
-        losses = losses_on_host(losses)
-        if args.check_for_nan_in_loss_and_grad and _any_rank_true(_non_finite(losses), device):
+    if not args.skip_nan_steps:
+        losses = in_flight.get()
+        if in_flight.flag:
             raise NonFiniteLossError(
                 f"iteration {iteration}: the loss is NaN/Inf ({_fmt(losses)}); lower --lr, check the "
                 "data, or pass --skip-nan-steps to skip such steps")

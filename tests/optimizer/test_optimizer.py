@@ -194,6 +194,36 @@ def test_bf16_params_with_fp32_master_weights(wrap_in_ddp):
         torch.testing.assert_close(p, r, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("clip_grad", [0.05, 100.0])
+def test_clip_inside_fused_adam_equals_clip_before_the_step(clip_grad):
+    """With torch's fused AdamW the clip factor reaches the kernel as a device tensor (no host
+    sync before the update): same params and grad norms as clipping the grads first."""
+
+    def run(in_kernel):
+        model = _model()
+        opt = get_megatron_optimizer(OptimizerConfig(lr=0.01, weight_decay=0.1, clip_grad=clip_grad), [model])
+        for group in opt.optimizer.param_groups:
+            group["fused"] = True  # CPU fused AdamW: the kernel the GPU path uses
+        if not in_kernel:
+            opt._clips_in_kernel = lambda: False
+        assert opt._clips_in_kernel() == in_kernel
+        norms = []
+        for x, y in _batches():
+            opt.zero_grad()
+            _loss(model, x, y).backward()
+            ok, norm, _ = opt.step()
+            assert ok and getattr(opt.optimizer, "grad_scale", None) is None
+            norms.append(norm)
+        return [p.detach().clone() for p in model.parameters()], norms
+
+    params, norms = run(in_kernel=True)
+    ref_params, ref_norms = run(in_kernel=False)
+    assert norms == ref_norms
+    assert (max(norms) > clip_grad) == (clip_grad < 1.0)  # the small clip really clips
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r)
+
+
 def test_fp16_loss_scaling_skips_overflow_and_recovers():
     model = _model(torch.float16)
     opt = get_megatron_optimizer(OptimizerConfig(lr=0.01, fp16=True, params_dtype=torch.float16,
