@@ -21,7 +21,8 @@ S, B, H, F_ = 8, 2, 16, 32
 
 
 def _config(fusion, dtype=torch.float32):
-    return ModelParallelConfig(gradient_accumulation_fusion=fusion, params_dtype=dtype)
+    # CPU params also on a GPU machine: the CUDA kernel has its own test below.
+    return ModelParallelConfig(gradient_accumulation_fusion=fusion, params_dtype=dtype, use_cpu_initialization=True)
 
 
 class _Mlp(torch.nn.Module):

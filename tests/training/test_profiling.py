@@ -17,8 +17,11 @@ RUN = TINY + NO_DROPOUT + ["--train-iters", "3", "--eval-iters", "0"]
 PROFILE = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "3"]
 
 
+BUSY = "device busy (union of kernels)"   # a timeline line, only when the device ran kernels
+
+
 def _summary(text):
-    """{category: (ms, fraction of wall)} from a kernels file's summary lines."""
+    """{category: (ms, fraction of wall)} from a kernels file's summary lines (and the busy line)."""
     rows = re.findall(r"^(.+?)\s+([\d.]+) ms\s+([\d.]+)% of wall time", text, re.M)
     return {name.strip(): (float(ms), float(pct) / 100) for name, ms, pct in rows}
 
@@ -40,6 +43,7 @@ def test_profiled_range_writes_a_trace_and_a_kernel_table(tmp_path, capsys):
     assert names.count("Optimizer.step#AdamW.step") == 1  # iteration 2 only
     assert table.startswith("rank 0, iterations 2-2 (1), wall time ")
     summary = _summary(table)
+    summary.pop(BUSY, None)  # CPU ops have no device timeline
     assert set(summary) == {"NCCL", "attention", "GEMM", OTHER}
     assert summary["GEMM"][0] > 0 and summary["attention"][0] > 0 and summary["NCCL"][0] == 0
     rows = [line for line in table.splitlines() if line.strip().startswith("aten::")]
@@ -50,8 +54,11 @@ def test_profiled_range_writes_a_trace_and_a_kernel_table(tmp_path, capsys):
 def test_cuda_kernels_are_categorised(tmp_path, capsys):
     _, table = _profiled_run(tmp_path, capsys, ["--bf16"])
     summary = _summary(table)
+    busy = summary.pop(BUSY)[1]
     assert "(CUDA kernel time)" in table and summary["GEMM"][0] > 0 and summary["attention"][0] > 0
-    assert 0 < sum(fraction for _, fraction in summary.values()) <= 1.0
+    kernel_time = sum(fraction for _, fraction in summary.values())
+    # Kernels may overlap (NCCL beside compute), so their sum can exceed the busy union, not the wall.
+    assert 0 < busy <= min(kernel_time, 1.0) + 1e-3 and kernel_time <= 1.0
 
 
 def test_kernel_categories():
