@@ -6,7 +6,7 @@
 thread per rank); the list of its per-rank return values comes back (tensors included). A rank
 that raises makes the whole call raise with that rank's traceback; a hang fails after `timeout`.
 Ranks are forked, so `fn` may be any function, including one defined inside a test; they see no
-GPU, also on a machine that has one.
+GPU, also on a machine that has one (tests/conftest.py hides it from tests without the gpu mark).
 """
 
 import io
@@ -28,10 +28,6 @@ def _free_port() -> int:
 
 def _rank_main(rank, world_size, port, fn, args, kwargs, conn):
     torch.set_num_threads(1)
-    # CPU ranks also on a GPU machine: a forked child cannot use CUDA once the parent has (GPU
-    # tests earlier in the session), and these tests compare CPU ranks with CPU references.
-    torch.cuda.is_available = lambda: False
-    torch.cuda.device_count = lambda: 0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:

@@ -124,6 +124,7 @@ def test_gemm_sizes_must_be_multiples_of_16():
                 reduce_grad_output=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with FP8 (sm89+)")
 def test_cuda_matches_the_reference():
     if torch.cuda.get_device_capability() < (8, 9):

@@ -21,8 +21,7 @@ S, B, H, F_ = 8, 2, 16, 32
 
 
 def _config(fusion, dtype=torch.float32):
-    # CPU params also on a GPU machine: the CUDA kernel has its own test below.
-    return ModelParallelConfig(gradient_accumulation_fusion=fusion, params_dtype=dtype, use_cpu_initialization=True)
+    return ModelParallelConfig(gradient_accumulation_fusion=fusion, params_dtype=dtype)
 
 
 class _Mlp(torch.nn.Module):
@@ -138,6 +137,7 @@ def test_a_marked_weight_used_outside_its_layer_still_gets_its_gradient():
     assert_close(model.fc1.weight.main_grad, ref.fc1.weight.grad)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMM into fp32)")
 def test_cuda_fused_wgrad_matches_fp32_product():
     g = torch.Generator(device="cuda").manual_seed(0)

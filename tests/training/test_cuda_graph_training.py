@@ -16,7 +16,9 @@ from teratron.transformer.cuda_graphs import NEED_CUDA
 from teratron.transformer.transformer_config import TransformerConfig
 from test_cli import NO_DROPOUT, TINY
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def needs_cuda(test):
+    """A GPU test: skipped without CUDA, and marked `gpu` so conftest.py leaves CUDA visible."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")(test))
 
 BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
@@ -61,7 +63,6 @@ def test_overlap_flags_stay_allowed_where_sound():
                           "--use-distributed-optimizer"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
 @pytest.mark.parametrize("flag", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"]])
 def test_cpu_run_is_refused_in_one_line(flag, capsys):
     assert cli.main(["train"] + TINY + ["--train-iters", "3"] + flag) == 2

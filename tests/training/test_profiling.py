@@ -50,6 +50,7 @@ def test_profiled_range_writes_a_trace_and_a_kernel_table(tmp_path, capsys):
     assert 0 < len(rows) <= 60 and any(r.strip().startswith(("aten::mm ", "aten::addmm ")) for r in rows)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a GPU")
 def test_cuda_kernels_are_categorised(tmp_path, capsys):
     _, table = _profiled_run(tmp_path, capsys, ["--bf16"])

@@ -285,6 +285,7 @@ def test_config_and_flag_errors(capsys):
         assert err.count("\n") == 1 and err.startswith("teratron: error: ") and phrase in err, err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_memory_drops_and_gradients_equal():
     # The reference attention path: SDPA's flash backward is not deterministic, so two runs would

@@ -152,10 +152,11 @@ def test_norms_match_formulas():
     assert not any(p.sequence_parallel for p in LayerNorm(make_config(), 16).parameters())
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def needs_cuda(test):
+    """A GPU test: skipped without CUDA, and marked `gpu` so conftest.py leaves CUDA visible."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
-@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kernels_match_the_plain_formula(dtype):

@@ -21,7 +21,9 @@ from teratron.transformer.cuda_graphs import NEED_CUDA, LayerCudaGraphs, enable_
 from teratron.transformer.enums import AttnBackend
 from teratron.transformer.transformer_config import TransformerConfig
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def needs_cuda(test):
+    """A GPU test: skipped without CUDA, and marked `gpu` so conftest.py leaves CUDA visible."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")(test))
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
             hidden_dropout=0.0, attention_dropout=0.0)
