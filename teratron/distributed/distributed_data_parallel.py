@@ -198,33 +198,26 @@ class DistributedDataParallel(torch.nn.Module):
 
         With overlap_param_gather (and neither force flag) the buckets are only marked stale:
         the forward pre-hooks gather them bucket by bucket during the next forward.
-        force_dispatch launches all gathers asynchronously now; force_sync gathers and waits.
+        force_dispatch launches, in forward order, the gathers of the stale buckets now (the
+        pre-hooks then only wait for them); force_sync gathers every bucket and waits.
         """
         if not self.ddp_config.use_distributed_optimizer:
             return
         overlap = self.ddp_config.overlap_param_gather
         for bucket in self._buckets_in_forward_order:
-            if overlap and not force_sync and not force_dispatch:
-                bucket.mark_params_stale()
-            elif overlap and force_dispatch and not force_sync:
-                bucket.start_param_sync(async_op=True)
-            else:
+            if force_sync or not overlap:
                 bucket.start_param_sync(async_op=False)
-
-    def dispatch_param_gathers(self):
-        """overlap_param_gather: launch now, in forward order, the all-gather of every bucket the
-        optimizer has updated since its last gather; the forward pre-hooks then only wait for
-        them. Called right after the optimizer step, the gathers overlap the host's work before
-        the next forward (checking the loss, logging, zeroing grads, fetching the batch) instead
-        of starting one bucket ahead of the forward."""
-        for bucket in self._buckets_in_forward_order:
-            if not bucket.param_gather_dispatched:
-                bucket.start_param_sync(async_op=True)
+            elif force_dispatch:
+                if not bucket.param_gather_dispatched:  # else in flight or done already
+                    bucket.start_param_sync(async_op=True)
+            else:
+                bucket.mark_params_stale()
 
     def finish_param_sync(self):
         """Make every param current: launch the all-gathers overlap_param_gather left to the next
         forward and wait for them (a checkpoint reads the params outside the forward)."""
-        self.dispatch_param_gathers()
+        if self.ddp_config.overlap_param_gather:
+            self.start_param_sync(force_dispatch=True)
         for bucket in self._buckets_in_forward_order:
             bucket.finish_param_sync()
 

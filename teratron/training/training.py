@@ -270,14 +270,6 @@ def _any_rank_non_finite(losses: dict, device) -> torch.Tensor:
     return flag
 
 
-def _any_rank_true(flag: bool, device) -> bool:
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def train_step(args, model, optimizer, scheduler, step_func, data_iterator, num_microbatches,
                global_batch, iteration, device, forward_backward_func=None):
     """One optimizer step over `num_microbatches` micro-batches; returns (losses, grad norm,
@@ -305,22 +297,22 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
     losses = reduce_log_dicts(log_dicts, device, on_host=False)
-    if args.skip_nan_steps:  # the loss decides whether to step, so the host waits for it first
-        losses = LossesInFlight(losses).get()
-        if _any_rank_true(_non_finite(losses), device):
+    # The losses, and whether any rank's is NaN/Inf, leave for the host now and are waited for
+    # after the optimizer step is queued: the GPU goes from the backward to the optimizer, and on
+    # to the next step, without idling while the host checks and logs. With --skip-nan-steps the
+    # loss decides whether to step, so the host waits for it first.
+    check = args.check_for_nan_in_loss_and_grad or args.skip_nan_steps
+    in_flight = LossesInFlight(losses, _any_rank_non_finite(losses, device) if check else None)
+    if args.skip_nan_steps:
+        losses = in_flight.get()
+        if in_flight.flag:
             return losses, None, 1
-    else:
-        # The losses (and whether any rank's is NaN/Inf) start for the host before the optimizer
-        # step is queued and are waited for after it: the GPU goes from the backward to the
-        # optimizer, and on to the next step, without idling while the host checks and logs.
-        flag = _any_rank_non_finite(losses, device) if args.check_for_nan_in_loss_and_grad else None
-        in_flight = LossesInFlight(losses, flag)
     update_successful, grad_norm, _ = optimizer.step()
     for chunk in model:
         if chunk.ddp_config.overlap_param_gather:
             # Launch the next forward's all-gathers now: they run while the host checks the loss,
             # logs and starts the next step, instead of after it.
-            chunk.dispatch_param_gathers()
+            chunk.start_param_sync(force_dispatch=True)
     if update_successful:
         scheduler.step(increment=global_batch)
     if not args.skip_nan_steps:
@@ -334,10 +326,6 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
         raise NonFiniteLossError(f"iteration {iteration}: the gradient norm is {float(grad_norm)}; "
                                  "lower --lr or set --clip-grad")
     return losses, grad_norm, 0 if update_successful else 1
-
-
-def _non_finite(losses: dict) -> bool:
-    return any(not math.isfinite(v) for v in losses.values())
 
 
 def _fmt(losses):

@@ -77,7 +77,7 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
         if ddp_config.overlap_param_gather and step % 2 == 1:
             # As the training loop does: launch the stale buckets' gathers before the forward
             # (odd steps); even steps leave them to the forward pre-hooks.
-            ddp.dispatch_param_gathers()
+            ddp.start_param_sync(force_dispatch=True)
             assert all(b.param_gather_dispatched for b in ddp._all_buckets())
         ddp.zero_grad_buffer()
         opt.zero_grad()
