@@ -209,6 +209,9 @@ def _bad_input_cases(tmp_path):
         "zero query groups": (TINY + ["--group-query-attention", "--num-query-groups", "0"],
                               "--num-query-groups must be >= 1"),
         "negative seed": (TINY + ["--seed", "-1"], "--seed must be in"),
+        "copy-engine collectives without a GPU": (
+            TINY + ["--use-distributed-optimizer", "--ddp-copy-engine-collectives"],
+            "--ddp-copy-engine-collectives needs CUDA GPUs"),
         "negative learning rate": (TINY + ["--lr", "-1"], "--lr must be >= 0"),
         "metrics file is a directory": (TINY + ["--metrics-file", str(tmp_path)], "--metrics-file"),
         "tensorboard dir is a file": (TINY + ["--tensorboard-dir", _write_corrupt_dataset(tmp_path) + ".bin"],

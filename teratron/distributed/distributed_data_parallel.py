@@ -125,6 +125,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket[param].register_grad_ready(param)
 
+    @torch.compiler.disable  # bookkeeping and collective launches: never traced into a layer's graph
     def _forward_pre_hook(self, module, args):
         for param in self._params_gathered_before[module]:
             self.param_to_bucket[param].finish_param_sync()
@@ -192,6 +193,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Wait until every bucket's grads are reduced (launching any still pending)."""
         for bucket in self._all_buckets():
             bucket.finish_grad_sync()
+        for buffer in self._all_buffers():
+            if buffer.copy_engine is not None:
+                buffer.copy_engine.fence()  # no peer still reads the grads zero_grad_buffer clears
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """Distributed optimizer: all-gather each rank's updated param slices.

@@ -28,6 +28,11 @@ class DistributedDataParallelConfig:
     num_distributed_optimizer_instances: int = 1
     """Only 1 (one distributed-optimizer instance over the full data-parallel group)."""
 
+    copy_engine_collectives: bool = False
+    """Distributed optimizer, all data-parallel ranks on one NVLink node: reduce-scatter grads and
+    all-gather params by copy-engine pulls from symmetric memory instead of NCCL kernels, which
+    slow the GEMMs beside them more (teratron's own; see distributed/copy_engine.py)."""
+
     check_for_nan_in_grad: bool = False
     """Raise before reducing when a local gradient holds NaN or Inf."""
 
@@ -58,6 +63,10 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "overlap_param_gather needs use_distributed_optimizer=True "
                 "(--use-distributed-optimizer); only the distributed optimizer gathers params")
+        if self.copy_engine_collectives and not self.use_distributed_optimizer:
+            raise ValueError(
+                "copy_engine_collectives needs use_distributed_optimizer=True "
+                "(--use-distributed-optimizer); it replaces the reduce-scatter and all-gather")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive element count or None, got {self.bucket_size}")
         for name in ("check_for_large_grads", "fp8_param_gather", "use_megatron_fsdp"):

@@ -6,7 +6,8 @@ is a view into it. A buffer is cut into buckets: one collective each. Parameters
 out in reverse registration order, which is roughly the order backward produces their
 grads, so the first bucket is ready first. With the distributed optimizer every bucket is
 padded to a multiple of lcm(DP size, 128), so rank r owns the r-th equal, aligned contiguous
-slice of each bucket (`shard_range`).
+slice of each bucket (`shard_range`). With `copy_engine_collectives` both buffers live in
+symmetric memory and the bucket collectives are copy-engine pulls (`copy_engine.py`).
 """
 
 import math
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from teratron import comm
+from teratron.distributed.copy_engine import CopyEngineCollectives, check_copy_engine_group, symmetric_zeros
 from teratron.process_groups import get_pg_rank, get_pg_size
 
 
@@ -72,6 +74,16 @@ class _ParamAndGradBucket:
                 raise RuntimeError(
                     f"rank {dist.get_rank() if dist.is_initialized() else 0}: NaN or Inf in local "
                     f"gradients before the data-parallel reduce (bucket {self.bucket_id}, norm {norm.item()})")
+        async_op = config.overlap_grad_reduce and buffer.dp_size > 1
+        self.grad_reduce_started = True
+        if buffer.copy_engine is not None:
+            divisor = buffer.dp_size if config.average_in_collective else 1
+            work = buffer.copy_engine.reduce_scatter(self.offset, self.numel,
+                                                     buffer.gradient_scaling_factor / divisor)
+            if not async_op:
+                work.wait()
+            self.grad_reduce_handle = work if async_op else None
+            return
         op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
         scale = buffer.gradient_scaling_factor
         if scale != 1.0 and op == dist.ReduceOp.SUM and buffer.dp_size > 1 and buffer.nccl:
@@ -80,8 +92,6 @@ class _ParamAndGradBucket:
             op = dist._make_nccl_premul_sum(scale)
         elif scale != 1.0:
             self.grad_data.mul_(scale)
-        async_op = config.overlap_grad_reduce and buffer.dp_size > 1
-        self.grad_reduce_started = True
         if buffer.dp_size == 1:
             return
         if config.use_distributed_optimizer:
@@ -109,6 +119,12 @@ class _ParamAndGradBucket:
         self.param_gather_dispatched = True
         self.param_gather_handle = None
         if self.buffer.dp_size == 1:
+            return
+        if self.buffer.copy_engine is not None:
+            work = self.buffer.copy_engine.all_gather(self.offset, self.numel)
+            if not async_op:
+                work.wait()
+            self.param_gather_handle = work if async_op else None
             return
         self.param_gather_handle = comm.all_gather_into_tensor(
             self.param_data, self._shard(self.param_data), self.buffer.data_parallel_group, async_op)
@@ -150,10 +166,19 @@ class _ParamAndGradBuffer:
         bucket_ranges = self._layout(bucket_size)
         self.numel = bucket_ranges[-1][1] if bucket_ranges else 0
         device = self.params[0].device
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        if ddp_config.copy_engine_collectives:
+            check_copy_engine_group(data_parallel_group, device)
+        copy_engine = ddp_config.copy_engine_collectives and self.dp_size > 1
+
+        def zeros(dtype):
+            if copy_engine:  # peers pull from it
+                return symmetric_zeros(self.numel, dtype, device)
+            return torch.zeros(self.numel, dtype=dtype, device=device)
+
+        self.grad_data = zeros(grad_dtype)
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
-            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+            self.param_data = zeros(param_dtype)
         with torch.no_grad():
             for param, (start, end, _) in self.param_index_map.items():
                 if self.param_data is not None:
@@ -164,6 +189,10 @@ class _ParamAndGradBuffer:
         self.buckets = []
         for bucket_id, (start, end, bucket_params) in enumerate(bucket_ranges):
             self.buckets.append(_ParamAndGradBucket(self, bucket_params, start, end - start, bucket_id))
+        self.copy_engine = None
+        if copy_engine:
+            self.copy_engine = CopyEngineCollectives(data_parallel_group, self.grad_data, self.param_data,
+                                                     max(bucket.numel for bucket in self.buckets))
 
     def _pad(self, numel):
         """Bucket ends are padded so every DP rank owns an equal, aligned slice."""

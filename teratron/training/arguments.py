@@ -256,6 +256,9 @@ def _add_parallel_args(parser):
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the param all-gather with forward (distributed optimizer).")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="Grad bucket size in elements.")
+    g.add_argument("--ddp-copy-engine-collectives", action="store_true", dest="copy_engine_collectives",
+                   help="Distributed optimizer on one NVLink node: reduce-scatter and all-gather by "
+                        "copy-engine pulls from symmetric memory instead of NCCL kernels.")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="Average grads inside the collective.")
     g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
@@ -641,6 +644,8 @@ def _validate_parallel(args, world_size):
                                       args.data_parallel_size, args.rampup_batch_size)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.copy_engine_collectives and not args.use_distributed_optimizer:
+        raise ValueError("--ddp-copy-engine-collectives needs --use-distributed-optimizer")
 
 
 def _validate_moe(args):

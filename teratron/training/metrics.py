@@ -70,9 +70,12 @@ def device_peak_tflops() -> Optional[float]:
 
 
 def peak_memory_gib() -> float:
-    """Peak allocated GPU memory, or on CPU the process's peak resident set size."""
+    """Peak allocated GPU memory (with symmetric memory the caching allocator does not count),
+    or on CPU the process's peak resident set size."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        from teratron.distributed.copy_engine import bytes_outside_allocator
+
+        return (torch.cuda.max_memory_allocated() + bytes_outside_allocator()) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 

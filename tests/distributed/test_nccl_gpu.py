@@ -1,6 +1,7 @@
 """DDP + distributed optimizer on 2 GPUs with NCCL (async reduce-scatter and all-gather on CUDA
-streams, pinned CPU offload) equal one GPU with gradient accumulation over the same batch (the
-CPU-stepped half of an offloaded run up to one rounding: see _worker).
+streams, pinned CPU offload) and with copy-engine collectives (symmetric memory, overlaps on and
+off) equal one GPU with gradient accumulation over the same batch (the CPU-stepped half of an
+offloaded run up to one rounding: see _worker).
 
 The pytest entry launches this file with torchrun; `python -m torch.distributed.run
 --nproc-per-node 2 tests/distributed/test_nccl_gpu.py` runs the workers directly.
@@ -74,18 +75,23 @@ def _worker():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
     parallel_state.initialize_model_parallel()
-    for offload in (0.0, 0.5):
+    runs = [(0.0, False, True), (0.5, False, True), (0.0, True, True), (0.0, True, False)]
+    for offload, copy_engine, overlap in runs:
         ref = _reference(device, fused=offload == 0.0)
         ddp = DistributedDataParallel(Config(), DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-            overlap_param_gather=True, bucket_size=HIDDEN * HIDDEN), _model(device))
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap, copy_engine_collectives=copy_engine,
+            bucket_size=HIDDEN * HIDDEN), _model(device))
         opt = get_megatron_optimizer(OptimizerConfig(
             lr=LR, weight_decay=0.01, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0,
             use_distributed_optimizer=True, optimizer_cpu_offload=offload > 0,
             optimizer_offload_fraction=offload), [ddp])
-        # NCCL scales each rank's grads by 1/DP inside the reduce-scatter (premultiplied sum);
-        # the bit-for-bit comparison below holds that to the reference's sum then halving.
+        # NCCL scales each rank's grads by 1/DP inside the reduce-scatter (premultiplied sum), the
+        # copy engine's add multiplies the sum; the bit-for-bit comparison below holds both to the
+        # reference's sum then halving.
         assert all(buffer.nccl for buffer in ddp.buffers)
+        assert all((buffer.copy_engine is not None) == copy_engine for buffer in ddp.buffers)
+        assert len(ddp.buffers[0].buckets) > 1 or not overlap  # without overlap: one bucket
         x, y = _data(device)
         for step in range(STEPS):
             ddp.zero_grad_buffer()

@@ -61,6 +61,7 @@ def test_validation_errors():
         (["--seed", "-1"], "--seed must be in"),
         (["--lr", "-1"], "--lr must be >= 0"),
         (["--save", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
+        (["--ddp-copy-engine-collectives"], "--ddp-copy-engine-collectives needs --use-distributed-optimizer"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
