@@ -38,6 +38,11 @@ def check_copy_engine_group(group, device) -> None:
         raise ValueError(f"{flag} needs CUDA GPUs (the model is on {device.type}); drop the flag")
     if get_pg_size(group) > 1 and dist.get_backend(group) != "nccl":
         raise ValueError(f"{flag} needs the NCCL backend (got {dist.get_backend(group)}); drop the flag")
+    try:
+        _symmetric_memory()
+    except ImportError as error:
+        raise ValueError(f"{flag} needs torch.distributed._symmetric_memory, which this PyTorch lacks "
+                         f"({error}); drop the flag or use a CUDA build of torch (tested with 2.11)") from error
 
 
 _bytes_outside_allocator = 0
