@@ -102,18 +102,24 @@ class CopyEngineCollectives:
                                    device=grad_data.device)
         self.stream = torch.cuda.Stream(device=grad_data.device)
 
-    def _on_side_stream(self, work) -> _StreamWork:
+    def _on_side_stream(self, work, async_op: bool):
+        """Run `work` on the side stream after the current stream's queued work. Like
+        torch.distributed: a handle with async_op, else the current stream waits now (None)."""
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             work()
             event = torch.cuda.Event()
             event.record()
-        return _StreamWork(event)
+        handle = _StreamWork(event)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def _peer_view(self, handle, peer, dtype, start, numel):
         return handle.get_buffer(peer, (numel,), dtype, start)
 
-    def reduce_scatter(self, offset: int, numel: int, scale: float) -> _StreamWork:
+    def reduce_scatter(self, offset: int, numel: int, scale: float, async_op: bool):
         """Our slice of grad_data[offset:offset + numel] = scale x the sum of every rank's."""
         shard = numel // self.world_size
         start = offset + self.rank * shard
@@ -127,9 +133,9 @@ class CopyEngineCollectives:
                 mine.add_(staged)
             if scale != 1.0:
                 mine.mul_(scale)
-        return self._on_side_stream(work)
+        return self._on_side_stream(work, async_op)
 
-    def all_gather(self, offset: int, numel: int) -> _StreamWork:
+    def all_gather(self, offset: int, numel: int, async_op: bool):
         """Every peer's slice of param_data[offset:offset + numel] pulled into ours."""
         shard = numel // self.world_size
 
@@ -139,8 +145,8 @@ class CopyEngineCollectives:
                 start = offset + peer * shard
                 self.param_data[start:start + shard].copy_(
                     self._peer_view(self.param_handle, peer, self.param_data.dtype, start, shard))
-        return self._on_side_stream(work)
+        return self._on_side_stream(work, async_op)
 
     def fence(self) -> None:
         """The current stream continues once every rank has finished its reduce-scatter pulls."""
-        self._on_side_stream(self.grad_handle.barrier).wait()
+        self._on_side_stream(self.grad_handle.barrier, async_op=False)

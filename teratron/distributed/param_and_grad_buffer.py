@@ -78,11 +78,8 @@ class _ParamAndGradBucket:
         self.grad_reduce_started = True
         if buffer.copy_engine is not None:
             divisor = buffer.dp_size if config.average_in_collective else 1
-            work = buffer.copy_engine.reduce_scatter(self.offset, self.numel,
-                                                     buffer.gradient_scaling_factor / divisor)
-            if not async_op:
-                work.wait()
-            self.grad_reduce_handle = work if async_op else None
+            self.grad_reduce_handle = buffer.copy_engine.reduce_scatter(
+                self.offset, self.numel, buffer.gradient_scaling_factor / divisor, async_op)
             return
         op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
         scale = buffer.gradient_scaling_factor
@@ -121,10 +118,7 @@ class _ParamAndGradBucket:
         if self.buffer.dp_size == 1:
             return
         if self.buffer.copy_engine is not None:
-            work = self.buffer.copy_engine.all_gather(self.offset, self.numel)
-            if not async_op:
-                work.wait()
-            self.param_gather_handle = work if async_op else None
+            self.param_gather_handle = self.buffer.copy_engine.all_gather(self.offset, self.numel, async_op)
             return
         self.param_gather_handle = comm.all_gather_into_tensor(
             self.param_data, self._shard(self.param_data), self.buffer.data_parallel_group, async_op)

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from teratron.distributed.copy_engine import bytes_outside_allocator
+
 # Dense bf16 tensor-core peak, TFLOP/s per GPU, by device-name substring.
 _PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -73,8 +75,6 @@ def peak_memory_gib() -> float:
     """Peak allocated GPU memory (with symmetric memory the caching allocator does not count),
     or on CPU the process's peak resident set size."""
     if torch.cuda.is_available():
-        from teratron.distributed.copy_engine import bytes_outside_allocator
-
         return (torch.cuda.max_memory_allocated() + bytes_outside_allocator()) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
