@@ -9,7 +9,6 @@ import numpy
 import pytest
 import torch
 
-from shared_paths import FIXTURES_DIR
 from teratron.datasets.indexed_dataset import (
     DType,
     IndexedDataset,
@@ -18,7 +17,8 @@ from teratron.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-FIXTURES = str(FIXTURES_DIR / "megatron_idx")
+# .bin/.idx files written by Megatron-LM's IndexedDatasetBuilder; manifest.json names the commit.
+FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "megatron_idx")
 MANIFEST = json.load(open(os.path.join(FIXTURES, "manifest.json")))
 BY_PREFIX = {d["prefix"]: d for d in MANIFEST["datasets"]}
 
