@@ -11,20 +11,18 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-transformers = pytest.importorskip("transformers")
-
-from convert.hf_testing import (TOKENIZER_FILES, VOCAB, convert, finetune, hf_logits,  # noqa: E402
+from convert.hf_testing import (TOKENIZER_FILES, VOCAB, convert, finetune, hf_logits,
                                 hf_tensors, ids_and_positions, save_random_hf_model)
-from dist import run_distributed  # noqa: E402
-from teratron import parallel_state as ps  # noqa: E402
-from teratron import cli  # noqa: E402
-from teratron.convert import cli as convert_cli  # noqa: E402
-from teratron.convert.hf import from_hf  # noqa: E402
-from teratron.convert.hf_mapping import teratron_to_hf  # noqa: E402
-from teratron.convert.safetensors_io import INDEX_FILENAME  # noqa: E402
-from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, storage  # noqa: E402
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config  # noqa: E402
-from teratron.dist_checkpointing.model_state import is_model_key  # noqa: E402
+from dist import run_distributed
+from teratron import parallel_state as ps
+from teratron import cli
+from teratron.convert import cli as convert_cli
+from teratron.convert.hf import from_hf
+from teratron.convert.hf_mapping import teratron_to_hf
+from teratron.convert.safetensors_io import INDEX_FILENAME
+from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, storage
+from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_state import is_model_key
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)

@@ -11,17 +11,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-transformers = pytest.importorskip("transformers")
-
-from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, finetune, hf_logits, hf_tensors,  # noqa: E402
+from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, finetune, hf_logits, hf_tensors,
                                 ids_and_positions, read_config, save_random_hf_model)
-from dist import run_distributed  # noqa: E402
-from teratron import parallel_state as ps  # noqa: E402
-from teratron.convert.hf import from_hf  # noqa: E402
-from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf  # noqa: E402
-from teratron.convert.safetensors_io import INDEX_FILENAME  # noqa: E402
-from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage  # noqa: E402
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config  # noqa: E402
+from dist import run_distributed
+from teratron import parallel_state as ps
+from teratron.convert.hf import from_hf
+from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.convert.safetensors_io import INDEX_FILENAME
+from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage
+from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
 
 MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
