@@ -10,6 +10,7 @@ from teratron import cli
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
 from teratron.pipeline_parallel.schedules import forward_backward_no_pipelining
 from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.build import ddp_config_from_args
 from teratron.training.full_iteration_graph import (FullIterationCudaGraph, LayerCudaGraphSteps, cuda_graph_phase,
                                                     training_forward_backward_func)
 from teratron.transformer.cuda_graphs import NEED_CUDA
@@ -57,10 +58,16 @@ def test_flag_combinations_refused(argv, message):
         _config(argv)
 
 
-def test_overlap_flags_stay_allowed_where_sound():
-    _config(NO_DROPOUT + ["--cuda-graph-impl", "local", "--overlap-grad-reduce"])  # hooks run after each layer
-    _config(NO_DROPOUT + ["--cuda-graph-scope", "full_iteration", "--cuda-graph-impl", "local",
-                          "--use-distributed-optimizer"])
+@pytest.mark.parametrize("argv, scope, ddp_field", [
+    (["--cuda-graph-impl", "local", "--overlap-grad-reduce"], "full", "overlap_grad_reduce"),  # hooks run after each layer
+    (["--cuda-graph-scope", "full_iteration", "--cuda-graph-impl", "local", "--use-distributed-optimizer"],
+     "full_iteration", "use_distributed_optimizer"),
+])
+def test_overlap_flags_stay_allowed_where_sound(argv, scope, ddp_field):
+    args = validate_args(parse_train_args(BASE + NO_DROPOUT + argv), world_size=1)
+    config = core_transformer_config_from_args(args)
+    assert (config.cuda_graph_impl, config.cuda_graph_scope) == ("local", scope)
+    assert getattr(ddp_config_from_args(args), ddp_field)  # the data-parallel flag still reaches DDP
 
 
 @pytest.mark.parametrize("flag", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"]])

@@ -73,13 +73,21 @@ def test_unsound_settings_raise(overrides, message):
             _config(**overrides)
 
 
-def test_sound_settings_build():
-    for overrides in (dict(LOCAL, hidden_dropout=0.1),  # the default generator is graph-safe
-                      dict(LOCAL, cuda_graph_scope="full_iteration", enable_autocast=True),
-                      dict(LOCAL, cuda_graph_use_single_mempool=True, cuda_graph_warmup_steps=0),
-                      dict(LOCAL, pipeline_model_parallel_size=2),
-                      dict(cuda_graph_scope="attn"), dict(attention_dropout=0.1)):  # impl 'none'
-        _config(**overrides)
+SOUND = [  # (settings, whether the GPT's decoder then holds per-layer graphs)
+    (dict(LOCAL, hidden_dropout=0.1), True),  # the default generator is graph-safe
+    (dict(LOCAL, cuda_graph_scope="full_iteration", enable_autocast=True), False),  # the step is captured whole
+    (dict(LOCAL, cuda_graph_use_single_mempool=True, cuda_graph_warmup_steps=0), True),
+    (dict(LOCAL, pipeline_model_parallel_size=2), True),
+    (dict(cuda_graph_scope="attn"), False),  # impl 'none': nothing is captured, so nothing is refused
+    (dict(attention_dropout=0.1), False),
+]
+
+
+@pytest.mark.parametrize("overrides, layer_graphs", SOUND)
+def test_sound_settings_build(overrides, layer_graphs):
+    config = _config(**overrides, use_cpu_initialization=True)
+    assert {name: getattr(config, name) for name in overrides} == overrides  # kept as asked, not rewritten
+    assert isinstance(_gpt(config).decoder.cuda_graphs, LayerCudaGraphs) == layer_graphs
 
 
 def test_enable_cuda_graph_is_the_deprecated_local_switch():
