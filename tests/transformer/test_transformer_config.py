@@ -339,7 +339,8 @@ def test_supported_fields_build():
     )
     c = _build(**supported)
     assert c.recompute_modules == ["core_attn", "mlp", "layernorm"]
-    assert _build(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    full = _build(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 4)
     assert _build(multi_latent_attention=True).multi_latent_attention
     moe = _build(num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                  expert_model_parallel_size=2, add_bias_linear=False, moe_grouped_gemm=True,
