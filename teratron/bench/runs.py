@@ -137,8 +137,8 @@ def parse_baseline(output: str) -> BaselineResult:
 def run_baseline(script: str, compile: bool, micro_batch_size: int, accumulation: int, steps: int) -> BaselineResult:
     """The HF Llama baseline at its fixed (benchmark) shape, on one GPU, with our batch layout."""
     if not os.path.isfile(script):
-        raise FileNotFoundError(f"--hf-baseline {script}: no such file; copy ../shared/bench/hf_baseline.py "
-                                "there, or pass --skip-baseline")
+        raise FileNotFoundError(f"--hf-baseline {script}: no such file; pass the path of the repository's "
+                                "bench/hf_baseline.py, or pass --skip-baseline")
     env = dict(os.environ, COMPILE="1" if compile else "0", MBS=str(micro_batch_size),
                ACC=str(accumulation), STEPS=str(steps))
     return parse_baseline(_run([sys.executable, script], "the HF baseline", env))

@@ -7,7 +7,7 @@ import pytest
 
 from teratron.bench import cli
 from teratron.bench.report import comparison
-from teratron.bench.runs import BaselineResult, TrainResult, parse_baseline, summarize, train_command
+from teratron.bench.runs import BaselineResult, TrainResult, parse_baseline, run_baseline, summarize, train_command
 
 
 def test_tiny_cpu_run_end_to_end(tmp_path, capsys):
@@ -46,6 +46,13 @@ def test_parse_baseline_line():
     assert parse_baseline("compiling...\n" + line) == BaselineResult(True, 48912.0, 421.6, 0.426, 46.3)
     with pytest.raises(ChildProcessError):
         parse_baseline("Traceback ...")
+
+
+def test_missing_baseline_script_names_the_flag_and_the_shipped_copy(tmp_path):
+    missing = tmp_path / "hf_baseline.py"
+    with pytest.raises(FileNotFoundError, match=rf"^--hf-baseline {missing}: no such file; pass the path of the "
+                                                r"repository's bench/hf_baseline.py, or pass --skip-baseline$"):
+        run_baseline(str(missing), compile=True, micro_batch_size=1, accumulation=1, steps=1)
 
 
 def test_comparison_ratio_and_estimate_error():
