@@ -55,6 +55,20 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
             raise ValueError("GPTDatasetConfig.tokenizer is required (its eod marks documents)")
         if self.sequence_length < 2:
             raise ValueError(f"sequence_length must be >= 2 for GPT samples (got {self.sequence_length})")
+        self._check_eod()
+
+    def _check_eod(self) -> None:
+        """The options that find documents by their end-of-document token need the tokenizer's."""
+        needs_eod = {"--reset-position-ids": self.reset_position_ids,
+                     "--reset-attention-mask": self.reset_attention_mask,
+                     "--eod-mask-loss": self.eod_mask_loss, "--mock-data": self.mock}
+        users = [flag for flag, on in needs_eod.items() if on]
+        if not users:
+            return
+        try:
+            self.tokenizer.eod  # noqa: B018 (a tokenizer without one raises AttributeError)
+        except AttributeError as err:
+            raise ValueError(f"{', '.join(users)}: {err}; or drop {' and '.join(users)}") from None
 
 
 class GPTDataset(MegatronDataset):
@@ -126,8 +140,9 @@ class GPTDataset(MegatronDataset):
         c = self.config
         if not (c.reset_position_ids or c.reset_attention_mask or c.eod_mask_loss):
             if c.create_attention_mask and self._causal_mask is None:
+                # Plain causal: no EOD is looked for (the tokenizer need not have one).
                 self._causal_mask = get_ltor_masks_and_position_ids(
-                    tokens, c.tokenizer.eod, False, False, False, True)[0]
+                    tokens, _PAD_TOKEN_ID, False, False, False, True)[0]
             loss_mask = torch.ones(tokens.numel(), dtype=torch.float)
             position_ids = torch.arange(tokens.numel(), dtype=torch.long)
             return (self._causal_mask if c.create_attention_mask else None), loss_mask, position_ids

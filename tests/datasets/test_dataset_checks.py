@@ -127,3 +127,27 @@ def test_train_refuses_out_of_vocabulary_data_in_one_line(tmp_path, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"teratron: error: {prefix}.bin: token id 150"), err
     assert "Traceback" not in out + err and not save.exists()
+
+
+class TokenizerWithoutEod:
+    vocab_size = 100
+
+    @property
+    def eod(self):
+        raise AttributeError("HuggingFaceTokenizer has no eos token: set eos_token in a tokenizer_config.json")
+
+
+def test_options_that_need_an_eod_token_refuse_a_tokenizer_without_one(tmp_path):
+    prefix = write_dataset(tmp_path / "data", [[1, 2, 3, 4, 5]] * 20)
+    common = dict(random_seed=1, sequence_length=4, blend=([prefix], None), split="1,0,0",
+                  path_to_cache=str(tmp_path / "cache"), tokenizer=TokenizerWithoutEod())
+    with pytest.raises(ValueError, match=r"^--reset-position-ids, --eod-mask-loss: HuggingFaceTokenizer has "
+                                         r"no eos token: .*; or drop --reset-position-ids and --eod-mask-loss$"):
+        GPTDatasetConfig(reset_position_ids=True, eod_mask_loss=True, **common)
+    with pytest.raises(ValueError, match=r"^--mock-data: HuggingFaceTokenizer has no eos token"):
+        GPTDatasetConfig(**{**common, "blend": None})
+    # Plain causal samples (attention mask included) never look for an EOD.
+    config = GPTDatasetConfig(create_attention_mask=True, **common)
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [10, 0, 0], lambda: True, config).build()[0]
+    sample = train[0]
+    assert sample["attention_mask"].tolist() == [[[j > i for j in range(4)] for i in range(4)]]
