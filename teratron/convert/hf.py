@@ -17,9 +17,9 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
-from teratron.convert.hf_mapping import hf_to_teratron, teratron_to_hf
+from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
-from teratron.convert.safetensors_io import open_hf_weights, save_hf_weights
+from teratron.convert.safetensors_io import HFWeights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
@@ -48,9 +48,22 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
+def expected_hf_shapes(model_args: dict, family: str) -> dict:
+    """HF tensor name -> shape for the model of `model_args`: the parameters of the model built on
+    the meta device (no memory) mapped through the export transforms, so the import expects
+    exactly what an export of that model writes."""
+    config = transformer_config(model_args, perform_initialization=False)
+    with torch.device("meta"):
+        model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
+    return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
+
+
 def _read_hf(path, model_args, family):
-    names, read = open_hf_weights(path)
-    return hf_to_teratron(names, read, model_args, family, f"--hf-path {path}")
+    """The teratron state dict of the HF folder, read only after every file's header matched the
+    config (names and shapes)."""
+    weights = HFWeights(path)
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, f"--hf-path {path}")
+    return hf_to_teratron(weights.read, model_args, family)
 
 
 def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
