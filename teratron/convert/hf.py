@@ -164,6 +164,19 @@ def _trained_aux_loss_coeff(checkpoint_dir: str):
     return next((float(c) for t, c in zip(types, coeffs) if t == "aux_loss"), None)
 
 
+def _check_export_shapes(tensors: dict, model_args: dict, family: str, checkpoint_dir: str) -> None:
+    """Every exported tensor has the shape the written config.json gives it, so transformers can
+    load the folder (a checkpoint imported without shape checks may not)."""
+    expected = expected_hf_shapes(model_args, family)
+    wrong = [name for name in sorted(tensors) if tuple(tensors[name].shape) != expected[name]]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(f"--load {checkpoint_dir}: {name} would have shape {list(tensors[name].shape)} but "
+                         f"the model args in metadata.json give {list(expected[name])}"
+                         f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}; the checkpoint does "
+                         "not match its metadata: import or save the model again")
+
+
 def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtype: torch.dtype | None = None) -> str:
     """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
     folder `out`, published by renaming a finished temporary folder."""
@@ -182,6 +195,7 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     hf_config = hf_config_from_model_args(model_args, base, aux_loss_coeff)
     tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
                              hf_config["model_type"])
+    _check_export_shapes(tensors, model_args, hf_config["model_type"], checkpoint_dir)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tmp = storage.staging_dir(out)

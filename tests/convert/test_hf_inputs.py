@@ -153,3 +153,19 @@ def test_a_sharded_folder_whose_index_and_files_disagree(tmp_path, capsys):
     status, lines = import_hf_cli(src, tmp_path / "ckpt", capsys)
     assert status == 2 and len(lines) == 1 and lines[0].startswith(f"teratron: error: {second}: "), lines
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_export_refuses_a_checkpoint_whose_tensors_disagree_with_its_model_args(tmp_path, capsys, monkeypatch):
+    """A checkpoint imported without the shape check (as before it existed) holding a down_proj of
+    the wrong shape: export-hf refuses in one line and writes no folder."""
+    src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    write_hf(src, shapes={**SHAPES, L + "mlp.down_proj.weight": (8, 10)})
+    with monkeypatch.context() as m:
+        m.setattr("teratron.convert.hf.check_hf_tensors", lambda *args: None)
+        assert import_hf_cli(src, ckpt, capsys)[0] == 0
+    status = cli.main(["convert", "export-hf", "--load", str(ckpt), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert f"{L}mlp.down_proj.weight would have shape [8, 10] but the model args in metadata.json give [8, 12]" \
+        in lines[0]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
