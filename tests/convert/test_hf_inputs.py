@@ -65,12 +65,12 @@ def test_a_consistent_folder_imports(tmp_path, capsys):
 def disagreements():
     """name -> (config, shapes, the phrase the error line must contain)."""
     down = L + "mlp.down_proj.weight"
+    sizes = "config.json (hidden_size, intermediate_size, heads, vocab_size, ...)"
     return {
         "intermediate size": ({**CONFIG, "intermediate_size": 16}, SHAPES,
-                              f"{down} in model.safetensors has shape [8, 12] but config.json "
-                              "(hidden_size, intermediate_size, heads, vocab_size, ...) gives [8, 16] (and 2 more)"),
-        "hidden size": ({**CONFIG, "hidden_size": 16}, SHAPES, "lm_head.weight in model.safetensors has shape "
-                        "[11, 8] but config.json (hidden_size, intermediate_size, heads, vocab_size, ...) gives [11, 16]"),
+                              f"{down} in model.safetensors has shape [8, 12] but {sizes} gives [8, 16] (and 2 more)"),
+        "hidden size": ({**CONFIG, "hidden_size": 16}, SHAPES,
+                        f"lm_head.weight in model.safetensors has shape [11, 8] but {sizes} gives [11, 16]"),
         "down_proj shape": (CONFIG, {**SHAPES, down: (8, 10)}, f"{down} in model.safetensors has shape [8, 10]"),
         "down_proj transposed": (CONFIG, {**SHAPES, down: (12, 8)}, f"{down} in model.safetensors has shape [12, 8]"),
         "vocabulary": (CONFIG, {**SHAPES, "model.embed_tokens.weight": (12, 8)}, "model.embed_tokens.weight in "
