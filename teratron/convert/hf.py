@@ -17,9 +17,9 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
-from teratron.convert.hf_mapping import hf_to_teratron, teratron_to_hf
+from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
-from teratron.convert.safetensors_io import open_hf_weights, save_hf_weights
+from teratron.convert.safetensors_io import HFWeights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
@@ -48,9 +48,22 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
+def expected_hf_shapes(model_args: dict, family: str) -> dict:
+    """HF tensor name -> shape for the model of `model_args`: the parameters of the model built on
+    the meta device (no memory) mapped through the export transforms, so the import expects
+    exactly what an export of that model writes."""
+    config = transformer_config(model_args, perform_initialization=False)
+    with torch.device("meta"):
+        model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
+    return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
+
+
 def _read_hf(path, model_args, family):
-    names, read = open_hf_weights(path)
-    return hf_to_teratron(names, read, model_args, family, f"--hf-path {path}")
+    """The teratron state dict of the HF folder, read only after every file's header matched the
+    config (names and shapes)."""
+    weights = HFWeights(path)
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, f"--hf-path {path}")
+    return hf_to_teratron(weights.read, model_args, family)
 
 
 def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
@@ -151,6 +164,19 @@ def _trained_aux_loss_coeff(checkpoint_dir: str):
     return next((float(c) for t, c in zip(types, coeffs) if t == "aux_loss"), None)
 
 
+def _check_export_shapes(tensors: dict, model_args: dict, family: str, checkpoint_dir: str) -> None:
+    """Every exported tensor has the shape the written config.json gives it, so transformers can
+    load the folder (a checkpoint imported without shape checks may not)."""
+    expected = expected_hf_shapes(model_args, family)
+    wrong = [name for name in sorted(tensors) if tuple(tensors[name].shape) != expected[name]]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(f"--load {checkpoint_dir}: {name} would have shape {list(tensors[name].shape)} but "
+                         f"the model args in metadata.json give {list(expected[name])}"
+                         f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}; the checkpoint does "
+                         "not match its metadata: import or save the model again")
+
+
 def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtype: torch.dtype | None = None) -> str:
     """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
     folder `out`, published by renaming a finished temporary folder."""
@@ -169,6 +195,7 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     hf_config = hf_config_from_model_args(model_args, base, aux_loss_coeff)
     tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
                              hf_config["model_type"])
+    _check_export_shapes(tensors, model_args, hf_config["model_type"], checkpoint_dir)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tmp = storage.staging_dir(out)

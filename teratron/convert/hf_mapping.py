@@ -89,9 +89,6 @@ def split_qkv(qkv, a):
 
 def _pad_vocab(t, a):
     padded = a["padded_vocab_size"]
-    if t.shape[0] != a["vocab_size"]:
-        raise ValueError(f"a vocabulary tensor has {t.shape[0]} rows but config.json says vocab_size="
-                         f"{a['vocab_size']}; the files and config disagree")
     return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
 
 
@@ -153,23 +150,39 @@ def _all_rows(a, family):
                 yield from _expand(EXPERT_TABLE, i=i, e=e, **words)
 
 
-def hf_to_teratron(hf_names, read, a, family: str, source: str) -> dict:
-    """Global teratron state dict from HF tensors of `family` (its model_type); `read(name)`
-    loads one HF tensor."""
-    hf_names, out = set(hf_names), {}
-    used = set() if a["untie_embeddings_and_output_weights"] else {"lm_head.weight"}  # a tied copy, if saved
-    for name, names, transform in _rows(a, family):
-        missing = [n for n in names if n not in hf_names]
-        if missing:
-            raise ValueError(f"{source}: {missing[0]} is missing (config.json says the model has it); "
-                             "the files are incomplete or do not match the config")
-        out[name] = TRANSFORMS[transform][0]([read(n) for n in names], a)
-        used.update(names)
-    unknown = sorted(n for n in hf_names - used if not _IGNORED_HF.match(n))
+def check_hf_tensors(weights, expected: dict, a, source: str) -> None:
+    """Refuse HF files whose tensors are not exactly the model's: one missing, one unknown, or one
+    whose shape differs from `expected` (HF name -> shape, from the config). `weights` has the
+    files' `shapes` and `files` (name -> shape / file name); nothing is read but the headers."""
+    allowed = dict(expected)
+    if not a["untie_embeddings_and_output_weights"]:  # a tied copy of the embedding, if saved
+        allowed["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    missing = sorted(set(expected) - set(weights.shapes))
+    if missing:
+        raise ValueError(f"{source}: {missing[0]} is missing{_more(missing)} (config.json says the model has "
+                         "it); the files are incomplete or do not match the config")
+    unknown = sorted(n for n in set(weights.shapes) - set(allowed) if not _IGNORED_HF.match(n))
     if unknown:
         raise ValueError(f"{source}: {len(unknown)} tensors have no teratron counterpart, e.g. {unknown[0]}; "
-                         "the model has parts this converter does not know")
-    return out
+                         "the model has parts this converter does not know, or config.json describes another model")
+    wrong = [n for n in sorted(weights.shapes) if n in allowed and tuple(weights.shapes[n]) != tuple(allowed[n])]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(f"{source}: {name} in {weights.files[name]} has shape {list(weights.shapes[name])} but "
+                         f"config.json (hidden_size, intermediate_size, heads, vocab_size, ...) gives "
+                         f"{list(allowed[name])}{_more(wrong)}; the weights and config.json disagree: use the "
+                         "config.json saved with these weights")
+
+
+def _more(names) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def hf_to_teratron(read, a, family: str) -> dict:
+    """Global teratron state dict from the HF tensors of `family` (its model_type); `read(name)`
+    loads one HF tensor. Check the files first (`check_hf_tensors`)."""
+    return {name: TRANSFORMS[transform][0]([read(n) for n in names], a)
+            for name, names, transform in _rows(a, family)}
 
 
 def teratron_to_hf(state: dict, a, family: str) -> dict:

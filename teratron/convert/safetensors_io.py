@@ -2,8 +2,10 @@
 
 import json
 import os
+from contextlib import contextmanager
 
-from safetensors import safe_open
+import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_FILENAME = "model.safetensors.index.json"
@@ -22,26 +24,55 @@ def _read_weight_map(index: str) -> dict:
     return weight_map
 
 
-def open_hf_weights(path: str):
-    """(names, read(name) -> tensor) over the folder's safetensors files, read lazily."""
+class HFWeights:
+    """The tensors of a Hugging Face folder's safetensors files. Opening reads every file's header
+    (names, shapes; a damaged, truncated or inconsistent file refuses here, naming it), so a model
+    is checked before any data is read; `read(name)` loads one tensor."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.files = _weight_map(path)  # tensor name -> file name
+        self.shapes = {}  # tensor name -> shape, from the headers
+        for filename in sorted(set(self.files.values())):
+            with _open(path, filename) as f:
+                stored = set(f.keys())
+                for name in (n for n, file in self.files.items() if file == filename):
+                    if name not in stored:
+                        raise ValueError(f"{os.path.join(path, filename)}: has no tensor {name}, which "
+                                         f"{INDEX_FILENAME} places there; restore the file or the index")
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        with _open(self.path, self.files[name]) as f:
+            return f.get_tensor(name)
+
+
+def _weight_map(path: str) -> dict:
     index = os.path.join(path, INDEX_FILENAME)
     if os.path.isfile(index):
         weight_map = _read_weight_map(index)
     elif os.path.isfile(os.path.join(path, SINGLE_FILENAME)):
-        with safe_open(os.path.join(path, SINGLE_FILENAME), "pt") as f:
+        with _open(path, SINGLE_FILENAME) as f:
             weight_map = {name: SINGLE_FILENAME for name in f.keys()}
     else:
         raise FileNotFoundError(f"--hf-path {path}: no {SINGLE_FILENAME} or {INDEX_FILENAME}; save the model "
                                 "with safetensors (save_pretrained(..., safe_serialization=True))")
     for filename in set(weight_map.values()):
-        if not os.path.isfile(os.path.join(path, filename)):
+        if not isinstance(filename, str) or not os.path.isfile(os.path.join(path, filename)):
             raise FileNotFoundError(f"--hf-path {path}: {filename}, listed in {INDEX_FILENAME}, is missing")
+    return weight_map
 
-    def read(name):
-        with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
-            return f.get_tensor(name)
 
-    return list(weight_map), read
+@contextmanager
+def _open(path: str, filename: str):
+    """`safe_open` of one file of the folder; its errors name the file."""
+    file = os.path.join(path, filename)
+    try:
+        with safe_open(file, "pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); the file is damaged or "
+                         "truncated: download or save the model again") from None
 
 
 def save_hf_weights(tensors: dict, path: str, max_shard_bytes: int) -> list:

@@ -19,6 +19,7 @@ from teratron.datasets.helpers import build_sample_idx
 from teratron.datasets.indexed_dataset import IndexedDataset
 from teratron.datasets.megatron_dataset import MegatronDataset, load_or_build_indices
 from teratron.datasets.utils import Split
+from teratron.datasets.vocab_check import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,20 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
             raise ValueError("GPTDatasetConfig.tokenizer is required (its eod marks documents)")
         if self.sequence_length < 2:
             raise ValueError(f"sequence_length must be >= 2 for GPT samples (got {self.sequence_length})")
+        self._check_eod()
+
+    def _check_eod(self) -> None:
+        """The options that find documents by their end-of-document token need the tokenizer's."""
+        needs_eod = {"--reset-position-ids": self.reset_position_ids,
+                     "--reset-attention-mask": self.reset_attention_mask,
+                     "--eod-mask-loss": self.eod_mask_loss, "--mock-data": self.mock}
+        users = [flag for flag, on in needs_eod.items() if on]
+        if not users:
+            return
+        try:
+            self.tokenizer.eod  # noqa: B018 (a tokenizer without one raises AttributeError)
+        except AttributeError as err:
+            raise ValueError(f"{', '.join(users)}: {err}; or drop {' and '.join(users)}") from None
 
 
 class GPTDataset(MegatronDataset):
@@ -75,9 +90,21 @@ class GPTDataset(MegatronDataset):
     def numel_low_level_dataset(low_level_dataset: IndexedDataset) -> int:
         return low_level_dataset.sequence_lengths.shape[0]
 
-    @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
-        return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
+    @classmethod
+    def build_low_level_dataset(cls, dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        """The `.bin/.idx` pair, its layout checked on open and its token ids against the
+        tokenizer's vocabulary (`vocab_check`), before any sample is drawn."""
+        dataset = IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
+        check_token_ids(dataset, config.tokenizer.vocab_size, cls._cache_dir(config, dataset_path))
+        return dataset
+
+    @classmethod
+    def _cache_dir(cls, config: GPTDatasetConfig, path_prefix: Optional[str]) -> Optional[str]:
+        """Where the indices of the dataset at `path_prefix` are cached (Megatron's default: a
+        `cache` folder under the prefix; mock data: only in `path_to_cache`)."""
+        if config.path_to_cache is not None or config.mock:
+            return config.path_to_cache
+        return f"{path_prefix}/cache/{cls.__name__}_indices"
 
     @staticmethod
     def _key_config_attributes() -> List[str]:
@@ -113,8 +140,9 @@ class GPTDataset(MegatronDataset):
         c = self.config
         if not (c.reset_position_ids or c.reset_attention_mask or c.eod_mask_loss):
             if c.create_attention_mask and self._causal_mask is None:
+                # Plain causal: no EOD is looked for (the tokenizer need not have one).
                 self._causal_mask = get_ltor_masks_and_position_ids(
-                    tokens, c.tokenizer.eod, False, False, False, True)[0]
+                    tokens, _PAD_TOKEN_ID, False, False, False, True)[0]
             loss_mask = torch.ones(tokens.numel(), dtype=torch.float)
             position_ids = torch.arange(tokens.numel(), dtype=torch.long)
             return (self._causal_mask if c.create_attention_mask else None), loss_mask, position_ids
@@ -145,9 +173,7 @@ class GPTDataset(MegatronDataset):
         return text, num_real
 
     def _build_document_sample_shuffle_indices(self):
-        path_to_cache = self.config.path_to_cache
-        if path_to_cache is None and not self.config.mock:
-            path_to_cache = f"{self.dataset.path_prefix}/cache/{type(self).__name__}_indices"
+        path_to_cache = self._cache_dir(self.config, None if self.config.mock else self.dataset.path_prefix)
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         arrays, self.built_anew_on_cache_miss = load_or_build_indices(
             path_to_cache, base, self.unique_description,
@@ -264,6 +290,7 @@ class MockGPTLowLevelDataset:
     seed: int = 0
     size: int = 100000
     max_sequence_length: int = 4096
+    content_signature = None  # no files: nothing to key the index cache by
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

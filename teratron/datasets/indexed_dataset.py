@@ -8,13 +8,15 @@ N u64 | document count D u64 | lengths i32[N] | byte pointers i64[N] | document 
 import os
 import struct
 from enum import Enum
-from typing import List, Optional, Tuple, Type, Union
+from typing import Dict, List, Optional, Tuple, Type, Union
 
 import numpy
 import torch
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, N, D
+# Sequences per vectorized step of the layout check: about 50 MiB of temporaries, whatever N.
+_LAYOUT_CHUNK = 1 << 22
 
 
 class DType(Enum):
@@ -63,8 +65,21 @@ def get_bin_path(path_prefix: str) -> str:
     return path_prefix + ".bin"
 
 
+def get_content_signature(path_prefix: str) -> Dict[str, int]:
+    """Size and modification time (ns) of the `.bin` and `.idx`: what the caches derived from a
+    dataset are keyed by, so writing the dataset again (`preprocess` replaces both files)
+    invalidates them."""
+    signature = {}
+    for suffix, path in (("bin", get_bin_path(path_prefix)), ("idx", get_idx_path(path_prefix))):
+        stat = os.stat(path)
+        signature[f"{suffix}_bytes"] = stat.st_size
+        signature[f"{suffix}_mtime_ns"] = stat.st_mtime_ns
+    return signature
+
+
 class _IndexReader:
-    """The `.idx` file, memory-mapped and checked for consistency on open (sizes only, no scan)."""
+    """The `.idx` file, memory-mapped; its header and size are checked on open, its pointers and
+    lengths against the `.bin` by `check_layout`."""
 
     def __init__(self, idx_path: str, multimodal: bool) -> None:
         self.idx_path = idx_path
@@ -120,6 +135,30 @@ class _IndexReader:
             return 0
         return int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype_size
 
+    def check_layout(self, bin_path: str, bin_bytes: int) -> None:
+        """The sequences must lie back to back from byte 0 to the end of the `.bin`, as every
+        writer (Megatron's and ours) lays them out, so one pointer or length edited into the index
+        breaks the chain here, at open, not mid-run. Vectorized, `_LAYOUT_CHUNK` sequences a step."""
+        end = 0  # where the sequences checked so far end, in bytes
+        for start in range(0, self.sequence_count, _LAYOUT_CHUNK):
+            lengths = self.sequence_lengths[start:start + _LAYOUT_CHUNK].astype(numpy.int64)
+            pointers = self.sequence_pointers[start:start + _LAYOUT_CHUNK]
+            if lengths.min() < 0:
+                i = start + int(numpy.argmax(lengths < 0))
+                raise ValueError(f"{self.idx_path}: sequence {i} has length {self.sequence_lengths[i]} "
+                                 f"< 0: the index is damaged; rewrite the dataset (teratron preprocess)")
+            starts = end + numpy.concatenate(([0], numpy.cumsum(lengths[:-1] * self.dtype_size)))
+            if not numpy.array_equal(pointers, starts):
+                i = int(numpy.argmax(pointers != starts))
+                raise ValueError(f"{self.idx_path}: sequence {start + i} starts at byte {pointers[i]} but "
+                                 f"the sequences before it end at byte {starts[i]}: the index was edited "
+                                 f"or damaged; rewrite the dataset (teratron preprocess)")
+            end = int(starts[-1]) + int(lengths[-1]) * self.dtype_size
+        if end != bin_bytes:
+            raise ValueError(f"{bin_path}: the index addresses {end} bytes but the file has {bin_bytes}: "
+                             f"a truncated, padded or mismatched .bin; rewrite the dataset "
+                             f"(teratron preprocess)")
+
 
 class _MMapBinReader:
     def __init__(self, bin_path: str) -> None:
@@ -150,6 +189,7 @@ class IndexedDataset(torch.utils.data.Dataset):
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True) -> None:
         super().__init__()
         self._initialize(path_prefix, multimodal, mmap)
+        self.index.check_layout(get_bin_path(path_prefix), self.bin_bytes)
 
     def _initialize(self, path_prefix: str, multimodal: bool, mmap: bool) -> None:
         self.path_prefix = path_prefix
@@ -161,15 +201,14 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise ValueError(f"{bin_path}: data file not found (its index exists); "
                              f"rewrite the dataset")
         self.bin_bytes = os.path.getsize(bin_path)
-        if self.index.data_bytes() > self.bin_bytes:
-            raise ValueError(f"{bin_path}: the index addresses {self.index.data_bytes()} bytes but "
-                             f"the file has {self.bin_bytes}: truncated or mismatched .bin")
+        self.content_signature = get_content_signature(path_prefix)
         self.bin_reader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
 
     def __getstate__(self) -> Tuple[str, bool, bool]:
         return self.path_prefix, self.multimodal, self.mmap
 
     def __setstate__(self, state: Tuple[str, bool, bool]) -> None:
+        # A copy in a data-loader worker: the process that pickled it checked the layout.
         self._initialize(*state)
 
     def __len__(self) -> int:
@@ -328,15 +367,15 @@ class IndexedDatasetBuilder:
                              f"differs from the builder's {numpy.dtype(self.dtype).name}; "
                              f"merge only datasets written with the same tokenizer")
         bin_path = get_bin_path(path_prefix)
-        if not os.path.isfile(bin_path) or os.path.getsize(bin_path) < index.data_bytes():
-            raise ValueError(f"{bin_path}: missing or shorter than its index says")
+        if not os.path.isfile(bin_path):
+            raise ValueError(f"{bin_path}: data file not found (its index exists); rewrite the dataset")
+        index.check_layout(bin_path, os.path.getsize(bin_path))
         offset = len(self.sequence_lengths)
         self.sequence_lengths.extend(index.sequence_lengths.tolist())
         self.document_indices.extend((index.document_indices[1:] + offset).tolist())
         if self.multimodal:
             self.sequence_modes.extend(index.sequence_modes.tolist())
         with open(bin_path, "rb") as f:
-            # Copy only the addressed bytes, so a padded .bin cannot shift the pointers after it.
             remaining = index.data_bytes()
             while remaining:
                 chunk = f.read(min(remaining, 1 << 24))

@@ -12,11 +12,12 @@ import numpy
 import torch
 
 from teratron.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
-from teratron.datasets.utils import Split, atomic_write, save_npy_atomic
+from teratron.datasets.utils import Split, atomic_write, is_rank_zero, save_npy_atomic
 
 
 class MegatronDataset(ABC, torch.utils.data.Dataset):
-    """A dataset drawn from the documents `indices` of a low-level dataset, for one split."""
+    """A dataset drawn from the documents `indices` of a low-level dataset, for one split. The
+    low-level dataset's `content_signature` (None when it has no files) is part of the cache key."""
 
     def __init__(self, dataset, dataset_path: Optional[str], indices: numpy.ndarray,
                  num_samples: Optional[int], index_split: Split,
@@ -31,6 +32,9 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         self.unique_identifiers = OrderedDict()
         self.unique_identifiers["class"] = type(self).__name__
         self.unique_identifiers["dataset_path"] = self.dataset_path
+        # The files' size and mtime: indices cached for a dataset written again at the same path
+        # (re-preprocessed) are not reused.
+        self.unique_identifiers["dataset_content"] = dataset.content_signature
         self.unique_identifiers["num_samples"] = self.num_samples
         self.unique_identifiers["index_split"] = self.index_split.name
         for attr in self._key_config_attributes():
@@ -75,10 +79,6 @@ def _describe(obj):
     return "(" + ", ".join(parts) + ")"
 
 
-def _is_rank_zero() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
 def load_or_build_indices(path_to_cache: Optional[str], base: str, description: str,
                           names: List[str], build: Callable[[], List[numpy.ndarray]]):
     """The cached arrays `{base}-{name}.npy` under `path_to_cache`, or `build()` on a miss.
@@ -95,7 +95,7 @@ def load_or_build_indices(path_to_cache: Optional[str], base: str, description: 
     if all(map(os.path.isfile, [description_path, *files])):
         return [numpy.load(f, allow_pickle=False, mmap_mode="r") for f in files], False
     arrays = build()
-    if _is_rank_zero():
+    if is_rank_zero():
         try:
             os.makedirs(path_to_cache, exist_ok=True)
             for f, array in zip(files, arrays):

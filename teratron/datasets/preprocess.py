@@ -66,6 +66,8 @@ def run(args: argparse.Namespace, tokenizer=None) -> int:
         from teratron.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(args)
+    if args.append_eod:
+        _check_has_eod(tokenizer)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     global _ENCODER
     _ENCODER = _Encoder(args.input, list(args.json_keys), args.append_eod, tokenizer)
@@ -97,6 +99,14 @@ def _check_args(args) -> None:
     if not os.path.isdir(out_dir):
         raise ValueError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist; "
                          f"create it first")
+
+
+def _check_has_eod(tokenizer) -> None:
+    """--append-eod needs the tokenizer's end-of-document id: ask for it before any worker starts."""
+    try:
+        tokenizer.eod  # noqa: B018 (a tokenizer without one raises AttributeError)
+    except AttributeError as err:
+        raise ValueError(f"--append-eod: {err}; or drop --append-eod") from None
 
 
 class _Encoder:

@@ -10,6 +10,7 @@ from enum import Enum
 from typing import List, Optional, Tuple
 
 import numpy
+import torch
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -117,6 +118,11 @@ def get_train_valid_test_num_samples(
     return [train_iters * global_batch_size,
             evaluations * global_batch_size,
             eval_iters * global_batch_size]
+
+
+def is_rank_zero() -> bool:
+    """Whether this process writes the shared caches (rank 0, or the only process)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 @contextmanager

@@ -186,9 +186,16 @@ def corrupt(tmp_path, name, edit_idx=None, edit_bin=None):
 
 
 def test_corruption_raises_naming_the_file(tmp_path):
-    n = len(BY_PREFIX["sample"]["documents"])  # 8 sequences, 9 document indices
+    n = len(BY_PREFIX["sample"]["documents"])  # 8 sequences (lengths 6 4 2 21 4 31 10 2), uint16
     lengths_at = 34
     pointers_at = lengths_at + 4 * n
+
+    def set_length(d, i, value):
+        return d[:lengths_at + 4 * i] + struct.pack("<i", value) + d[lengths_at + 4 * (i + 1):]
+
+    def set_pointer(d, i, value):
+        return d[:pointers_at + 8 * i] + struct.pack("<q", value) + d[pointers_at + 8 * (i + 1):]
+
     cases = {
         "bad magic": (lambda d: b"NOTMAGIC!" + d[9:], None, r"\.idx: bad magic"),
         "version": (lambda d: d[:9] + struct.pack("<Q", 2) + d[17:], None, r"\.idx: index version 2"),
@@ -198,21 +205,31 @@ def test_corruption_raises_naming_the_file(tmp_path):
         "count": (lambda d: d[:18] + struct.pack("<Q", n + 1) + d[26:], None, r"\.idx: truncated index"),
         "doc indices": (lambda d: d[:-8] + struct.pack("<q", n - 1), None, r"\.idx: corrupt document indices"),
         "short bin": (None, lambda d: d[:-2], r"\.bin: the index addresses 160 bytes but the file has 158"),
-        "pointer": (lambda d: d[:pointers_at + 8 * (n - 1)] + struct.pack("<q", 10_000) + d[pointers_at + 8 * n:],
-                    None, r"\.bin: the index addresses"),
-        "length": (lambda d: d[:lengths_at + 4 * (n - 1)] + struct.pack("<i", 1000) + d[lengths_at + 4 * n:],
-                   None, r"\.bin: the index addresses"),
+        "padded bin": (None, lambda d: d + b"\x00\x00", r"\.bin: the index addresses 160 bytes but the file has 162"),
+        "pointer": (lambda d: set_pointer(d, n - 1, 10_000), None,
+                    r"\.idx: sequence 7 starts at byte 10000 but the sequences before it end at byte 156"),
+        "length": (lambda d: set_length(d, n - 1, 1000), None,
+                   r"\.bin: the index addresses 2156 bytes but the file has 160"),
+        # Edits that stay inside the file: before the layout check they read wrong tokens silently.
+        "pointer in range": (lambda d: set_pointer(d, 1, 2), None,
+                             r"\.idx: sequence 1 starts at byte 2 but the sequences before it end at byte 12"),
+        "middle length": (lambda d: set_length(d, 0, 1), None,
+                          r"\.idx: sequence 1 starts at byte 12 but the sequences before it end at byte 2"),
+        "last length shorter": (lambda d: set_length(d, n - 1, 1), None,
+                                r"\.bin: the index addresses 158 bytes but the file has 160"),
+        "negative length": (lambda d: set_length(d, 2, -3), None, r"\.idx: sequence 2 has length -3 < 0"),
     }
     for name, (edit_idx, edit_bin, message) in cases.items():
         prefix = corrupt(tmp_path, name.replace(" ", "_"), edit_idx, edit_bin)
         with pytest.raises(ValueError, match=message) as info:
             IndexedDataset(prefix)
         assert prefix in str(info.value), name
-    # A corrupt pointer in the middle is caught when it is read.
-    prefix = corrupt(tmp_path, "mid", lambda d: d[:pointers_at + 8] + struct.pack("<q", 10_000) + d[pointers_at + 16:])
-    ds = IndexedDataset(prefix)
-    with pytest.raises(ValueError, match=r"mid\.bin: read of 4 tokens at byte 10000 is outside the file"):
-        ds[1]
+    # A merge refuses a damaged input before copying anything.
+    merger = IndexedDatasetBuilder(str(tmp_path / "merged.bin"), dtype=numpy.uint16)
+    with pytest.raises(ValueError, match=r"pointer_in_range\.idx: sequence 1 starts at byte 2"):
+        merger.add_index(str(tmp_path / "pointer_in_range"))
+    merger.discard()
+    prefix = corrupt(tmp_path, "mid")
     os.unlink(prefix + ".bin")
     with pytest.raises(ValueError, match=r"mid\.bin: data file not found"):
         IndexedDataset(prefix)

@@ -134,3 +134,36 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path, workers):
     with pytest.raises(ValueError, match="--workers 3 must be a multiple of --partitions 2"):
         preprocess.run(parse("--input", str(src), "--output-prefix", "x", "--workers", "3", "--partitions", "2"),
                        tokenizer=FakeTokenizer())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_append_eod_with_a_tokenizer_without_eos_is_one_line(tmp_path, capsys, workers):
+    """A Hugging Face tokenizer.json without an EOS token under --append-eod: exit 2, one line that
+    names the fix, no output files (before: two tracebacks, exit 1). With eos_token set in a
+    tokenizer_config.json beside it, the same command appends that id."""
+    from teratron import cli
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    vocab = {"<unk>": 0, "hi": 1, "there": 2, "</end>": 3}
+    (folder / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+        "pre_tokenizer": {"type": "Whitespace"}}))
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"text": "hi there"}, {"text": "there hi hi"}] * 4)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["preprocess", "--input", str(src), "--output-prefix", str(out / "x"), "--append-eod",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder),
+            "--workers", str(workers), "--partitions", str(workers)]
+    assert cli.main(argv) == 2
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("teratron: error: --append-eod: HuggingFaceTokenizer has "
+                                                   "no eos token: set eos_token in a tokenizer_config.json"), err
+    assert "drop --append-eod" in lines[0] and os.listdir(out) == []
+
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</end>"}))
+    assert cli.main(argv) == 0
+    ds = IndexedDataset(str(out / "x_text_document"))
+    assert [ds[i].tolist() for i in range(2)] == [[1, 2, 3], [2, 1, 1, 3]]
