@@ -273,7 +273,7 @@ class TransformerConfig(ModelParallelConfig):
     # fusion
     ####################
     bias_activation_fusion: bool = False
-    """Fuse bias add and activation (torch.compile of the plain function, see transformer/fusions.py)."""
+    """Fuse bias add and activation (torch.compile of the plain function, see teratron/fusions.py)."""
 
     masked_softmax_fusion: bool = False
     """Fuse masking and softmax."""
@@ -285,10 +285,10 @@ class TransformerConfig(ModelParallelConfig):
     """Apex memory-efficient LayerNorm."""
 
     bias_dropout_fusion: bool = False
-    """Fuse bias add, dropout and residual add (torch.compile, see transformer/fusions.py)."""
+    """Fuse bias add, dropout and residual add (torch.compile, see teratron/fusions.py)."""
 
     apply_rope_fusion: bool = False
-    """Fused RoPE kernel (torch.compile, see transformer/fusions.py)."""
+    """Fused RoPE kernel (torch.compile, see teratron/fusions.py)."""
 
     use_fused_weighted_squared_relu: bool = False
     """Fused weighted squared-ReLU kernel (MoE)."""
