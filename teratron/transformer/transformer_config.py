@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from teratron.model_parallel_config import ModelParallelConfig, check_unsupported
 from teratron.fp8.recipe import check_fp8_config
+from teratron.pipeline_parallel.layout import validate_pipeline_config
 from teratron.transformer.cuda_graphs import check_cuda_graph_config
 from teratron.transformer.enums import AttnBackend
 from teratron.utils import init_method_normal, scaled_init_method_normal
@@ -628,9 +629,6 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe()
         check_fp8_config(self)
         check_cuda_graph_config(self)
-        # Imported here: the pipeline package imports model code, which imports this module.
-        from teratron.pipeline_parallel.layout import validate_pipeline_config
-
         validate_pipeline_config(self)
 
     def _check_shapes(self):
