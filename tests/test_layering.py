@@ -79,9 +79,9 @@ def import_edges(package_dir: pathlib.Path) -> Dict[Edge, str]:
     edges = {}
     for module, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        for node in sorted(imports, key=lambda node: node.lineno):
             names = _imported_names(node, module, is_package)
             for target in {_resolve(n, modules) for n in names} - {None, module}:
                 edges.setdefault((module, target), f"{path.relative_to(package_dir.parent)}:{node.lineno}")
@@ -144,10 +144,10 @@ def _circle_in(component, graph) -> List[str]:
         for node in frontier:
             for nxt in graph[node]:
                 if nxt == start:
-                    path = [node]
+                    path = [node]  # back to start
                     while came_from[path[-1]] is not None:
                         path.append(came_from[path[-1]])
-                    return [start] + path[::-1][1:] + [start]
+                    return path[::-1] + [start]
                 if nxt in component and nxt not in came_from:
                     came_from[nxt] = node
                     following.append(nxt)
@@ -162,10 +162,11 @@ def unit_of(module: str) -> str:
 
 
 def upward_imports(edges: Dict[Edge, str], layers, allowed) -> List[str]:
-    """'file:line: a.b imports c.d (unit x, level i, sits above/beside unit y, level j)' lines."""
+    """One line per import of a unit that is not below the importer's: 'file:line: importer
+    imports target (target's unit and level, the importer's unit and level)'."""
     level = {unit: i for i, units in enumerate(layers) for unit in units}
     found = []
-    for (importer, target), where in sorted(edges.items(), key=lambda item: item[1]):
+    for (importer, target), where in sorted(edges.items()):
         low, high = unit_of(importer), unit_of(target)
         if low != high and level[high] >= level[low] and (importer, target) not in allowed:
             found.append(f"{where}: {importer} imports {target} ({high!r}, level {level[high]}, is not "
