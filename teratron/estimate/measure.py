@@ -28,7 +28,7 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
     from teratron.tensor_parallel import model_parallel_cuda_manual_seed
     from teratron.training.arguments import core_transformer_config_from_args, validate_args
     from teratron.training.build import gpt_model_provider, set_vocab_sizes
-    from teratron.transformer.fusions import compile_transformer_layers
+    from teratron.transformer.torch_compile import compile_transformer_layers
 
     args = copy.copy(args)
     validate_args(args, world_size)

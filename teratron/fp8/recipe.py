@@ -96,18 +96,3 @@ def layer_uses_fp8(config, layer_number: int) -> bool:
         return True
     index = layer_number - 1
     return config.num_layers_at_start_in_bf16 <= index < config.num_layers - config.num_layers_at_end_in_bf16
-
-
-def apply_fp8(layer: torch.nn.Module, config, layer_number: int) -> None:
-    """Switch the tensor-parallel linears of transformer layer `layer_number` to FP8 GEMMs when
-    the config asks for it (TransformerBlock calls this for each layer it builds). MoE experts
-    stay in the params dtype: an expert's per-tensor scale would depend on how expert
-    parallelism groups tokens, breaking layout invariance."""
-    from teratron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    if not layer_uses_fp8(config, layer_number):
-        return
-    recipe = Fp8Recipe.from_config(config)
-    for name, module in layer.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not module.is_expert:
-            module.enable_fp8(recipe, name=f"layer {layer_number} {name}")

@@ -5,7 +5,7 @@ token dims (max, then target logit and sum of exps together) give the exact loss
 log(sum_v exp(z_v)) - z_target, stably (the global max is subtracted first). It is computed in
 fp32 and returns the per-token loss [...]; the gradient comes back in the logits' dtype. Only the
 logits and two fp32 numbers per token are kept for backward, which recomputes the softmax; on a
-GPU each pass is one compiled kernel (`transformer.fusions`), so no fp32 copy of the logits is
+GPU each pass is one compiled kernel (`teratron.fusions`), so no fp32 copy of the logits is
 ever in memory.
 
 Vocabulary padding is not part of the vocabulary: with `unpadded_vocab_size` = K, the columns
@@ -24,10 +24,9 @@ teratron averages over the whole vocabulary, so every TP layout gives the same l
 import torch
 import torch.distributed as dist
 
-from teratron import parallel_state
+from teratron import fusions, parallel_state
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.utils import VocabUtility
-from teratron.transformer import fusions
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

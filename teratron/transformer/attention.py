@@ -11,9 +11,9 @@ from typing import Union
 
 import torch
 
-from teratron import tensor_parallel
+from teratron import fusions, tensor_parallel
 from teratron.process_groups import get_pg_size
-from teratron.transformer import activation_offload, fusions
+from teratron.transformer import activation_offload
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb

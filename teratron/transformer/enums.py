@@ -2,21 +2,13 @@
 
 import enum
 
+from teratron.pipeline_parallel.layout import LayerType  # defined with the layout it describes
+
 
 class ModelType(enum.Enum):
     """What the pipeline schedules are driving: a decoder-only (or encoder-only) stack."""
 
     encoder_or_decoder = 1
-
-
-class LayerType(enum.Enum):
-    """The entries of a pipeline layout: which kind of layer a stage holds."""
-
-    embedding = 1
-    loss = 2
-    encoder = 3
-    decoder = 4
-    mtp = 5
 
 
 class AttnType(enum.Enum):

@@ -11,7 +11,8 @@ from typing import Union
 
 import torch
 
-from teratron.transformer import activation_offload, fusions
+from teratron import fusions
+from teratron.transformer import activation_offload
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
 

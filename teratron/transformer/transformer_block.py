@@ -7,7 +7,7 @@ Activation recompute: 'full' recomputes whole layers in backward (method 'unifor
 'selective' is decided inside each layer (core_attn, mlp, layernorm).
 With cuda_graph_impl='local' (scope 'full') the layers run as CUDA graphs once the training loop
 switches them on (`transformer.cuda_graphs`).
-With `config.fp8` the layers' linears run FP8 GEMMs (`fp8.apply_fp8`; first/last layers may
+With `config.fp8` the layers' linears run FP8 GEMMs (`apply_fp8`; first/last layers may
 stay bf16), not the embedding or the output layer, which are outside the block.
 """
 
@@ -17,7 +17,7 @@ from typing import List, Union
 import torch
 
 from teratron import tensor_parallel
-from teratron.fp8 import apply_fp8
+from teratron.fp8 import Fp8Recipe, layer_uses_fp8
 from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.transformer.cuda_graphs import LayerCudaGraphs
@@ -44,6 +44,20 @@ def _block_submodules(spec, num_layers: int) -> TransformerBlockSubmodules:
             )
         return spec
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers)
+
+
+def apply_fp8(layer: torch.nn.Module, config, layer_number: int) -> None:
+    """Switch the tensor-parallel linears of transformer layer `layer_number` to FP8 GEMMs when
+    the config asks for it (TransformerBlock calls this for each layer it builds). MoE experts
+    stay in the params dtype: an expert's per-tensor scale would depend on how expert
+    parallelism groups tokens, breaking layout invariance."""
+    if not layer_uses_fp8(config, layer_number):
+        return
+    recipe = Fp8Recipe.from_config(config)
+    linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    for name, module in layer.named_modules():
+        if isinstance(module, linears) and not module.is_expert:
+            module.enable_fp8(recipe, name=f"layer {layer_number} {name}")
 
 
 class TransformerBlock(torch.nn.Module):

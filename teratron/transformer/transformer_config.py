@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from teratron.model_parallel_config import ModelParallelConfig, check_unsupported
 from teratron.fp8.recipe import check_fp8_config
+from teratron.pipeline_parallel.layout import validate_pipeline_config
 from teratron.transformer.cuda_graphs import check_cuda_graph_config
 from teratron.transformer.enums import AttnBackend
 from teratron.utils import init_method_normal, scaled_init_method_normal
@@ -273,7 +274,7 @@ class TransformerConfig(ModelParallelConfig):
     # fusion
     ####################
     bias_activation_fusion: bool = False
-    """Fuse bias add and activation (torch.compile of the plain function, see transformer/fusions.py)."""
+    """Fuse bias add and activation (torch.compile of the plain function, see teratron/fusions.py)."""
 
     masked_softmax_fusion: bool = False
     """Fuse masking and softmax."""
@@ -285,10 +286,10 @@ class TransformerConfig(ModelParallelConfig):
     """Apex memory-efficient LayerNorm."""
 
     bias_dropout_fusion: bool = False
-    """Fuse bias add, dropout and residual add (torch.compile, see transformer/fusions.py)."""
+    """Fuse bias add, dropout and residual add (torch.compile, see teratron/fusions.py)."""
 
     apply_rope_fusion: bool = False
-    """Fused RoPE kernel (torch.compile, see transformer/fusions.py)."""
+    """Fused RoPE kernel (torch.compile, see teratron/fusions.py)."""
 
     use_fused_weighted_squared_relu: bool = False
     """Fused weighted squared-ReLU kernel (MoE)."""
@@ -628,9 +629,6 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe()
         check_fp8_config(self)
         check_cuda_graph_config(self)
-        # Imported here: the pipeline package imports model code, which imports this module.
-        from teratron.pipeline_parallel.layout import validate_pipeline_config
-
         validate_pipeline_config(self)
 
     def _check_shapes(self):

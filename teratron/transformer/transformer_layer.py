@@ -14,8 +14,8 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from teratron import tensor_parallel
-from teratron.transformer import activation_offload, fusions
+from teratron import fusions, tensor_parallel
+from teratron.transformer import activation_offload
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.moe.moe_layer import MoELayer
 from teratron.transformer.spec_utils import ModuleSpec, build_module

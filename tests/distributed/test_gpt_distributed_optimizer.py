@@ -20,7 +20,7 @@ from teratron.pipeline_parallel import get_forward_backward_func
 from teratron.pipeline_parallel.layout import get_transformer_layer_offset
 from teratron.process_groups import ProcessGroupCollection
 from teratron.tensor_parallel.utils import shard_tensor
-from teratron.transformer.fusions import compile_transformer_layers
+from teratron.transformer.torch_compile import compile_transformer_layers
 from teratron.transformer.transformer_layer import TransformerLayer
 from teratron.transformer.transformer_config import TransformerConfig
 

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from dist import run_distributed
 from teratron.distributed import finalize_model_grads
-from teratron.fp8 import apply_fp8
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
 from teratron.process_groups import ProcessGroupCollection
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_shards
 from teratron.transformer.mlp import MLP, MLPSubmodules
+from teratron.transformer.transformer_block import apply_fp8
 from teratron.transformer.transformer_config import TransformerConfig
 
 SEQ, BATCH, VOCAB = 16, 2, 128

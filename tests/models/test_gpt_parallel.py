@@ -180,7 +180,7 @@ COMPILED_CASE = Case(2, True, 2, position="rope", normalization="RMSNorm", swigl
 def _compiled_tp2_sp():
     import torch._inductor.config
 
-    from teratron.transformer.fusions import compile_transformer_layers
+    from teratron.transformer.torch_compile import compile_transformer_layers
 
     torch._inductor.config.compile_threads = 1  # no compile-worker pool in forked ranks
     pgc = ProcessGroupCollection(tp=dist.group.WORLD)

@@ -6,10 +6,8 @@ Megatron's documented split rules), not computed by the code under test.
 
 import pytest
 
-from teratron.pipeline_parallel.layout import (get_num_layers_to_build, get_transformer_layer_offset,
-                                               stage_layer_counts)
-from teratron.transformer.enums import LayerType
-from teratron.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from teratron.pipeline_parallel.layout import (LayerType, PipelineParallelLayerLayout, get_num_layers_to_build,
+                                               get_transformer_layer_offset, stage_layer_counts)
 from teratron.transformer.transformer_config import TransformerConfig
 
 E, t, m, L = LayerType.embedding, LayerType.decoder, LayerType.mtp, LayerType.loss
@@ -28,6 +26,15 @@ def placement(config, pp: int, vpp: int = 1) -> list:
             out.append((get_transformer_layer_offset(config, vp_stage, pp_rank=p, pp_size=pp),
                         get_num_layers_to_build(config, vp_stage, pp_rank=p, pp_size=pp)))
     return out
+
+
+def test_megatron_module_paths_name_the_same_objects():
+    # Megatron users import these from core.transformer; placement lives in one module here.
+    from teratron.transformer import enums, pipeline_parallel_layer_layout, transformer_block
+
+    assert pipeline_parallel_layer_layout.PipelineParallelLayerLayout is PipelineParallelLayerLayout
+    assert enums.LayerType is LayerType
+    assert transformer_block.get_num_layers_to_build is get_num_layers_to_build
 
 
 def test_seed_list_example():

@@ -139,8 +139,8 @@ def test_pad_vocab_size():
 def test_compiled_kernels_equal_the_plain_ones(monkeypatch):
     """On a GPU each pass is the same function compiled; force that path here (Inductor's CPU
     backend) and check it against the plain autograd reference, with padding and smoothing."""
+    from teratron import fusions
     from teratron.tensor_parallel import cross_entropy
-    from teratron.transformer import fusions
 
     monkeypatch.setattr(cross_entropy, "_kernel", lambda function, on_cuda: fusions.fused(function))
     _check(None, 0, 1)

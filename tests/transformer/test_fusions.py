@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from teratron import fusions
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
-from teratron.transformer import fusions
+from teratron.transformer.torch_compile import compile_transformer_layers
 from teratron.transformer.transformer_config import TransformerConfig
 from teratron.transformer.transformer_layer import bias_dropout_add
 
@@ -48,7 +49,7 @@ def test_each_fusion_flag_equals_the_plain_model(flag):
 
 def test_compiled_layers_equal_eager_layers():
     model = make_model()
-    assert fusions.compile_transformer_layers(model) == 2
+    assert compile_transformer_layers(model) == 2
     # Compiling in place keeps parameter names: checkpoints and DDP buckets see the same model.
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in make_model().named_parameters()]
     assert_same_training_math(model, make_model())

@@ -191,10 +191,10 @@ def test_configs_compare_and_pickle():
 
 
 def test_calls_the_pipeline_validator(monkeypatch):
-    import teratron.pipeline_parallel.layout as layout
+    import teratron.transformer.transformer_config as transformer_config
 
     seen = []
-    monkeypatch.setattr(layout, "validate_pipeline_config", seen.append)
+    monkeypatch.setattr(transformer_config, "validate_pipeline_config", seen.append)
     c = TransformerConfig(**BASE, pipeline_model_parallel_size=2)
     assert seen == [c]
 

@@ -17,10 +17,11 @@ the input scaled instead.
 
 import torch
 
+from teratron import fusions
 from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
-from teratron.transformer import activation_offload, fusions
+from teratron.transformer import activation_offload
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.mlp import MLP, bias_activation
 
