@@ -23,7 +23,9 @@ class DistributedDataParallelConfig:
 
     use_distributed_optimizer: bool = False
     """Reduce-scatter grads (each DP rank owns an equal contiguous shard of every bucket) so the
-    distributed optimizer keeps master weights and states for its shard only."""
+    distributed optimizer keeps master weights and states for its shard only. The one switch
+    for it: `get_megatron_optimizer` builds a DistributedOptimizer when the model chunks' DDP
+    configs set it (--use-distributed-optimizer)."""
 
     num_distributed_optimizer_instances: int = 1
     """Only 1 (one distributed-optimizer instance over the full data-parallel group)."""

@@ -60,8 +60,7 @@ def build(layout, seed, vocab=VOCAB):
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt)
         chunks = [DistributedDataParallel(config, ddp, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=dist_opt,
-                                                       clip_grad=1.0, bf16=bf16), chunks)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, bf16=bf16), chunks)
     return chunks, optimizer
 
 

@@ -67,9 +67,7 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
     element count (Megatron's calculate_per_token_loss); the mean-loss math is unchanged."""
     dp, rank = dist.get_world_size(), dist.get_rank()
     ddp = DistributedDataParallel(_PerTokenConfig() if per_token else _Config(), ddp_config, _model())
-    opt = get_megatron_optimizer(
-        OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
-                        use_distributed_optimizer=ddp_config.use_distributed_optimizer), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [ddp])
     x, y = _data()
     local = GLOBAL_BATCH // dp
     losses = []
@@ -199,7 +197,7 @@ def _train_mixed(dtype, dist_opt, offload=0.0, inject_inf_at=None, steps=STEPS, 
         use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True), _model().to(dtype))
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=LR, weight_decay=WD, clip_grad=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=dist_opt, optimizer_cpu_offload=offload > 0,
+        params_dtype=dtype, optimizer_cpu_offload=offload > 0,
         optimizer_offload_fraction=offload, **opt_kwargs), [ddp])
     x, y = _data()
     results = []
