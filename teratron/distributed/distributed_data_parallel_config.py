@@ -14,8 +14,9 @@ class DistributedDataParallelConfig:
     Without it, all grads of a buffer form one bucket reduced in `finish_grad_sync()`."""
 
     overlap_param_gather: bool = False
-    """Distributed optimizer: all-gather updated params bucket by bucket from forward pre-hooks
-    of the next forward pass instead of right after `optimizer.step()`."""
+    """Distributed optimizer: the all-gathers of the updated params are launched at the end of
+    `optimizer.step()` without waiting; each bucket's is waited for in a forward pre-hook of the
+    first module using its params, instead of all of them inside the step."""
 
     align_param_gather: bool = False
     """Accepted for Megatron compatibility; parameter all-gathers are always issued in the

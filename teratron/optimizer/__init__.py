@@ -155,7 +155,7 @@ def _build(config, param_groups, kind, grad_scaler, model_chunks, distributed, i
     if distributed:
         buffers = [b for chunk in model_chunks
                    for b in (chunk.expert_parallel_buffers if is_expert else chunk.buffers)]
-        return DistributedOptimizer(make, param_groups, config, grad_scaler, buffers, dp, **common)
+        return DistributedOptimizer(make, param_groups, config, grad_scaler, model_chunks, buffers, dp, **common)
     if config.fp16 or config.bf16 or config.optimizer_cpu_offload:
         return Float16OptimizerWithFloat16Params(make, param_groups, config, grad_scaler,
                                                  grad_replica_group=dp, **common)

@@ -1,12 +1,14 @@
 """DistributedOptimizer: each data-parallel rank keeps fp32 master weights and optimizer states
 only for its slice of every DDP bucket (ZeRO-1 over Megatron's grad buffers).
 
-DDP reduce-scatters grads so rank r holds the reduced grads of its slice; the optimizer steps
-that slice (an fp32 master for bf16/fp16 params, or the fp32 param buffer itself), writes it
-into the param buffer, and all-gathers every bucket's params — at once, or (overlap_param_gather)
-bucket by bucket from the next forward's pre-hooks. A param straddling a slice boundary is
-stepped in pieces by two ranks; a rank whose slice misses a param holds an empty piece, so all
-ranks walk the same param list (Muon's full-matrix gather relies on it).
+The layout is DDP's: the buffers say which piece of each param this rank owns
+(`param_shard_range`). DDP reduce-scatters grads so rank r holds the reduced grads of its
+pieces; the optimizer steps them (an fp32 master for bf16/fp16 params, or the fp32 param buffer
+itself) and writes them into the param buffer; at the end of the step (`MegatronOptimizer.step`)
+the model chunks all-gather them (`DistributedDataParallel.start_param_sync`). A param
+crossing slice boundaries is stepped in pieces by several ranks; a rank whose slice misses a
+param holds an empty piece, so all ranks walk the same param list (Muon's full-matrix gather
+relies on it).
 """
 
 import torch
@@ -18,14 +20,17 @@ from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attribute
 class DistributedOptimizer(MegatronOptimizer):
     """make_optimizer(param_groups) builds the torch optimizer over the shard params.
 
-    per_model_buffers: the DDP `_ParamAndGradBuffer`s holding the params of `param_groups`.
+    model_chunks: the DistributedDataParallel chunks holding the params, whose param buffers
+    this optimizer updates (they all-gather them after the step). per_model_buffers: their
+    `_ParamAndGradBuffer`s holding the params of `param_groups` (dense or expert).
     """
 
-    def __init__(self, make_optimizer, param_groups, config, grad_scaler, per_model_buffers,
+    def __init__(self, make_optimizer, param_groups, config, grad_scaler, model_chunks, per_model_buffers,
                  data_parallel_group, **kwargs):
-        self.buffers = list(per_model_buffers)
+        self.model_chunks = list(model_chunks)
         self.data_parallel_group = data_parallel_group
-        param_range = self._build_param_ranges(self.buffers)
+        param_range = {param: buffer.param_shard_range(param)
+                       for buffer in per_model_buffers for param in buffer.params}
         params = [p for group in param_groups for p in group["params"]]
         missing = [tuple(p.shape) for p in params if p not in param_range]
         if missing:
@@ -56,20 +61,8 @@ class DistributedOptimizer(MegatronOptimizer):
             main_groups.append({**group, "params": mains})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
-    @staticmethod
-    def _build_param_ranges(buffers):
-        """model param -> [start, end) of its flat elements in this rank's bucket slices."""
-        ranges = {}
-        for buffer in buffers:
-            for bucket in buffer.buckets:
-                shard_start, shard_end = bucket.shard_range()
-                shard_start += bucket.offset
-                shard_end += bucket.offset
-                for param in bucket.params:
-                    p_start, p_end, _ = buffer.param_index_map[param]
-                    lo, hi = max(p_start, shard_start), min(p_end, shard_end)
-                    ranges[param] = (lo - p_start, hi - p_start) if lo < hi else (0, 0)
-        return ranges
+    def _param_sync_chunks(self) -> list:
+        return self.model_chunks
 
     def copy_main_grads(self) -> None:
         for param, (start, end), main, _ in self.shards:
@@ -79,17 +72,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.optimizer.step()
         copy_tensors((param.detach().view(-1)[start:end], main)
                      for param, (start, end), main, as_view in self.shards if not as_view)
-        self.start_param_sync()
         return True
-
-    def start_param_sync(self):
-        """Share the updated slices: all-gather now, or mark the buckets for the forward pre-hooks."""
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                if buffer.ddp_config.overlap_param_gather:
-                    bucket.mark_params_stale()
-                else:
-                    bucket.start_param_sync()
 
     def zero_grad(self, set_to_none: bool = True):
         for param, _, main, _ in self.shards:

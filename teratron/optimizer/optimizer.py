@@ -5,6 +5,8 @@ themselves in fp32, or fp32 master copies of bf16/fp16 params. `step()` makes ma
 the model's grads (`main_grad` under DDP, `.grad` otherwise), unscales them and checks for
 inf/nan (with a loss scaler), clips by the global norm and steps; it returns
 `(update_successful, grad_norm, num_zeros_in_grad)`, with (False, None, None) for a skipped step.
+A step that updated params ends by handing them to DDP: the distributed optimizer updates only
+this rank's slice of each param, and DDP all-gathers the slices (`start_param_sync`).
 
 Collectives are the same on every rank whatever params it holds: a step makes one found-inf
 reduction (with a loss scaler) and one reduction of [squared norm, zero count], each over the
@@ -94,6 +96,10 @@ class MegatronOptimizer(ABC):
     def get_parameters(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def _param_sync_chunks(self) -> list:
+        """The DDP model chunks that all-gather the params after a step (distributed optimizer)."""
+        return []
+
     # ----- loss scale ----------------------------------------------------------------------------
 
     def get_loss_scale(self) -> torch.Tensor:
@@ -165,6 +171,18 @@ class MegatronOptimizer(ABC):
 
     @torch.no_grad()
     def step(self):
+        """Update the params, then have DDP all-gather them where this rank updated a slice only;
+        returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        update_successful, grad_norm, num_zeros = self._update_params()
+        if update_successful:
+            # overlap_param_gather: the gathers are only launched, and run while the host
+            # finishes this step and starts the next; the next forward's pre-hooks wait.
+            for chunk in self._param_sync_chunks():
+                chunk.start_param_sync()
+        return update_successful, grad_norm, num_zeros
+
+    def _update_params(self):
+        """Unscale, check, clip and step: (update_successful, grad_norm, num_zeros_in_grad)."""
         found_inf = self.prepare_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -349,6 +367,12 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def get_parameters(self):
         return [p for opt in self._chained for p in opt.get_parameters()]
+
+    def _param_sync_chunks(self) -> list:
+        """Each chunk once, after every part has stepped: parts may share a chunk's buckets
+        (Muon and its scalar optimizer) or its forward order (dense and expert buckets)."""
+        chunks = {id(chunk): chunk for opt in self._chained for chunk in opt._param_sync_chunks()}
+        return list(chunks.values())
 
     def get_main_grads_for_grad_norm(self):
         return [g for opt in self._chained for g in opt.get_main_grads_for_grad_norm()]

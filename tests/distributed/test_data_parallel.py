@@ -72,11 +72,6 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
     local = GLOBAL_BATCH // dp
     losses = []
     for step in range(STEPS):
-        if ddp_config.overlap_param_gather and step % 2 == 1:
-            # As the training loop does: launch the stale buckets' gathers before the forward
-            # (odd steps); even steps leave them to the forward pre-hooks.
-            ddp.start_param_sync(force_dispatch=True)
-            assert all(b.param_gather_dispatched for b in ddp._all_buckets())
         ddp.zero_grad_buffer()
         opt.zero_grad()
         xs = x[step][rank * local:(rank + 1) * local].chunk(micro_batches)
@@ -99,9 +94,13 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
         finalize_model_grads([ddp], num_tokens=num_tokens)
         ok, grad_norm, _ = opt.step()
         assert ok and grad_norm > 0
+        # The step itself launches the param all-gathers: left in flight for the next forward's
+        # pre-hooks with overlap_param_gather, waited for inside the step without it.
+        in_flight = [b.param_gather_handle is not None for b in buckets]
+        assert in_flight == [ddp_config.overlap_param_gather] * len(buckets), in_flight
         dist.all_reduce(total)
         losses.append(total.item() / (GLOBAL_BATCH * 4) if per_token else total.item() / dp)
-    ddp.start_param_sync(force_sync=True)  # overlap_param_gather leaves the last gather to the next forward
+    ddp.start_param_sync(force_sync=True)  # overlap_param_gather leaves the last gathers in flight
     return losses, [p.detach().clone() for p in ddp.module.parameters()], _state_bytes(opt)
 
 
