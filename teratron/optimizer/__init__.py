@@ -10,13 +10,13 @@ from teratron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from teratron.optimizer.lion import Lion
 from teratron.optimizer.muon import Muon
 from teratron.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
-                                          FP32Optimizer, MegatronOptimizer)
+                                          FP32Optimizer, MainParamShard, MegatronOptimizer)
 from teratron.optimizer.optimizer_config import OptimizerConfig
 from teratron.process_groups import ProcessGroupCollection
 
 __all__ = [
     "ChainedOptimizer", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler",
-    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "Lion", "MegatronGradScaler",
+    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "Lion", "MainParamShard", "MegatronGradScaler",
     "MegatronOptimizer", "Muon", "OptimizerConfig", "calc_params_l2_norm", "get_megatron_optimizer",
 ]
 

@@ -14,7 +14,7 @@ relies on it).
 import torch
 
 from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
-from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attributes, copy_tensors
+from teratron.optimizer.optimizer import MainParamShard, MegatronOptimizer, copy_param_attributes, copy_tensors
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -42,7 +42,7 @@ class DistributedOptimizer(MegatronOptimizer):
             numels = [param_range[p][1] - param_range[p][0] for p in params]
             offload = select_offloaded(numels, config.optimizer_offload_fraction)
 
-        self.shards = []   # (model param, (start, end) in the flat param, main shard, main is a view)
+        self._shards = []   # (MainParamShard, whether its main param is the param buffer's slice itself)
         main_groups, index = [], 0
         for group in param_groups:
             mains = []
@@ -55,56 +55,51 @@ class DistributedOptimizer(MegatronOptimizer):
                                                                config.pin_cpu_params)
                 copy_param_attributes(main, param)
                 main.dp_shard = (tuple(param.shape), start, end, data_parallel_group)
-                self.shards.append((param, (start, end), main, as_view))
+                self._shards.append((MainParamShard(param, main, (start, end)), as_view))
                 mains.append(main)
                 index += 1
             main_groups.append({**group, "params": mains})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
+    def _masters(self):
+        """(model slice, fp32 master) of every piece not stepped in place in the param buffer."""
+        return [(shard.model_param.detach().view(-1)[slice(*shard.flat_range)], shard.main_param)
+                for shard, as_view in self._shards if not as_view]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [shard for shard, _ in self._shards]
+
     def _param_sync_chunks(self) -> list:
         return self.model_chunks
 
     def copy_main_grads(self) -> None:
-        for param, (start, end), main, _ in self.shards:
-            main.grad = main_grad_for(main, param.main_grad.view(-1)[start:end])
+        for shard, _ in self._shards:
+            model_grad = shard.model_param.main_grad.view(-1)[slice(*shard.flat_range)]
+            shard.main_param.grad = main_grad_for(shard.main_param, model_grad)
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        copy_tensors((param.detach().view(-1)[start:end], main)
-                     for param, (start, end), main, as_view in self.shards if not as_view)
+        copy_tensors(self._masters())
         return True
 
     def zero_grad(self, set_to_none: bool = True):
-        for param, _, main, _ in self.shards:
-            param.grad = None
-            main.grad = None
+        for shard, _ in self._shards:
+            shard.model_param.grad = None
+            shard.main_param.grad = None
 
     def state_dict(self):
         """This rank's optimizer state (the slices it owns) and fp32 masters; loads into the same
-        data-parallel layout. `param_state_shards()` exposes the pieces for resharding checkpoints."""
+        data-parallel layout (`main_param_shards()` gives checkpoints the pieces to reshard)."""
         state = super().state_dict()
-        state["shard_main_params"] = [main for _, _, main, as_view in self.shards if not as_view]
+        state["shard_main_params"] = [main for _, main in self._masters()]
         return state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         masters = iter(state_dict["shard_main_params"])
-        for _, _, main, as_view in self.shards:
-            if not as_view:
-                main.data.copy_(next(masters))
+        for _, main in self._masters():
+            main.data.copy_(next(masters))
 
     def reload_model_params(self):
-        for param, (start, end), main, as_view in self.shards:
-            if not as_view:
-                main.data.copy_(param.detach().view(-1)[start:end])
-
-    def param_state_shards(self):
-        """model param -> (start, end, {"param": fp32 master slice, <optimizer state>: slice}):
-        this rank's piece of each param's flat elements and of its optimizer state."""
-        out = {}
-        for param, (start, end), main, _ in self.shards:
-            tensors = {"param": main}
-            tensors.update({k: v for k, v in self.optimizer.state.get(main, {}).items()
-                            if isinstance(v, torch.Tensor) and v.shape == main.shape})
-            out[param] = (start, end, tensors)
-        return out
+        for model_slice, main in self._masters():
+            main.data.copy_(model_slice)

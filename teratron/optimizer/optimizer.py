@@ -18,6 +18,7 @@ the grads no other rank also contributes (Megatron reduces each quantity once pe
 
 import math
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,16 @@ def copy_tensors(pairs) -> None:
         pair[1].append(src)
     for group_dsts, group_srcs in groups.values():
         torch._foreach_copy_(group_dsts, group_srcs)
+
+
+class MainParamShard(NamedTuple):
+    """A param as the optimizer steps it: the torch optimizer steps `main_param` (its states,
+    `optimizer.state[main_param]`, are shaped like it), which holds the flattened elements
+    [start, end) = `flat_range` of `model_param` (the distributed optimizer's slice) or, with
+    `flat_range` None, all of them (the model param itself, or an fp32 master copy of it)."""
+    model_param: torch.Tensor
+    main_param: torch.Tensor
+    flat_range: tuple[int, int] | None
 
 
 def _model_grad(param):
@@ -95,6 +106,11 @@ class MegatronOptimizer(ABC):
 
     def get_parameters(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        """Every param this optimizer steps on this rank, with the piece of it its main param
+        holds: the one view of the optimizer's per-param state that checkpoints use."""
+        return [MainParamShard(p, p, None) for p in self.get_parameters()]
 
     def _param_sync_chunks(self) -> list:
         """The DDP model chunks that all-gather the params after a step (distributed optimizer)."""
@@ -301,6 +317,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             main_groups.append({**group, "params": main_params})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [MainParamShard(model_param, main, None) for model_param, main in self.model_to_main]
+
     def copy_main_grads(self) -> None:
         for model_param, main in self.model_to_main:
             grad = _model_grad(model_param)
@@ -367,6 +386,9 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def get_parameters(self):
         return [p for opt in self._chained for p in opt.get_parameters()]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [shard for opt in self._chained for shard in opt.main_param_shards()]
 
     def _param_sync_chunks(self) -> list:
         """Each chunk once, after every part has stepped: parts may share a chunk's buckets

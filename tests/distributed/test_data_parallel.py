@@ -104,6 +104,32 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
     return losses, [p.detach().clone() for p in ddp.module.parameters()], _state_bytes(opt)
 
 
+def _shard_layout():
+    """This rank's slices: of the bucket, of each param (the buffer's) and of each main param."""
+    parallel_state.initialize_model_parallel()
+    ddp = DistributedDataParallel(_Config(), DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  torch.nn.Linear(16, 20))
+    (buffer,) = ddp.buffers
+    (bucket,) = buffer.buckets
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR), [ddp])
+    names = {ddp.module.weight: "weight", ddp.module.bias: "bias"}
+    ranges = {names[p]: buffer.param_shard_range(p) for p in names}
+    mains = {names[s.model_param]: (s.flat_range, s.main_param.numel()) for s in opt.main_param_shards()}
+    return bucket.shard_range(), ranges, mains
+
+
+def test_distributed_optimizer_slices_of_three_ranks():
+    """One bucket: the bias at [0, 20), the weight at [20, 340), padded to lcm(3, 128) = 384;
+    rank r owns [128 r, 128 (r + 1)): the weight straddles both slice boundaries."""
+    expected = [((0, 128), {"weight": (0, 108), "bias": (0, 20)}),
+                ((128, 256), {"weight": (108, 236), "bias": (0, 0)}),
+                ((256, 384), {"weight": (236, 320), "bias": (0, 0)})]
+    for (bucket_range, ranges, mains), (want_bucket, want_ranges) in zip(run_distributed(_shard_layout, 3),
+                                                                         expected):
+        assert bucket_range == want_bucket and ranges == want_ranges
+        assert mains == {name: (rng, rng[1] - rng[0]) for name, rng in want_ranges.items()}
+
+
 def _check_layouts():
     parallel_state.initialize_model_parallel()
     results = {}
