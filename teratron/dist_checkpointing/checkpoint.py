@@ -81,8 +81,8 @@ def parallel_layout(model_chunks) -> dict:
 
 def sharded_items(model_chunks, optimizer=None, with_rng=True) -> list:
     for chunk in model_chunks:
-        # DDP with --overlap-param-gather leaves the slices other data-parallel ranks updated to
-        # the next forward's all-gathers: without them the save would hold the previous step there.
+        # DDP with --overlap-param-gather leaves the step's param all-gathers in flight: until
+        # they finish, the slices other data-parallel ranks updated hold the previous step here.
         finish_param_sync = getattr(chunk, "finish_param_sync", None)
         if finish_param_sync is not None:
             finish_param_sync()

@@ -17,15 +17,6 @@ from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 PREFIX = "optimizer.state."
 
 
-def _pieces(opt):
-    """(model param, main param, flat range or None) for each main param of one optimizer."""
-    if hasattr(opt, "shards"):  # DistributedOptimizer: a flat slice of each param
-        return [(param, main, rng) for param, rng, main, _ in opt.shards]
-    if hasattr(opt, "model_to_main"):  # fp32 masters of bf16/fp16 params
-        return [(param, main, None) for param, main in opt.model_to_main]
-    return [(param, param, None) for param in opt.get_parameters()]
-
-
 def _state_items(name, key, value, main, param, layout, flat):
     full_key = f"{PREFIX}{name}.{key}"
     if not isinstance(value, torch.Tensor):
@@ -40,10 +31,10 @@ def optimizer_sharded_items(optimizer, layouts) -> list:
     """Items of every optimizer state of this rank (views into the live state)."""
     items = []
     for opt in optimizer.chained_optimizers:
-        for param, main, flat in _pieces(opt):
+        for param, main, flat in opt.main_param_shards():
             layout = layouts[param]
             states = {} if main is param else {"fp32_param": main}
-            states.update(opt.optimizer.state.get(main, {}))
+            states.update(opt.state.get(main, {}))
             for name, value in states.items():
                 items += _state_items(name, layout.key, value, main, param, layout, flat)
     return items
@@ -67,11 +58,11 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     for opt in optimizer.chained_optimizers:
         # torch's fused (and capturable) kernels keep the step count on the parameter's device.
         on_device = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
-        for param, main, _ in _pieces(opt):
+        for param, main, _ in opt.main_param_shards():
             names = by_key.get(layouts[param].key, {})
             if main is not param and "fp32_param" not in names:
                 refresh_masters = True
-            state = opt.optimizer.state.setdefault(main, {})
+            state = opt.state.setdefault(main, {})
             for name, shape in names.items():
                 if name == "fp32_param" or name in state:
                     continue

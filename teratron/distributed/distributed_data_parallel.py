@@ -6,6 +6,11 @@ Each trainable parameter gets `param.main_grad`, a view into a contiguous buffer
 Gradients are averaged over the data-parallel (x context-parallel) group, or for expert
 parameters (attribute `allreduce=False`) over the expert-data-parallel group, by one all-reduce
 per bucket, or a reduce-scatter with the distributed optimizer.
+
+With the distributed optimizer the buffers also hold the params, and DDP alone moves them: the
+optimizer writes this rank's slice of each bucket (`param_shard_range` of the buffers) and calls
+`start_param_sync()` at the end of its step; the all-gathers then run at once, or, with
+`overlap_param_gather`, are launched in forward order and waited for by forward pre-hooks.
 """
 
 from contextlib import contextmanager
@@ -61,7 +66,7 @@ class DistributedDataParallel(torch.nn.Module):
             for bucket in buffer.buckets:
                 for param in bucket.params:
                     self.param_to_bucket[param] = bucket
-        self._link_param_gather_order(params)
+        self._buckets_in_forward_order = self._forward_order(params)
 
         self._grad_accumulation_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
         self._param_gather_hooks = []
@@ -104,14 +109,12 @@ class DistributedDataParallel(torch.nn.Module):
                                     self.bucket_size, scaling_factor, tied)
                 for (param_dtype, grad_dtype), group_params in by_dtype.items()]
 
-    def _link_param_gather_order(self, params):
-        """Chain buckets in forward order (first use of their params) for param-gather prefetch."""
+    def _forward_order(self, params):
+        """Every bucket, in the order the forward first uses their params (the order of the
+        param all-gathers, so the first layers' params arrive first)."""
         position = {param: i for i, param in enumerate(params)}
-        buckets = sorted({id(b): b for b in self.param_to_bucket.values()}.values(),
-                         key=lambda b: min(position[p] for p in b.params))
-        for bucket, nxt in zip(buckets, buckets[1:] + [None]):
-            bucket.next_param_gather_bucket = nxt
-        self._buckets_in_forward_order = buckets
+        return sorted({id(b): b for b in self.param_to_bucket.values()}.values(),
+                      key=lambda b: min(position[p] for p in b.params))
 
     # ----- hooks --------------------------------------------------------------------------------
 
@@ -197,31 +200,25 @@ class DistributedDataParallel(torch.nn.Module):
             if buffer.copy_engine is not None:
                 buffer.copy_engine.fence()  # no peer still reads the grads zero_grad_buffer clears
 
-    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
-        """Distributed optimizer: all-gather each rank's updated param slices.
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        """Distributed optimizer: all-gather every rank's updated param slices. The optimizer
+        calls it at the end of each step that updated the params.
 
-        With overlap_param_gather (and neither force flag) the buckets are only marked stale:
-        the forward pre-hooks gather them bucket by bucket during the next forward.
-        force_dispatch launches, in forward order, the gathers of the stale buckets now (the
-        pre-hooks then only wait for them); force_sync gathers every bucket and waits.
+        Without overlap_param_gather (or with force_sync) every bucket is gathered and waited
+        for now. With it, every bucket's all-gather is launched now, in forward order, and
+        waited for by the forward pre-hook of the first module using its params (or by
+        `finish_param_sync`): the gathers run while the host finishes the step and starts the
+        next one.
         """
         if not self.ddp_config.use_distributed_optimizer:
             return
-        overlap = self.ddp_config.overlap_param_gather
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in self._buckets_in_forward_order:
-            if force_sync or not overlap:
-                bucket.start_param_sync(async_op=False)
-            elif force_dispatch:
-                if not bucket.param_gather_dispatched:  # else in flight or done already
-                    bucket.start_param_sync(async_op=True)
-            else:
-                bucket.mark_params_stale()
+            bucket.start_param_sync(async_op=async_op)
 
     def finish_param_sync(self):
-        """Make every param current: launch the all-gathers overlap_param_gather left to the next
-        forward and wait for them (a checkpoint reads the params outside the forward)."""
-        if self.ddp_config.overlap_param_gather:
-            self.start_param_sync(force_dispatch=True)
+        """Make every param current: wait for the all-gathers overlap_param_gather left in
+        flight (a checkpoint reads the params outside the forward)."""
         for bucket in self._buckets_in_forward_order:
             bucket.finish_param_sync()
 

@@ -14,8 +14,9 @@ class DistributedDataParallelConfig:
     Without it, all grads of a buffer form one bucket reduced in `finish_grad_sync()`."""
 
     overlap_param_gather: bool = False
-    """Distributed optimizer: all-gather updated params bucket by bucket from forward pre-hooks
-    of the next forward pass instead of right after `optimizer.step()`."""
+    """Distributed optimizer: the all-gathers of the updated params are launched at the end of
+    `optimizer.step()` without waiting; each bucket's is waited for in a forward pre-hook of the
+    first module using its params, instead of all of them inside the step."""
 
     align_param_gather: bool = False
     """Accepted for Megatron compatibility; parameter all-gathers are always issued in the
@@ -23,7 +24,9 @@ class DistributedDataParallelConfig:
 
     use_distributed_optimizer: bool = False
     """Reduce-scatter grads (each DP rank owns an equal contiguous shard of every bucket) so the
-    distributed optimizer keeps master weights and states for its shard only."""
+    distributed optimizer keeps master weights and states for its shard only. The one switch
+    for it: `get_megatron_optimizer` builds a DistributedOptimizer when the model chunks' DDP
+    configs set it (--use-distributed-optimizer)."""
 
     num_distributed_optimizer_instances: int = 1
     """Only 1 (one distributed-optimizer instance over the full data-parallel group)."""

@@ -4,10 +4,15 @@ One `_ParamAndGradBuffer` holds every parameter of one (param dtype, grad dtype)
 model chunk; each parameter's `main_grad` (and, with the distributed optimizer, its `.data`)
 is a view into it. A buffer is cut into buckets: one collective each. Parameters are laid
 out in reverse registration order, which is roughly the order backward produces their
-grads, so the first bucket is ready first. With the distributed optimizer every bucket is
-padded to a multiple of lcm(DP size, 128), so rank r owns the r-th equal, aligned contiguous
-slice of each bucket (`shard_range`). With `copy_engine_collectives` both buffers live in
-symmetric memory and the bucket collectives are copy-engine pulls (`copy_engine.py`).
+grads, so the first bucket is ready first. With `copy_engine_collectives` both buffers live
+in symmetric memory and the bucket collectives are copy-engine pulls (`copy_engine.py`).
+
+The distributed optimizer's layout is defined here and nowhere else: every bucket is padded to
+a multiple of lcm(DP size, 128), and data-parallel rank r owns the r-th equal, aligned,
+contiguous slice of each bucket (`_ParamAndGradBucket.shard_range`), hence a piece of each
+parameter in it (`_ParamAndGradBuffer.param_shard_range`). The optimizer keeps master weights and
+states for those pieces only and writes its updates into them; the buckets' all-gathers then
+bring every rank's pieces to every rank (`start_param_sync` / `finish_param_sync`).
 """
 
 import math
@@ -32,9 +37,7 @@ class _ParamAndGradBucket:
         self.grad_data = buffer.grad_data[offset:offset + numel]
         self.param_data = None if buffer.param_data is None else buffer.param_data[offset:offset + numel]
         self.is_last_microbatch = True
-        self.next_param_gather_bucket = None
-        self.param_gather_dispatched = True   # params start in sync: nothing to gather
-        self.param_gather_handle = None
+        self.param_gather_handle = None   # the all-gather in flight, if any
         self.reset()
 
     def reset(self):
@@ -44,8 +47,10 @@ class _ParamAndGradBucket:
 
     # ----- layout -------------------------------------------------------------------------------
 
-    def shard_range(self):
-        """[start, end) of this data-parallel rank's slice, relative to the bucket."""
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of the slice of this bucket that this data-parallel rank owns under the
+        distributed optimizer (its grads are reduced here, its params updated here), relative
+        to the bucket's start."""
         shard = self.numel // self.buffer.dp_size
         start = self.buffer.dp_rank * shard
         return start, start + shard
@@ -111,10 +116,10 @@ class _ParamAndGradBucket:
 
     # ----- parameter all-gather (distributed optimizer) ----------------------------------------
 
-    def start_param_sync(self, async_op=False):
-        """All-gather every rank's updated slice of the bucket's params."""
-        self.param_gather_dispatched = True
-        self.param_gather_handle = None
+    def start_param_sync(self, async_op: bool = False):
+        """All-gather every rank's slice of the bucket's params: wait for it now, or (async_op)
+        keep its handle for `finish_param_sync`."""
+        self.finish_param_sync()  # a gather still in flight writes the same buffer
         if self.buffer.dp_size == 1:
             return
         if self.buffer.copy_engine is not None:
@@ -124,20 +129,10 @@ class _ParamAndGradBucket:
             self.param_data, self._shard(self.param_data), self.buffer.data_parallel_group, async_op)
 
     def finish_param_sync(self):
-        """Make this bucket's params current (forward pre-hook), then prefetch the next bucket."""
-        if not self.param_gather_dispatched:
-            self.start_param_sync(async_op=True)
+        """Wait for this bucket's all-gather if one is in flight (forward pre-hook)."""
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
-            nxt = self.next_param_gather_bucket
-            if nxt is not None and not nxt.param_gather_dispatched:
-                nxt.start_param_sync(async_op=True)
-
-    def mark_params_stale(self):
-        """The optimizer wrote new slices: the next forward pre-hook must gather them."""
-        self.param_gather_dispatched = False
-        self.param_gather_handle = None
 
 
 class _ParamAndGradBuffer:
@@ -223,6 +218,19 @@ class _ParamAndGradBuffer:
         if bucket_params:
             close_bucket()
         return ranges
+
+    # ----- the distributed optimizer's layout ------------------------------------------------------
+
+    def param_shard_range(self, param) -> tuple[int, int]:
+        """[start, end) of `param`'s flattened elements that this data-parallel rank owns under the
+        distributed optimizer: the part of the param inside its bucket's `shard_range()`, (0, 0)
+        when that slice misses the param. A param crossing slice boundaries has pieces on
+        several ranks; the pieces of all ranks cover the param exactly once."""
+        p_start, p_end, bucket_id = self.param_index_map[param]
+        bucket = self.buckets[bucket_id]
+        shard_start, shard_end = bucket.shard_range()
+        lo, hi = max(p_start, bucket.offset + shard_start), min(p_end, bucket.offset + shard_end)
+        return (lo - p_start, hi - p_start) if lo < hi else (0, 0)
 
     def reset(self):
         """Zero the grads and forget reduction state (start of an iteration)."""

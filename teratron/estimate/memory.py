@@ -78,7 +78,7 @@ def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: 
     mixed = param_bytes < 4
     grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
     out = StateBytes(weights=params.total * param_bytes, grads=params.total * grad_bytes)
-    distributed = optimizer_config.use_distributed_optimizer
+    distributed = ddp_config.use_distributed_optimizer
     dense_shard = config.context_parallel_size * par.data_parallel_size if distributed else 1
     expert_shard = par.expert_data_parallel_size(config) if distributed else 1
     offloaded = optimizer_config.optimizer_offload_fraction if optimizer_config.optimizer_cpu_offload else 0.0

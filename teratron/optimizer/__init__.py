@@ -10,13 +10,13 @@ from teratron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from teratron.optimizer.lion import Lion
 from teratron.optimizer.muon import Muon
 from teratron.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
-                                          FP32Optimizer, MegatronOptimizer)
+                                          FP32Optimizer, MainParamShard, MegatronOptimizer)
 from teratron.optimizer.optimizer_config import OptimizerConfig
 from teratron.process_groups import ProcessGroupCollection
 
 __all__ = [
     "ChainedOptimizer", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler",
-    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "Lion", "MegatronGradScaler",
+    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "Lion", "MainParamShard", "MegatronGradScaler",
     "MegatronOptimizer", "Muon", "OptimizerConfig", "calc_params_l2_norm", "get_megatron_optimizer",
 ]
 
@@ -136,21 +136,26 @@ def _grid_groups(pg):
     return [pg.tp, pg.dp_cp, pg.pp]
 
 
-def _build(config, param_groups, kind, grad_scaler, model_chunks, is_expert, pg):
+def _uses_distributed_optimizer(model_chunks) -> bool:
+    """Whether the chunks' DDP buffers shard the params for the distributed optimizer (their
+    DistributedDataParallelConfig.use_distributed_optimizer; False for a chunk outside DDP)."""
+    flags = {getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False)
+             for chunk in model_chunks}
+    if len(flags) > 1:
+        raise ValueError("the model chunks disagree on use_distributed_optimizer; wrap every chunk in "
+                         "DistributedDataParallel with the same DistributedDataParallelConfig")
+    return flags.pop()
+
+
+def _build(config, param_groups, kind, grad_scaler, model_chunks, distributed, is_expert, pg):
     make = _torch_optimizer_factory(config, kind, pg)
     tp = pg.expt_tp if is_expert else pg.tp
     dp = pg.expt_dp if is_expert else pg.dp_cp
     common = dict(tp_group=tp, pp_group=pg.pp, grad_stats_groups=_grid_groups(pg))
-    if config.use_distributed_optimizer:
-        for chunk in model_chunks:
-            ddp_config = getattr(chunk, "ddp_config", None)
-            if ddp_config is None or not ddp_config.use_distributed_optimizer:
-                raise ValueError("use_distributed_optimizer=True needs every model chunk wrapped in "
-                                 "DistributedDataParallel with DistributedDataParallelConfig("
-                                 "use_distributed_optimizer=True)")
+    if distributed:
         buffers = [b for chunk in model_chunks
                    for b in (chunk.expert_parallel_buffers if is_expert else chunk.buffers)]
-        return DistributedOptimizer(make, param_groups, config, grad_scaler, buffers, dp, **common)
+        return DistributedOptimizer(make, param_groups, config, grad_scaler, model_chunks, buffers, dp, **common)
     if config.fp16 or config.bf16 or config.optimizer_cpu_offload:
         return Float16OptimizerWithFloat16Params(make, param_groups, config, grad_scaler,
                                                  grad_replica_group=dp, **common)
@@ -167,7 +172,8 @@ def _present_on_any_rank(flags, pg):
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None,
                            scale_lr_cond=None, lr_mult: float = 1.0,
                            pg_collection: ProcessGroupCollection | None = None) -> MegatronOptimizer:
-    """The optimizer for `model_chunks` (DDP-wrapped or plain modules).
+    """The optimizer for `model_chunks` (DDP-wrapped or plain modules): the distributed optimizer
+    where their DistributedDataParallelConfig says use_distributed_optimizer.
 
     no_weight_decay_cond(name, param) / scale_lr_cond(name, param) override Megatron's default
     rules; params matching scale_lr_cond get lr * lr_mult. Dense and expert params, and with
@@ -185,6 +191,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
         pg_collection = getattr(model_chunks[0], "pg_collection", None)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    distributed = _uses_distributed_optimizer(model_chunks)
     grad_scaler = _grad_scaler(config)
     if config.optimizer_cpu_offload:
         use_host_cores()
@@ -210,7 +217,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
         for is_expert in (False, True):
             built.append((kind, is_expert, [g for g in groups if g["is_expert_parallel"] == is_expert]))
     present = _present_on_any_rank([bool(groups) for _, _, groups in built], pg_collection)
-    optimizers = [_build(config, groups, kind, grad_scaler, model_chunks, is_expert, pg_collection)
+    optimizers = [_build(config, groups, kind, grad_scaler, model_chunks, distributed, is_expert, pg_collection)
                   for (kind, is_expert, groups), keep in zip(built, present) if keep]
     if not optimizers:
         raise ValueError("the model chunks have no trainable parameters (requires_grad=True) to optimize")

@@ -1,31 +1,36 @@
 """DistributedOptimizer: each data-parallel rank keeps fp32 master weights and optimizer states
 only for its slice of every DDP bucket (ZeRO-1 over Megatron's grad buffers).
 
-DDP reduce-scatters grads so rank r holds the reduced grads of its slice; the optimizer steps
-that slice (an fp32 master for bf16/fp16 params, or the fp32 param buffer itself), writes it
-into the param buffer, and all-gathers every bucket's params — at once, or (overlap_param_gather)
-bucket by bucket from the next forward's pre-hooks. A param straddling a slice boundary is
-stepped in pieces by two ranks; a rank whose slice misses a param holds an empty piece, so all
-ranks walk the same param list (Muon's full-matrix gather relies on it).
+The layout is DDP's: the buffers say which piece of each param this rank owns
+(`param_shard_range`). DDP reduce-scatters grads so rank r holds the reduced grads of its
+pieces; the optimizer steps them (an fp32 master for bf16/fp16 params, or the fp32 param buffer
+itself) and writes them into the param buffer; at the end of the step (`MegatronOptimizer.step`)
+the model chunks all-gather them (`DistributedDataParallel.start_param_sync`). A param
+crossing slice boundaries is stepped in pieces by several ranks; a rank whose slice misses a
+param holds an empty piece, so all ranks walk the same param list (Muon's full-matrix gather
+relies on it).
 """
 
 import torch
 
 from teratron.optimizer.cpu_offload import main_grad_for, make_master, select_offloaded
-from teratron.optimizer.optimizer import MegatronOptimizer, copy_param_attributes, copy_tensors
+from teratron.optimizer.optimizer import MainParamShard, MegatronOptimizer, copy_param_attributes, copy_tensors
 
 
 class DistributedOptimizer(MegatronOptimizer):
     """make_optimizer(param_groups) builds the torch optimizer over the shard params.
 
-    per_model_buffers: the DDP `_ParamAndGradBuffer`s holding the params of `param_groups`.
+    model_chunks: the DistributedDataParallel chunks holding the params, whose param buffers
+    this optimizer updates (they all-gather them after the step). per_model_buffers: their
+    `_ParamAndGradBuffer`s holding the params of `param_groups` (dense or expert).
     """
 
-    def __init__(self, make_optimizer, param_groups, config, grad_scaler, per_model_buffers,
+    def __init__(self, make_optimizer, param_groups, config, grad_scaler, model_chunks, per_model_buffers,
                  data_parallel_group, **kwargs):
-        self.buffers = list(per_model_buffers)
+        self.model_chunks = list(model_chunks)
         self.data_parallel_group = data_parallel_group
-        param_range = self._build_param_ranges(self.buffers)
+        param_range = {param: buffer.param_shard_range(param)
+                       for buffer in per_model_buffers for param in buffer.params}
         params = [p for group in param_groups for p in group["params"]]
         missing = [tuple(p.shape) for p in params if p not in param_range]
         if missing:
@@ -37,7 +42,7 @@ class DistributedOptimizer(MegatronOptimizer):
             numels = [param_range[p][1] - param_range[p][0] for p in params]
             offload = select_offloaded(numels, config.optimizer_offload_fraction)
 
-        self.shards = []   # (model param, (start, end) in the flat param, main shard, main is a view)
+        self._shards = []   # (MainParamShard, whether its main param is the param buffer's slice itself)
         main_groups, index = [], 0
         for group in param_groups:
             mains = []
@@ -50,78 +55,51 @@ class DistributedOptimizer(MegatronOptimizer):
                                                                config.pin_cpu_params)
                 copy_param_attributes(main, param)
                 main.dp_shard = (tuple(param.shape), start, end, data_parallel_group)
-                self.shards.append((param, (start, end), main, as_view))
+                self._shards.append((MainParamShard(param, main, (start, end)), as_view))
                 mains.append(main)
                 index += 1
             main_groups.append({**group, "params": mains})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
-    @staticmethod
-    def _build_param_ranges(buffers):
-        """model param -> [start, end) of its flat elements in this rank's bucket slices."""
-        ranges = {}
-        for buffer in buffers:
-            for bucket in buffer.buckets:
-                shard_start, shard_end = bucket.shard_range()
-                shard_start += bucket.offset
-                shard_end += bucket.offset
-                for param in bucket.params:
-                    p_start, p_end, _ = buffer.param_index_map[param]
-                    lo, hi = max(p_start, shard_start), min(p_end, shard_end)
-                    ranges[param] = (lo - p_start, hi - p_start) if lo < hi else (0, 0)
-        return ranges
+    def _masters(self):
+        """(model slice, fp32 master) of every piece not stepped in place in the param buffer."""
+        return [(shard.model_param.detach().view(-1)[slice(*shard.flat_range)], shard.main_param)
+                for shard, as_view in self._shards if not as_view]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [shard for shard, _ in self._shards]
+
+    def _param_sync_chunks(self) -> list:
+        return self.model_chunks
 
     def copy_main_grads(self) -> None:
-        for param, (start, end), main, _ in self.shards:
-            main.grad = main_grad_for(main, param.main_grad.view(-1)[start:end])
+        for shard, _ in self._shards:
+            model_grad = shard.model_param.main_grad.view(-1)[slice(*shard.flat_range)]
+            shard.main_param.grad = main_grad_for(shard.main_param, model_grad)
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        copy_tensors((param.detach().view(-1)[start:end], main)
-                     for param, (start, end), main, as_view in self.shards if not as_view)
-        self.start_param_sync()
+        copy_tensors(self._masters())
         return True
 
-    def start_param_sync(self):
-        """Share the updated slices: all-gather now, or mark the buckets for the forward pre-hooks."""
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                if buffer.ddp_config.overlap_param_gather:
-                    bucket.mark_params_stale()
-                else:
-                    bucket.start_param_sync()
-
     def zero_grad(self, set_to_none: bool = True):
-        for param, _, main, _ in self.shards:
-            param.grad = None
-            main.grad = None
+        for shard, _ in self._shards:
+            shard.model_param.grad = None
+            shard.main_param.grad = None
 
     def state_dict(self):
         """This rank's optimizer state (the slices it owns) and fp32 masters; loads into the same
-        data-parallel layout. `param_state_shards()` exposes the pieces for resharding checkpoints."""
+        data-parallel layout (`main_param_shards()` gives checkpoints the pieces to reshard)."""
         state = super().state_dict()
-        state["shard_main_params"] = [main for _, _, main, as_view in self.shards if not as_view]
+        state["shard_main_params"] = [main for _, main in self._masters()]
         return state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         masters = iter(state_dict["shard_main_params"])
-        for _, _, main, as_view in self.shards:
-            if not as_view:
-                main.data.copy_(next(masters))
+        for _, main in self._masters():
+            main.data.copy_(next(masters))
 
     def reload_model_params(self):
-        for param, (start, end), main, as_view in self.shards:
-            if not as_view:
-                main.data.copy_(param.detach().view(-1)[start:end])
-
-    def param_state_shards(self):
-        """model param -> (start, end, {"param": fp32 master slice, <optimizer state>: slice}):
-        this rank's piece of each param's flat elements and of its optimizer state."""
-        out = {}
-        for param, (start, end), main, _ in self.shards:
-            tensors = {"param": main}
-            tensors.update({k: v for k, v in self.optimizer.state.get(main, {}).items()
-                            if isinstance(v, torch.Tensor) and v.shape == main.shape})
-            out[param] = (start, end, tensors)
-        return out
+        for model_slice, main in self._masters():
+            main.data.copy_(model_slice)

@@ -5,6 +5,8 @@ themselves in fp32, or fp32 master copies of bf16/fp16 params. `step()` makes ma
 the model's grads (`main_grad` under DDP, `.grad` otherwise), unscales them and checks for
 inf/nan (with a loss scaler), clips by the global norm and steps; it returns
 `(update_successful, grad_norm, num_zeros_in_grad)`, with (False, None, None) for a skipped step.
+A step that updated params ends by handing them to DDP: the distributed optimizer updates only
+this rank's slice of each param, and DDP all-gathers the slices (`start_param_sync`).
 
 Collectives are the same on every rank whatever params it holds: a step makes one found-inf
 reduction (with a loss scaler) and one reduction of [squared norm, zero count], each over the
@@ -16,6 +18,7 @@ the grads no other rank also contributes (Megatron reduces each quantity once pe
 
 import math
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,16 @@ def copy_tensors(pairs) -> None:
         pair[1].append(src)
     for group_dsts, group_srcs in groups.values():
         torch._foreach_copy_(group_dsts, group_srcs)
+
+
+class MainParamShard(NamedTuple):
+    """A param as the optimizer steps it: the torch optimizer steps `main_param` (its states,
+    `optimizer.state[main_param]`, are shaped like it), which holds the flattened elements
+    [start, end) = `flat_range` of `model_param` (the distributed optimizer's slice) or, with
+    `flat_range` None, all of them (the model param itself, or an fp32 master copy of it)."""
+    model_param: torch.Tensor
+    main_param: torch.Tensor
+    flat_range: tuple[int, int] | None
 
 
 def _model_grad(param):
@@ -93,6 +106,15 @@ class MegatronOptimizer(ABC):
 
     def get_parameters(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        """Every param this optimizer steps on this rank, with the piece of it its main param
+        holds: the one view of the optimizer's per-param state that checkpoints use."""
+        return [MainParamShard(p, p, None) for p in self.get_parameters()]
+
+    def _param_sync_chunks(self) -> list:
+        """The DDP model chunks that all-gather the params after a step (distributed optimizer)."""
+        return []
 
     # ----- loss scale ----------------------------------------------------------------------------
 
@@ -165,6 +187,18 @@ class MegatronOptimizer(ABC):
 
     @torch.no_grad()
     def step(self):
+        """Update the params, then have DDP all-gather them where this rank updated a slice only;
+        returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        update_successful, grad_norm, num_zeros = self._update_params()
+        if update_successful:
+            # overlap_param_gather: the gathers are only launched, and run while the host
+            # finishes this step and starts the next; the next forward's pre-hooks wait.
+            for chunk in self._param_sync_chunks():
+                chunk.start_param_sync()
+        return update_successful, grad_norm, num_zeros
+
+    def _update_params(self):
+        """Unscale, check, clip and step: (update_successful, grad_norm, num_zeros_in_grad)."""
         found_inf = self.prepare_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -283,6 +317,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             main_groups.append({**group, "params": main_params})
         super().__init__(make_optimizer(main_groups), config, grad_scaler, **kwargs)
 
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [MainParamShard(model_param, main, None) for model_param, main in self.model_to_main]
+
     def copy_main_grads(self) -> None:
         for model_param, main in self.model_to_main:
             grad = _model_grad(model_param)
@@ -349,6 +386,15 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def get_parameters(self):
         return [p for opt in self._chained for p in opt.get_parameters()]
+
+    def main_param_shards(self) -> list[MainParamShard]:
+        return [shard for opt in self._chained for shard in opt.main_param_shards()]
+
+    def _param_sync_chunks(self) -> list:
+        """Each chunk once, after every part has stepped: parts may share a chunk's buckets
+        (Muon and its scalar optimizer) or its forward order (dense and expert buckets)."""
+        chunks = {id(chunk): chunk for opt in self._chained for chunk in opt._param_sync_chunks()}
+        return list(chunks.values())
 
     def get_main_grads_for_grad_norm(self):
         return [g for opt in self._chained for g in opt.get_main_grads_for_grad_norm()]

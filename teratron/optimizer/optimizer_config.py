@@ -82,9 +82,10 @@ class OptimizerConfig:
     """Optimizer for the params Muon does not handle (embeddings, output layer, 1-D): adam|lion."""
 
     # ----- distributed optimizer -----
-    use_distributed_optimizer: bool = False
-    overlap_param_gather: bool = False
+    # Whether to use it, and whether to overlap its param all-gathers, are the DDP buffers' to
+    # say (DistributedDataParallelConfig.use_distributed_optimizer / overlap_param_gather).
     overlap_param_gather_with_optimizer_step: bool = False
+    """Accepted for Megatron compatibility; must stay False."""
 
     # ----- CPU offload -----
     optimizer_cpu_offload: bool = False

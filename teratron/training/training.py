@@ -308,11 +308,6 @@ def _forward_backward_and_step(args, model, optimizer, scheduler, step_func, dat
         if in_flight.flag:
             return losses, None, 1
     update_successful, grad_norm, _ = optimizer.step()
-    for chunk in model:
-        if chunk.ddp_config.overlap_param_gather:
-            # Launch the next forward's all-gathers now: they run while the host checks the loss,
-            # logs and starts the next step, instead of after it.
-            chunk.start_param_sync(force_dispatch=True)
     if update_successful:
         scheduler.step(increment=global_batch)
     if not args.skip_nan_steps:

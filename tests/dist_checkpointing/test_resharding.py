@@ -60,8 +60,7 @@ def build(layout, seed, vocab=VOCAB):
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt)
         chunks = [DistributedDataParallel(config, ddp, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=dist_opt,
-                                                       clip_grad=1.0, bf16=bf16), chunks)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, bf16=bf16), chunks)
     return chunks, optimizer
 
 
@@ -117,17 +116,11 @@ def report(chunks, optimizer) -> list:
     for p in names:
         add(p, "param", p)
     for opt in optimizer.chained_optimizers:
-        if hasattr(opt, "param_state_shards"):
-            for p, (start, end, tensors) in opt.param_state_shards().items():
-                for what, t in tensors.items():
-                    add(p, "fp32_param" if what == "param" else what, t, (start, end))
-                add(p, "step", opt.optimizer.state[tensors["param"]]["step"])
-        else:  # fp32 masters of bf16 params, or the fp32 params themselves
-            for p, main in getattr(opt, "model_to_main", [(p, p) for p in opt.get_parameters()]):
-                if main is not p:
-                    add(p, "fp32_param", main)
-                for what, t in opt.optimizer.state[main].items():
-                    add(p, what, t)
+        for p, main, flat in opt.main_param_shards():
+            if main is not p or flat is not None:  # fp32 masters, or the fp32 param buffer's slice
+                add(p, "fp32_param", main, flat)
+            for what, t in opt.state[main].items():
+                add(p, what, t, None if what == "step" else flat)
     return out
 
 

@@ -67,18 +67,11 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
     element count (Megatron's calculate_per_token_loss); the mean-loss math is unchanged."""
     dp, rank = dist.get_world_size(), dist.get_rank()
     ddp = DistributedDataParallel(_PerTokenConfig() if per_token else _Config(), ddp_config, _model())
-    opt = get_megatron_optimizer(
-        OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
-                        use_distributed_optimizer=ddp_config.use_distributed_optimizer), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [ddp])
     x, y = _data()
     local = GLOBAL_BATCH // dp
     losses = []
     for step in range(STEPS):
-        if ddp_config.overlap_param_gather and step % 2 == 1:
-            # As the training loop does: launch the stale buckets' gathers before the forward
-            # (odd steps); even steps leave them to the forward pre-hooks.
-            ddp.start_param_sync(force_dispatch=True)
-            assert all(b.param_gather_dispatched for b in ddp._all_buckets())
         ddp.zero_grad_buffer()
         opt.zero_grad()
         xs = x[step][rank * local:(rank + 1) * local].chunk(micro_batches)
@@ -101,10 +94,40 @@ def _train_ddp(ddp_config, micro_batches=1, per_token=False):
         finalize_model_grads([ddp], num_tokens=num_tokens)
         ok, grad_norm, _ = opt.step()
         assert ok and grad_norm > 0
+        # The step itself launches the param all-gathers: left in flight for the next forward's
+        # pre-hooks with overlap_param_gather, waited for inside the step without it.
+        in_flight = [b.param_gather_handle is not None for b in buckets]
+        assert in_flight == [ddp_config.overlap_param_gather] * len(buckets), in_flight
         dist.all_reduce(total)
         losses.append(total.item() / (GLOBAL_BATCH * 4) if per_token else total.item() / dp)
-    ddp.start_param_sync(force_sync=True)  # overlap_param_gather leaves the last gather to the next forward
+    ddp.start_param_sync(force_sync=True)  # overlap_param_gather leaves the last gathers in flight
     return losses, [p.detach().clone() for p in ddp.module.parameters()], _state_bytes(opt)
+
+
+def _shard_layout():
+    """This rank's slices: of the bucket, of each param (the buffer's) and of each main param."""
+    parallel_state.initialize_model_parallel()
+    ddp = DistributedDataParallel(_Config(), DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  torch.nn.Linear(16, 20))
+    (buffer,) = ddp.buffers
+    (bucket,) = buffer.buckets
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR), [ddp])
+    names = {ddp.module.weight: "weight", ddp.module.bias: "bias"}
+    ranges = {names[p]: buffer.param_shard_range(p) for p in names}
+    mains = {names[s.model_param]: (s.flat_range, s.main_param.numel()) for s in opt.main_param_shards()}
+    return bucket.shard_range(), ranges, mains
+
+
+def test_distributed_optimizer_slices_of_three_ranks():
+    """One bucket: the bias at [0, 20), the weight at [20, 340), padded to lcm(3, 128) = 384;
+    rank r owns [128 r, 128 (r + 1)): the weight straddles both slice boundaries."""
+    expected = [((0, 128), {"weight": (0, 108), "bias": (0, 20)}),
+                ((128, 256), {"weight": (108, 236), "bias": (0, 0)}),
+                ((256, 384), {"weight": (236, 320), "bias": (0, 0)})]
+    for (bucket_range, ranges, mains), (want_bucket, want_ranges) in zip(run_distributed(_shard_layout, 3),
+                                                                         expected):
+        assert bucket_range == want_bucket and ranges == want_ranges
+        assert mains == {name: (rng, rng[1] - rng[0]) for name, rng in want_ranges.items()}
 
 
 def _check_layouts():
@@ -199,7 +222,7 @@ def _train_mixed(dtype, dist_opt, offload=0.0, inject_inf_at=None, steps=STEPS, 
         use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True), _model().to(dtype))
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=LR, weight_decay=WD, clip_grad=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=dist_opt, optimizer_cpu_offload=offload > 0,
+        params_dtype=dtype, optimizer_cpu_offload=offload > 0,
         optimizer_offload_fraction=offload, **opt_kwargs), [ddp])
     x, y = _data()
     results = []

@@ -65,7 +65,7 @@ def _train(dist_opt, average_in_collective):
     ddp = DistributedDataParallel(_Config(), DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt, average_in_collective=average_in_collective,
         overlap_grad_reduce=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, use_distributed_optimizer=dist_opt), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP), [ddp])
     assert isinstance(opt, ChainedOptimizer) and len(opt.chained_optimizers) == 2
     x, y = _data()
     for step in range(STEPS):

@@ -94,8 +94,7 @@ def _train(compile_layers=False, **layout):
         hooked = set(ddp._params_gathered_before)
         assert set(layers) <= hooked and not hooked & inside
     config.no_sync_func = ddp.no_sync
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
-                                                 use_distributed_optimizer=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [ddp])
     dp_rank, data, losses = ps.get_data_parallel_rank(), _data(), []
     mine = data[:, dp_rank * MICROBATCHES:(dp_rank + 1) * MICROBATCHES]
     for step in range(ITERS):

@@ -84,8 +84,7 @@ def _worker():
             bucket_size=HIDDEN * HIDDEN), _model(device))
         opt = get_megatron_optimizer(OptimizerConfig(
             lr=LR, weight_decay=0.01, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0,
-            use_distributed_optimizer=True, optimizer_cpu_offload=offload > 0,
-            optimizer_offload_fraction=offload), [ddp])
+            optimizer_cpu_offload=offload > 0, optimizer_offload_fraction=offload), [ddp])
         # NCCL scales each rank's grads by 1/DP inside the reduce-scatter (premultiplied sum), the
         # copy engine's add multiplies the sum; the bit-for-bit comparison below holds both to the
         # reference's sum then halving.

@@ -46,7 +46,7 @@ def test_state_bytes_mixed_precision_without_distributed_optimizer():
 
 def test_state_bytes_distributed_optimizer_shards_masters_and_states():
     par = Parallelism(data_parallel_size=4, num_microbatches=1)  # expert DP = 4 / ep 2 = 2
-    states = state_bytes(_config(ep=2), OptimizerConfig(bf16=True, use_distributed_optimizer=True),
+    states = state_bytes(_config(ep=2), OptimizerConfig(bf16=True),
                          DistributedDataParallelConfig(use_distributed_optimizer=True), par, _params())
     masters = 1200 / 4 + 400 / 2
     assert states.grads == 3200  # bf16 grad buffer, full size on every rank

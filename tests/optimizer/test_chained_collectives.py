@@ -95,10 +95,9 @@ def _reference():
     return norm, zeros, {k: (t - LR * t.grad).detach() for k, t in tensors.items()}
 
 
-def _muon_config(dist_opt=False):
+def _muon_config():
     return OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.1, muon_momentum=0.9,
-                           muon_fp32_matmul_prec="highest", clip_grad=CLIP, log_num_zeros_in_grad=True,
-                           use_distributed_optimizer=dist_opt)
+                           muon_fp32_matmul_prec="highest", clip_grad=CLIP, log_num_zeros_in_grad=True)
 
 
 def _muon_reference():
@@ -111,16 +110,16 @@ def _muon_reference():
     return norm, zeros, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _sgd_config(dist_opt=False, **kwargs):
+def _sgd_config(**kwargs):
     return OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=LR, weight_decay=0.0, clip_grad=CLIP,
-                           log_num_zeros_in_grad=True, use_distributed_optimizer=dist_opt, **kwargs)
+                           log_num_zeros_in_grad=True, **kwargs)
 
 
 class _Config:
     calculate_per_token_loss = False
 
 
-def _step(config, ddp, inject_inf=False):
+def _step(config, ddp, dist_opt=False, inject_inf=False):
     """Build the optimizer for this rank's stage, load the full model's grads, step once."""
     stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -129,7 +128,7 @@ def _step(config, ddp, inject_inf=False):
     chunk = module
     if ddp:
         chunk = DistributedDataParallel(_Config(), DistributedDataParallelConfig(
-            use_distributed_optimizer=config.use_distributed_optimizer), module)
+            use_distributed_optimizer=dist_opt), module)
     opt = get_megatron_optimizer(config, [chunk])
     local = _local_grads(stage, ep_rank, grads)
     for name, p in module.named_parameters():
@@ -162,11 +161,11 @@ def _run():
     return {
         "sgd": _step(_sgd_config(), ddp=False),
         "sgd_ddp": _step(_sgd_config(), ddp=True),
-        "sgd_dist_opt": _step(_sgd_config(dist_opt=True), ddp=True),
+        "sgd_dist_opt": _step(_sgd_config(), ddp=True, dist_opt=True),
         "sgd_loss_scale": _step(_sgd_config(bf16=True, loss_scale=1.0), ddp=False),
         "sgd_loss_scale_inf": _step(_sgd_config(bf16=True, loss_scale=1.0), ddp=False, inject_inf=True),
         "muon": _step(_muon_config(), ddp=False),
-        "muon_dist_opt": _step(_muon_config(dist_opt=True), ddp=True),
+        "muon_dist_opt": _step(_muon_config(), ddp=True, dist_opt=True),
     }
 
 

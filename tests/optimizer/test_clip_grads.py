@@ -110,8 +110,7 @@ def _check(wrap_in_ddp, dist_opt=False):
             p.grad = grad
     finalize_model_grads([ddp])
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=LR, weight_decay=0.0,
-                                                 clip_grad=CLIP, log_num_zeros_in_grad=True,
-                                                 use_distributed_optimizer=dist_opt), [ddp])
+                                                 clip_grad=CLIP, log_num_zeros_in_grad=True), [ddp])
     ok, grad_norm, zeros = opt.step()
     assert ok
     full_params = {}

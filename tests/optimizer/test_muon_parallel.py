@@ -82,7 +82,7 @@ def _train(tp_mode, dist_opt):
         use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=100), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="muon", lr=LR, weight_decay=WD, muon_momentum=BETA, muon_tp_mode=tp_mode,
-        muon_fp32_matmul_prec="highest", clip_grad=0.0, use_distributed_optimizer=dist_opt), [ddp])
+        muon_fp32_matmul_prec="highest", clip_grad=0.0), [ddp])
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     x, y = _data()
     local = BATCH // dp_size

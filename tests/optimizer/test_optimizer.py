@@ -306,8 +306,10 @@ def test_bad_config_raises():
         OptimizerConfig(optimizer="adagrad")
     with pytest.raises(ValueError, match="lr"):
         get_megatron_optimizer(OptimizerConfig(), [_model()])
-    with pytest.raises(ValueError, match="use_distributed_optimizer"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [_model()])
+    sharded = DistributedDataParallel(_Config(), DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                      _model())
+    with pytest.raises(ValueError, match="disagree on use_distributed_optimizer"):
+        get_megatron_optimizer(OptimizerConfig(lr=1.0), [sharded, _model()])
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd", "lion", "muon"])
