@@ -17,28 +17,33 @@ def _default(name):
 def test_megatron_defaults():
     # Megatron Core's ModelParallelConfig defaults (megatron/core/model_parallel_config.py).
     expected = dict(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=1, pipeline_model_parallel_comm_backend=None, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, sequence_parallel=False, context_parallel_size=1,
-        hierarchical_context_parallel_sizes=None, expert_model_parallel_size=1,
-        expert_tensor_parallel_size=None, perform_initialization=True, use_cpu_initialization=False,
-        fp16=False, bf16=False, params_dtype=torch.float32, timers=None, finalize_model_grads_func=None,
-        grad_scale_func=None, no_sync_func=None, grad_sync_func=None, param_sync_func=None,
-        deterministic_mode=False, enable_autocast=False, autocast_dtype=None,
-        num_microbatches_with_partial_activation_checkpoints=None, gradient_accumulation_fusion=False,
-        use_te_rng_tracker=False, tp_comm_overlap=False, tp_comm_bulk_wgrad=True, tp_comm_bulk_dgrad=True,
-        tp_comm_overlap_ag=True, tp_comm_overlap_rs=True, tp_comm_overlap_rs_dgrad=False,
-        tp_comm_split_ag=True, tp_comm_atomic_ag=False, tp_comm_split_rs=True, tp_comm_atomic_rs=False,
-        cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="native",
+        hierarchical_context_parallel_sizes=None, max_seqlen_per_dp_cp_rank=None, hybrid_context_parallel=False,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None, perform_initialization=True,
+        use_cpu_initialization=False, fp16=False, bf16=False, params_dtype=torch.float32, timers=None,
+        finalize_model_grads_func=None, grad_scale_func=None, mtp_grad_scale_func=None, no_sync_func=None,
+        grad_sync_func=None, param_sync_func=None, deterministic_mode=False, enable_autocast=False,
+        autocast_dtype=None, num_microbatches_with_partial_activation_checkpoints=None,
+        gradient_accumulation_fusion=False, use_te_rng_tracker=False, tp_comm_overlap=False,
+        tp_comm_bulk_wgrad=True, tp_comm_bulk_dgrad=True, tp_comm_overlap_ag=True, tp_comm_overlap_rs=True,
+        tp_comm_overlap_rs_dgrad=False, tp_comm_split_ag=True, tp_comm_atomic_ag=False, tp_comm_split_rs=True,
+        tp_comm_atomic_rs=False, cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="native",
         tp_comm_overlap_disable_qkv=False, tp_comm_overlap_disable_fc1=False,
         tp_comm_bootstrap_backend="nccl", overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False,
+        overlap_dispatch_backward_with_experts_wgrad=False, ep_overlap_early_attn_memory_release=False,
         pipeline_dtype=None, variable_seq_lengths=False, overlap_p2p_comm=False, batch_p2p_comm=True,
         batch_p2p_sync=True, use_ring_exchange_p2p=False, deallocate_pipeline_outputs=False,
         defer_embedding_wgrad_compute=False, wgrad_deferral_limit=0, overlap_p2p_comm_warmup_flush=False,
-        microbatch_group_size_per_vp_stage=None, cpu_offloading=False, cpu_offloading_num_layers=0,
-        cpu_offloading_activations=True, cpu_offloading_weights=False, barrier_with_L1_time=True,
-        moe_extended_tp=False, async_tensor_model_parallel_allreduce=False,
+        microbatch_group_size_per_vp_stage=None, mtp_standalone=False, cpu_offloading=False,
+        cpu_offloading_num_layers=0, cpu_offloading_activations=True, cpu_offloading_weights=False,
+        cpu_offloading_double_buffering=False, cpu_offloading_retain_pinned_cpu_buffers=False,
+        barrier_with_L1_time=True, moe_extended_tp=False, async_tensor_model_parallel_allreduce=False,
         pipeline_model_parallel_split_rank=None,
     )
+    fields = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    assert fields - expected.keys() == set(), "fields without an expected default: add them to the table"
+    assert expected.keys() - fields == set(), "table names fields the class does not have"
     wrong = {k: (v, _default(k)) for k, v in expected.items() if _default(k) != v or type(_default(k)) is not type(v)}
     assert not wrong
 
