@@ -274,20 +274,20 @@ def resolve_pg_collection(pg_collection: ProcessGroupCollection | None = None) -
 
 
 # ModelParallelConfig field -> the group whose size it must equal.
-_CONFIG_SIZE_GROUPS = {
-    "tensor_model_parallel_size": "tp",
-    "pipeline_model_parallel_size": "pp",
-    "context_parallel_size": "cp",
-    "expert_model_parallel_size": "ep",
-    "expert_tensor_parallel_size": "expt_tp",
-}
+_DENSE_SIZES = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+                "context_parallel_size": "cp"}
+_EXPERT_SIZES = {"expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "expt_tp"}
 
 
 def check_parallel_sizes(config, pg_collection: ProcessGroupCollection) -> None:
     """Raise if a parallel size in `config` differs from the size of the group that drives the
-    layers built from it (the config's size decides divisibility checks and the layout it is
-    saved with; the group decides the shards)."""
-    for name, group_name in _CONFIG_SIZE_GROUPS.items():
+    layers built from it (the config's sizes decide its divisibility checks and the layout a
+    checkpoint records; the groups decide the shards). The expert sizes count only for a model
+    with experts."""
+    checked = dict(_DENSE_SIZES)
+    if getattr(config, "num_moe_experts", None):
+        checked.update(_EXPERT_SIZES)
+    for name, group_name in checked.items():
         size, configured = get_pg_size(getattr(pg_collection, group_name)), getattr(config, name)
         if configured != size:
             raise ValueError(

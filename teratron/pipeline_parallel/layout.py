@@ -15,16 +15,19 @@ With virtual stages each rank's layers are split evenly over its model chunks.
 
 from typing import Optional
 
-from teratron import parallel_state
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.enums import LayerType
 from teratron.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 
 def _pp_rank_and_size(pp_rank, pp_size):
+    """The stage asked about; what is not given is this rank's in the current topology."""
+    pp_group = resolve_pg_collection().pp
     if pp_size is None:
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_size = get_pg_size(pp_group)
     if pp_rank is None:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        pp_rank = get_pg_rank(pp_group)
     return pp_rank, pp_size
 
 

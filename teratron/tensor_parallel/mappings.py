@@ -3,20 +3,21 @@
 Each function's backward is the dual collective of its forward. "Last dim" functions move
 between replicated activations and hidden-dim shards ([..., h] <-> [..., h/tp]); "sequence"
 functions move between replicated and sequence-sharded activations along dim 0
-([s, b, h] <-> [s/tp, b, h]). `group=None` means parallel_state's TP group, and no
+([s, b, h] <-> [s/tp, b, h]). `group=None` means the current topology's TP group, and no
 communication at all when there is none.
 """
 
 import torch
 import torch.distributed as dist
 
-from teratron import comm, parallel_state
+from teratron import comm
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.utils import divide
+from teratron.topology import resolve_pg_collection
 
 
 def _resolve(group):
-    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+    return resolve_pg_collection().tp if group is None else group
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:

@@ -18,6 +18,8 @@ virtual stages is len(stages) / pp.
 
 from typing import Optional, Union
 
+from teratron.process_groups import get_pg_rank
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.enums import LayerType
 
 _LETTERS = {"E": LayerType.embedding, "t": LayerType.decoder, "m": LayerType.mtp, "L": LayerType.loss}
@@ -157,9 +159,7 @@ class PipelineParallelLayerLayout:
     def _index(self, vp_stage: Optional[int], pp_rank: Optional[int]) -> int:
         """Flat stage index i = vp_stage * pp + pp_rank (pp_rank defaults to this rank's)."""
         if pp_rank is None:
-            from teratron import parallel_state
-
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            pp_rank = get_pg_rank(resolve_pg_collection().pp)
         if vp_stage is None:
             if self.virtual_pipeline_model_parallel_size > 1:
                 raise ValueError("vp_stage must be given for a layout with virtual pipeline stages")

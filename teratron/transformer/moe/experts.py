@@ -17,17 +17,17 @@ the input scaled instead.
 
 import torch
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
+from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload, fusions
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.mlp import MLP, bias_activation
 
 
 def _expert_tp_group(pg_collection):
-    pg = ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None else pg_collection
-    return pg.expt_tp
+    return resolve_pg_collection(pg_collection).expt_tp
 
 
 def _scale_input(tokens, probs, config):
