@@ -101,13 +101,19 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _known(name: str) -> str:
+    if name not in GROUP_NAMES:
+        raise KeyError(f"unknown group {name!r}; choose from {GROUP_NAMES}")
+    return name
+
+
 @dataclass
 class Topology:
     """Sizes of the dense grid (tp, pp, cp, dp) and the expert grid (expert tp, ep, expert dp),
     the virtual pipeline size, and this rank's groups (by `GROUP_NAMES`) with their global ranks.
 
-    `virtual_pipeline_model_parallel_rank` is the one mutable part: the model chunk a pipeline
-    schedule is running (Megatron's virtual pipeline rank).
+    Fixed once built, except `virtual_pipeline_model_parallel_rank`: the model chunk a pipeline
+    schedule is running, set as it runs (and Megatron's setters of the virtual size and rank).
     """
 
     tensor_model_parallel_size: int = 1
@@ -171,9 +177,7 @@ class Topology:
 
     def group(self, name: str):
         """This rank's `name` group (one of GROUP_NAMES); None for a group of one."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; choose from {GROUP_NAMES}")
-        return self.groups.get(name)
+        return self.groups.get(_known(name))
 
     def size(self, name: str) -> int:
         return get_pg_size(self.group(name))
@@ -184,8 +188,7 @@ class Topology:
 
     def global_ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's `name` group ([this rank] for the all-ones topology)."""
-        self.group(name)  # checks the name
-        return list(self.group_ranks.get(name, [_global_rank()]))
+        return list(self.group_ranks.get(_known(name), [_global_rank()]))
 
     def pg_collection(self) -> ProcessGroupCollection:
         """The groups modules take, as Megatron's ProcessGroupCollection."""
@@ -281,9 +284,9 @@ _EXPERT_SIZES = {"expert_model_parallel_size": "ep", "expert_tensor_parallel_siz
 
 def check_parallel_sizes(config, pg_collection: ProcessGroupCollection) -> None:
     """Raise if a parallel size in `config` differs from the size of the group that drives the
-    layers built from it (the config's sizes decide its divisibility checks and the layout a
-    checkpoint records; the groups decide the shards). The expert sizes count only for a model
-    with experts."""
+    layers built from it: the config's sizes decide its own checks (heads and groups divisible
+    by TP, sequence parallelism on or off), the groups decide the shards. The expert sizes count
+    only for a model with experts."""
     checked = dict(_DENSE_SIZES)
     if getattr(config, "num_moe_experts", None):
         checked.update(_EXPERT_SIZES)

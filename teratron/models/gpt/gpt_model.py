@@ -10,6 +10,8 @@ gradients, samples) does not depend on how far it was padded, hence on the TP si
 live on different stages the last stage holds a copy (attribute `shared_embedding=True`) that
 starts equal to the embedding (both are built under the "embedding" init stream) and whose
 gradient `finalize_model_grads` sums with the first stage's over the embedding group.
+Without `pg_collection` the model takes the current topology's groups; the config's parallel
+sizes must equal the groups' (`topology.check_parallel_sizes`).
 """
 
 from typing import Literal
