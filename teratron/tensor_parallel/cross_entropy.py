@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.tensor_parallel.utils import VocabUtility
-from teratron.topology import resolve_pg_collection
+from teratron.tensor_parallel.utils import VocabUtility, resolve_tp_group
 from teratron.transformer import fusions
 
 
@@ -131,7 +130,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing:
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' shape without "
                          f"the vocab dim {tuple(vocab_parallel_logits.shape[:-1])}")
-    group = resolve_pg_collection().tp if group is None else group
+    group = resolve_tp_group(group)
     padded = vocab_parallel_logits.shape[-1] * get_pg_size(group)
     if unpadded_vocab_size is not None and not 2 <= unpadded_vocab_size <= padded:
         raise ValueError(f"unpadded_vocab_size={unpadded_vocab_size} must be in [2, {padded}] (the padded "

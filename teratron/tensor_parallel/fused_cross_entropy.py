@@ -21,7 +21,7 @@ from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from teratron.topology import resolve_pg_collection
+from teratron.tensor_parallel.utils import resolve_tp_group
 
 # Budget for one chunk's fp32 logits when no chunk size is given.
 DEFAULT_CHUNK_LOGITS_BYTES = 256 * 2**20
@@ -82,7 +82,7 @@ def fused_vocab_parallel_cross_entropy(hidden, weight, target, label_smoothing: 
     vocab_parallel_cross_entropy(ColumnParallelLinear(hidden), target, ...) with the same
     arguments. `chunk_size`: tokens per chunk (None: default_chunk_size). `group`: the TP group
     (None: the current topology's)."""
-    group = resolve_pg_collection().tp if group is None else group
+    group = resolve_tp_group(group)
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0])
     if chunk_size < 1:

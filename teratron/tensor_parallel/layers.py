@@ -43,8 +43,7 @@ from teratron.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from teratron.tensor_parallel.utils import VocabUtility, gather_shards, shard_tensor
-from teratron.topology import resolve_pg_collection
+from teratron.tensor_parallel.utils import VocabUtility, gather_shards, resolve_tp_group, shard_tensor
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -75,14 +74,6 @@ def copy_tensor_model_parallel_attributes(destination, source) -> None:
     for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))
-
-
-def resolve_tp_group(tp_group, is_expert: bool = False):
-    """The group passed in, else the current topology's (expert-)TP group (None: a group of one)."""
-    if tp_group is not None:
-        return tp_group
-    groups = resolve_pg_collection()
-    return groups.expt_tp if is_expert else groups.tp
 
 
 def param_device(config) -> torch.device:

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from teratron.process_groups import get_pg_rank
-from teratron.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from teratron.tensor_parallel.utils import gather_split_1d_tensor, resolve_tp_group, split_tensor_into_1d_equal_chunks
 from teratron.topology import resolve_pg_collection
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -194,6 +194,6 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
     """Activation recompute of `function(*args)` (Megatron's tensor_parallel.checkpoint).
     `tp_group`: the group distribute_saved_activations splits over (None: the current
     topology's TP group)."""
-    if distribute_saved_activations and tp_group is None:
-        tp_group = resolve_pg_collection().tp
+    if distribute_saved_activations:
+        tp_group = resolve_tp_group(tp_group)
     return CheckpointFunction.apply(function, distribute_saved_activations, tp_group, *args)
