@@ -26,10 +26,6 @@ from teratron.transformer.init_rng import component_rng
 from teratron.transformer.mlp import MLP, bias_activation
 
 
-def _expert_tp_group(pg_collection):
-    return resolve_pg_collection(pg_collection).expt_tp
-
-
 def _scale_input(tokens, probs, config):
     if not config.moe_apply_probs_on_input:
         return tokens
@@ -48,7 +44,7 @@ class SequentialMLP(torch.nn.Module):
         super().__init__()
         self.config = config
         indices = range(num_local_experts) if local_expert_indices is None else local_expert_indices
-        tp_group = _expert_tp_group(pg_collection)
+        tp_group = resolve_pg_collection(pg_collection).expt_tp
         experts = []
         for expert in indices:
             with component_rng(f"expert{expert}"):
@@ -99,7 +95,7 @@ class GroupedMLP(torch.nn.Module):
         super().__init__()
         self.config = config
         indices = list(range(num_local_experts) if local_expert_indices is None else local_expert_indices)
-        tp_group = _expert_tp_group(pg_collection)
+        tp_group = resolve_pg_collection(pg_collection).expt_tp
         tp_size, tp_rank = get_pg_size(tp_group), get_pg_rank(tp_group)
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         stride = 2 if config.gated_linear_unit else 1
