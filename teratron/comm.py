@@ -2,7 +2,8 @@
 
 NCCL (and gloo in recent PyTorch) has both natively. A backend that lacks one (gloo in older
 PyTorch) falls back to a list all-gather, or an all-reduce followed by taking this rank's slice:
-more traffic, the same result. `group=None` means a group of one: a copy, no communication.
+more traffic, the same result. Groups come resolved (teratron.topology): `group=None` is a group
+of one here, a copy and no communication.
 
 Like torch.distributed, each returns a work handle with `async_op=True` (call `.wait()`) and
 None otherwise; a fallback runs synchronously and returns an already-completed handle.

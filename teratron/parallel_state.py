@@ -1,90 +1,26 @@
-"""The process-group grid: which ranks talk to which, for every kind of parallelism.
+"""Megatron Core's `parallel_state` API over the current `teratron.topology.Topology`.
 
-Megatron Core's `parallel_state` API. The world is a grid of sizes (tp, cp, ep, dp, pp) laid
-out in the order string, first name fastest, so with the default "tp-cp-ep-dp-pp"
+`initialize_model_parallel(...)` builds the topology (every process group of the dense and the
+expert grid; see teratron/topology.py for the layout) and makes it current;
+`destroy_model_parallel()` goes back to the all-ones topology. Every other function only reads
+the current topology: this module keeps no state of its own.
 
-    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))      (ep = 1 on the dense grid)
-
-and TP ranks are adjacent (one node), PP ranks furthest apart. Expert layers use a second grid
-over the same ranks with sizes (expert_tp, 1, ep, expert_dp, pp); expert_dp is whatever is left.
-
-When the grid is not initialised every world-size getter returns 1, every rank getter 0 and
-every group getter None (a group of one), so one process runs any model without
-torch.distributed.
+When nothing is initialised every world-size getter returns 1, every rank getter 0 and every
+group getter None (a group of one), so one process runs any model without torch.distributed.
 """
 
-import math
 from datetime import timedelta
 
 import torch.distributed as dist
 
-_DIMS = ("tp", "cp", "ep", "dp", "pp")
-
-
-class RankGenerator:
-    """Lists the ranks of every group of one grid (dense or expert)."""
-
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
-        self.sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
-        names = order.lower().split("-")
-        if len(names) != len(set(names)) or not set(names) <= set(_DIMS):
-            raise ValueError(f"order {order!r} must name each of {'-'.join(_DIMS)} at most once")
-        for name in _DIMS:
-            if name not in names:
-                if self.sizes[name] != 1:
-                    raise ValueError(
-                        f"order {order!r} leaves out {name} but its size is {self.sizes[name]}; "
-                        f"add {name} to the order"
-                    )
-                names.append(name)
-        self.names = tuple(names)
-
-    def get_ranks(self, token: str) -> list[list[int]]:
-        """Every group for `token` ("tp", "dp-cp", "tp-pp", ...): ranks varying only along the
-        token's dimensions. Members are listed with the order's first dimension fastest."""
-        wanted = token.lower().split("-")
-        unknown = set(wanted) - set(_DIMS)
-        if unknown:
-            raise ValueError(f"group token {token!r} names unknown dimensions {sorted(unknown)}")
-        sizes = [self.sizes[n] for n in self.names]
-        strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
-        inside = [i for i, n in enumerate(self.names) if n in wanted]
-        outside = [i for i, n in enumerate(self.names) if n not in wanted]
-        groups = []
-        for outer in _coordinates([sizes[i] for i in outside]):
-            base = sum(c * strides[i] for c, i in zip(outer, outside))
-            groups.append([
-                base + sum(c * strides[i] for c, i in zip(inner, inside))
-                for inner in _coordinates([sizes[i] for i in inside])
-            ])
-        return groups
-
-
-def _coordinates(sizes):
-    """All index tuples of a grid of `sizes`, the first index fastest."""
-    for flat in range(math.prod(sizes)):
-        coord = []
-        for size in sizes:
-            coord.append(flat % size)
-            flat //= size
-        yield tuple(coord)
-
-
-def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    """The first and last pipeline stage hold the (tied) word embeddings."""
-    return pp_ranks[:1] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
-
-
-def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    return pp_ranks[:1]
-
-
-# This rank's groups and the global ranks of some of them, keyed by group token.
-_GROUPS: dict = {}
-_GROUP_RANKS: dict = {}
-_VIRTUAL_PIPELINE_RANK = None
-_VIRTUAL_PIPELINE_WORLD_SIZE = None
-_INITIALIZED = False
+from teratron.topology import (  # noqa: F401  RankGenerator and the defaults: Megatron's names here
+    RankGenerator,
+    Topology,
+    current_topology,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+    set_current_topology,
+)
 
 
 def initialize_model_parallel(
@@ -100,117 +36,51 @@ def initialize_model_parallel(
     get_embedding_ranks=None,
     get_position_embedding_ranks=None,
 ) -> None:
-    """Build every process group of the dense and the expert grid (Megatron Core semantics).
+    """Build the topology: every process group of the dense and the expert grid (Megatron Core
+    semantics), and make it current.
 
     torch.distributed must be initialised. Every rank creates every group (torch requires it)
     and keeps the ones it belongs to.
     """
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _INITIALIZED
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group() first")
-    if _INITIALIZED:
+    if model_parallel_is_initialized():
         raise RuntimeError("model parallel is already initialized; call destroy_model_parallel() first")
     if num_distributed_optimizer_instances != 1:
         raise ValueError(
             f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} is not "
             "supported; use 1"
         )
-    world_size = dist.get_world_size()
-    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    ep = expert_model_parallel_size
-    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    _check_sizes(world_size, tp, pp, cp, ep, etp, virtual_pipeline_model_parallel_size)
-    dense = RankGenerator(tp=tp, ep=1, dp=world_size // (tp * pp * cp), pp=pp, cp=cp, order=order)
-    expert = RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
-
-    if virtual_pipeline_model_parallel_size is not None:
-        _VIRTUAL_PIPELINE_RANK = 0
-        _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
-    timeout = timedelta(minutes=distributed_timeout_minutes)
-    for key, token in [("dp", "dp"), ("dp_cp", "dp-cp"), ("cp", "cp"), ("tp", "tp"),
-                       ("pp", "pp"), ("mp", "tp-pp"), ("tp_cp", "tp-cp"), ("tp_dp", "tp-dp"),
-                       ("tp_dp_cp", "tp-dp-cp")]:
-        _create(key, dense.get_ranks(token), timeout)
-    embedding_ranks = get_embedding_ranks or default_embedding_ranks
-    position_ranks = get_position_embedding_ranks or default_position_embedding_ranks
-    pp_groups = dense.get_ranks("pp")
-    # A rank outside its stage group's embedding ranks still knows them (is_rank_in_embedding_group).
-    _create("embd", [embedding_ranks(ranks) for ranks in pp_groups], timeout, pp_groups)
-    _create("pos_embd", [position_ranks(ranks) for ranks in pp_groups], timeout, pp_groups)
-    for key, token in [("expt_tp", "tp"), ("ep", "ep"), ("expt_dp", "dp"), ("tp_ep", "tp-ep"),
-                       ("tp_ep_pp", "tp-ep-pp")]:
-        _create(key, expert.get_ranks(token), timeout)
-    _INITIALIZED = True
-
-
-def _check_sizes(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int, vpp: int | None) -> None:
-    for name, size in [("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                       ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
-                       ("expert_tensor_parallel_size", etp)]:
-        if size < 1:
-            raise ValueError(f"{name}={size} must be at least 1")
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
-            f"context ({cp}) parallel sizes = {tp * pp * cp}; change the sizes or the number of ranks"
-        )
-    if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
-            f"pipeline ({pp}) parallel sizes = {etp * ep * pp}; change the expert sizes"
-        )
-    if vpp is not None and pp < 2:
-        raise ValueError(
-            "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1, "
-            f"got {pp}; unset it or raise the pipeline size"
-        )
-
-
-def _create(key: str, groups: list[list[int]], timeout: timedelta, owners=None) -> None:
-    """Create every group (all ranks must); keep this rank's. `owners[i]` are the ranks that
-    record `groups[i]`'s members (default: the members themselves)."""
-    rank = dist.get_rank()
-    for i, ranks in enumerate(groups):
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            _GROUPS[key] = group
-        if rank in (ranks if owners is None else owners[i]):
-            _GROUP_RANKS[key] = list(ranks)
+    set_current_topology(Topology.build(
+        tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+        context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order,
+        timedelta(minutes=distributed_timeout_minutes), get_embedding_ranks, get_position_embedding_ranks,
+    ))
 
 
 def model_parallel_is_initialized() -> bool:
-    return _INITIALIZED
+    return current_topology().is_initialized
 
 
 def destroy_model_parallel() -> None:
-    """Forget every group (they are not torn down: torch.distributed owns them)."""
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _INITIALIZED
-    _GROUPS.clear()
-    _GROUP_RANKS.clear()
-    _VIRTUAL_PIPELINE_RANK = None
-    _VIRTUAL_PIPELINE_WORLD_SIZE = None
-    _INITIALIZED = False
+    """Forget the topology (its groups are not torn down: torch.distributed owns them)."""
+    set_current_topology(None)
 
 
-def _group(key: str):
-    return _GROUPS.get(key) if _INITIALIZED else None
+def _group(name: str):
+    return current_topology().group(name)
 
 
-def _size(key: str) -> int:
-    group = _group(key)
-    return 1 if group is None else dist.get_world_size(group)
+def _size(name: str) -> int:
+    return current_topology().size(name)
 
 
-def _rank(key: str) -> int:
-    group = _group(key)
-    return 0 if group is None else dist.get_rank(group)
+def _rank(name: str) -> int:
+    return current_topology().rank(name)
 
 
-def _ranks(key: str) -> list[int]:
-    """Global ranks of this rank's `key` group ([own rank] or [0] when not initialised)."""
-    if _INITIALIZED:
-        return list(_GROUP_RANKS[key])
-    return [dist.get_rank() if dist.is_initialized() else 0]
+def _ranks(name: str) -> list[int]:
+    return current_topology().global_ranks(name)
 
 
 # ----- groups -----------------------------------------------------------------------------------
@@ -401,58 +271,36 @@ def get_position_embedding_global_ranks() -> list[int]:
 # ----- pipeline stages --------------------------------------------------------------------------
 
 def get_virtual_pipeline_model_parallel_rank():
-    return _VIRTUAL_PIPELINE_RANK
+    return current_topology().virtual_pipeline_model_parallel_rank
 
 
 def set_virtual_pipeline_model_parallel_rank(rank) -> None:
-    global _VIRTUAL_PIPELINE_RANK
-    _VIRTUAL_PIPELINE_RANK = rank
+    current_topology().virtual_pipeline_model_parallel_rank = rank
 
 
 def get_virtual_pipeline_model_parallel_world_size():
-    return _VIRTUAL_PIPELINE_WORLD_SIZE
+    return current_topology().virtual_pipeline_model_parallel_size
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size) -> None:
-    global _VIRTUAL_PIPELINE_WORLD_SIZE
-    _VIRTUAL_PIPELINE_WORLD_SIZE = world_size
-
-
-def _virtual_stage(vp_stage):
-    """The model chunk asked about: `vp_stage` if given, else the current virtual rank."""
-    return get_virtual_pipeline_model_parallel_rank() if vp_stage is None else vp_stage
+    current_topology().virtual_pipeline_model_parallel_size = world_size
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: int | None = None) -> bool:
     """True on the first pipeline stage (and, unless ignore_virtual, its first model chunk)."""
-    vpp = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and vpp is not None and vpp > 1 and _virtual_stage(vp_stage) != 0:
-        return False
-    return get_pipeline_model_parallel_rank() == 0
+    return current_topology().is_pipeline_first_stage(ignore_virtual, vp_stage)
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: int | None = None) -> bool:
     """True on the last pipeline stage (and, unless ignore_virtual, its last model chunk)."""
-    vpp = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and vpp is not None and vpp > 1 and _virtual_stage(vp_stage) != vpp - 1:
-        return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+    return current_topology().is_pipeline_last_stage(ignore_virtual, vp_stage)
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """True if this rank holds a word embedding (first or last stage); with ignore_virtual=False,
     only for the model chunk that holds it."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    ranks = get_embedding_global_ranks()
-    if rank not in ranks:
-        return False
-    if ignore_virtual:
-        return True
-    first = rank == ranks[0] and is_pipeline_first_stage(False, vp_stage)
-    last = rank == ranks[-1] and is_pipeline_last_stage(False, vp_stage)
-    return first or last
+    return current_topology().is_rank_in_embedding_group(ignore_virtual, vp_stage)
 
 
 def is_rank_in_position_embedding_group() -> bool:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank in get_position_embedding_global_ranks()
+    return current_topology().is_rank_in_position_embedding_group()

@@ -1,31 +1,16 @@
 """ProcessGroupCollection: the process groups a module uses, passed in rather than looked up.
 
 A module built with an explicit collection does not read global state, so one process can hold
-models with different layouts. `None` for a group means a group of one (no communication).
+models with different layouts. The collection of the run is a view of its topology
+(`teratron.topology.current_topology().pg_collection()`); a public entry point given no
+collection, or one with a None group, takes the current topology's groups through
+`teratron.topology.resolve_pg_collection`. Once resolved, `None` for a group means a group of
+one (no communication).
 """
 
 from dataclasses import dataclass, fields
 
 import torch.distributed as dist
-
-from teratron import parallel_state
-
-# Field name -> the parallel_state getter that fills it.
-_GETTERS = {
-    "tp": parallel_state.get_tensor_model_parallel_group,
-    "pp": parallel_state.get_pipeline_model_parallel_group,
-    "dp": lambda: parallel_state.get_data_parallel_group(with_context_parallel=False),
-    "dp_cp": lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
-    "cp": parallel_state.get_context_parallel_group,
-    "ep": parallel_state.get_expert_model_parallel_group,
-    "expt_tp": parallel_state.get_expert_tensor_parallel_group,
-    "expt_dp": parallel_state.get_expert_data_parallel_group,
-    "tp_ep": parallel_state.get_expert_tensor_and_model_parallel_group,
-    "mp": parallel_state.get_model_parallel_group,
-    "embd": parallel_state.get_embedding_group,
-    "pos_embd": parallel_state.get_position_embedding_group,
-    "tp_cp": parallel_state.get_tensor_and_context_parallel_group,
-}
 
 
 @dataclass
@@ -50,14 +35,17 @@ class ProcessGroupCollection:
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> "ProcessGroupCollection":
-        """The groups of `parallel_state` (all of them, or only `required_pgs`)."""
+        """Megatron's name for the current topology's groups (all of them, or only `required_pgs`)."""
+        from teratron.topology import current_topology  # topology builds collections: it imports this module
+
         names = [f.name for f in fields(cls)]
         if required_pgs is not None:
             unknown = sorted(set(required_pgs) - set(names))
             if unknown:
                 raise ValueError(f"required_pgs names unknown groups {unknown}; choose from {names}")
             names = list(required_pgs)
-        return cls(**{name: _GETTERS[name]() for name in names})
+        topology = current_topology()
+        return cls(**{name: topology.group(name) for name in names})
 
 
 def get_pg_size(group=None) -> int:

@@ -5,6 +5,7 @@ from dist import run_distributed
 from teratron import parallel_state as ps
 from teratron.parallel_state import RankGenerator
 from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.topology import current_topology
 
 # 16 ranks, order "tp-cp-ep-dp-pp". Written out by hand from
 #   dense:  rank = tp + 2*cp + 4*dp + 8*pp          (TP2 CP2 DP2 PP2)
@@ -120,6 +121,14 @@ def _grid_report():
     stages["vp_stage=1"] = [ps.is_pipeline_first_stage(vp_stage=1), ps.is_pipeline_last_stage(vp_stage=1)]
     report["stages"] = stages
     report["vpp"] = ps.get_virtual_pipeline_model_parallel_world_size()
+    t = current_topology()
+    report["topology"] = [t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
+                          t.virtual_pipeline_model_parallel_size, t.context_parallel_size,
+                          t.expert_model_parallel_size, t.expert_tensor_parallel_size, t.data_parallel_size,
+                          t.expert_data_parallel_size]
+    ps.destroy_model_parallel()
+    report["destroyed"] = [ps.model_parallel_is_initialized(), ps.get_tensor_model_parallel_group(),
+                           ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size()]
     return report
 
 
@@ -153,6 +162,8 @@ def test_sixteen_rank_grid_getters():
         assert report["in_embedding"] and report["in_position_embedding"] == (pp == 0)
         assert report["embedding_ranks"] == _own(EMBEDDING, rank)
         assert report["vpp"] == 2
+        assert report["topology"] == [2] * 8
+        assert report["destroyed"] == [False, None, None, 1]
         first, last = pp == 0, pp == 1
         # [first, last, first ignoring virtual, last ignoring virtual, holds the embedding chunk]
         assert report["stages"][0] == [first, False, first, last, first]

@@ -85,10 +85,11 @@ def build_gpt_model(model_args: dict, config, pre_process=True, post_process=Tru
     """A GPTModel (one stage) with the recorded architecture under `config`'s layout; MoE
     layers where `moe_layer_freq` puts them."""
     from teratron.models.gpt import GPTModel, get_gpt_decoder_block_spec
-    from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+    from teratron.process_groups import get_pg_rank, get_pg_size
+    from teratron.topology import resolve_pg_collection
 
     a = model_args
-    pg = ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None else pg_collection
+    pg = resolve_pg_collection(pg_collection)
     spec = get_gpt_decoder_block_spec(config, normalization=a["normalization"], vp_stage=vp_stage,
                                       pp_rank=get_pg_rank(pg.pp), pp_size=get_pg_size(pg.pp))
     return GPTModel(
@@ -96,6 +97,6 @@ def build_gpt_model(model_args: dict, config, pre_process=True, post_process=Tru
         max_sequence_length=a["max_position_embeddings"], pre_process=pre_process,
         post_process=post_process, share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
         position_embedding_type=a["position_embedding_type"], rotary_percent=a["rotary_percent"],
-        rotary_base=a["rotary_base"], pg_collection=pg_collection, vp_stage=vp_stage,
+        rotary_base=a["rotary_base"], pg_collection=pg, vp_stage=vp_stage,
         unpadded_vocab_size=a["vocab_size"],
     )

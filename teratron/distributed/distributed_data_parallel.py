@@ -21,6 +21,7 @@ import torch.distributed as dist
 from teratron.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from teratron.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from teratron.process_groups import ProcessGroupCollection, get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
 def _is_expert_param(param):
@@ -41,9 +42,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        self.pg_collection = pg_collection
+        self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
         self.dp_cp_group = pg_collection.dp_cp
         self.expt_dp_group = pg_collection.expt_dp
 

@@ -10,7 +10,8 @@ parameter has one (DDP-wrapped) and on `param.grad` otherwise.
 import torch
 import torch.distributed as dist
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
 def _unwrap(model_chunk):
@@ -106,8 +107,7 @@ def finalize_model_grads(model_chunks, num_tokens=None, pg_collection=None):
     """
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection = resolve_pg_collection(pg_collection)
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()

@@ -13,6 +13,7 @@ from teratron.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWith
                                           FP32Optimizer, MainParamShard, MegatronOptimizer)
 from teratron.optimizer.optimizer_config import OptimizerConfig
 from teratron.process_groups import ProcessGroupCollection
+from teratron.topology import resolve_pg_collection
 
 __all__ = [
     "ChainedOptimizer", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler",
@@ -189,8 +190,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
         raise NotImplementedError("overlap_param_gather_with_optimizer_step is not supported; leave it False")
     if pg_collection is None:
         pg_collection = getattr(model_chunks[0], "pg_collection", None)
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection = resolve_pg_collection(pg_collection)
     distributed = _uses_distributed_optimizer(model_chunks)
     grad_scaler = _grad_scaler(config)
     if config.optimizer_cpu_offload:

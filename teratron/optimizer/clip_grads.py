@@ -11,7 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
 def all_reduce_over_groups(tensor, groups, op=dist.ReduceOp.SUM):
@@ -72,8 +73,7 @@ def calc_params_l2_norm(model_chunks, pg_collection=None) -> float:
     (expert params) EP ranks; data-parallel replicas hold identical params and are not summed."""
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection = resolve_pg_collection(pg_collection)
     dense, expert = [], []
     for chunk in model_chunks:
         for param in chunk.parameters():

@@ -29,7 +29,7 @@ Stage i of the flat list is virtual stage a = i // pp on pipeline rank b = i % p
 so the layer order is vpp0 pp0, vpp0 pp1, ..., vpp0 pp(-1), vpp1 pp0, ... and the number of
 virtual stages is len(stages) / pp.
 
-This module sits below the transformer (it needs only parallel_state), so TransformerConfig
+This module sits below the transformer (it needs only the topology), so TransformerConfig
 validates placement with it and everything above reads it; Megatron's module paths re-export its
 names (`transformer.pipeline_parallel_layer_layout`, `transformer.enums.LayerType`).
 """
@@ -37,7 +37,8 @@ names (`transformer.pipeline_parallel_layer_layout`, `transformer.enums.LayerTyp
 import enum
 from typing import Optional, Union
 
-from teratron import parallel_state
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
 class LayerType(enum.Enum):
@@ -187,7 +188,7 @@ class PipelineParallelLayerLayout:
     def _index(self, vp_stage: Optional[int], pp_rank: Optional[int]) -> int:
         """Flat stage index i = vp_stage * pp + pp_rank (pp_rank defaults to this rank's)."""
         if pp_rank is None:
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            pp_rank = get_pg_rank(resolve_pg_collection().pp)
         if vp_stage is None:
             if self.virtual_pipeline_model_parallel_size > 1:
                 raise ValueError("vp_stage must be given for a layout with virtual pipeline stages")
@@ -232,10 +233,12 @@ def _stage_repr(stage: list) -> str:
 
 
 def _pp_rank_and_size(pp_rank, pp_size):
+    """The stage asked about; what is not given is this rank's in the current topology."""
+    pp_group = resolve_pg_collection().pp
     if pp_size is None:
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_size = get_pg_size(pp_group)
     if pp_rank is None:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        pp_rank = get_pg_rank(pp_group)
     return pp_rank, pp_size
 
 

@@ -15,12 +15,12 @@ from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 
-from teratron import parallel_state
 from teratron.pipeline_parallel.microbatch_step import (as_chunk_list, backward_step, deallocate_output_tensor,
                                                         finalize_grads, forward_step, get_model_config)
 from teratron.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
 from teratron.pipeline_parallel.schedule_plan import Action, plan_pipeline
 from teratron.process_groups import get_pg_size
+from teratron.topology import current_topology, resolve_pg_collection
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -90,12 +90,8 @@ class _PipelineRun:
         self.forward_step_func, self.iterators, self.models = forward_step_func, iterators, models
         self.num_microbatches, self.forward_only = num_microbatches, forward_only
         self.collect_non_loss_data = collect_non_loss_data
-        if pg_collection is None:
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-            cp_group = parallel_state.get_context_parallel_group()
-        else:
-            pp_group, tp_group, cp_group = pg_collection.pp, pg_collection.tp, pg_collection.cp
+        groups = resolve_pg_collection(pg_collection)
+        pp_group, tp_group, cp_group = groups.pp, groups.tp, groups.cp
         self.cp_size = get_pg_size(cp_group)
         self.pp_rank = torch.distributed.get_rank(pp_group)
         self.pp_size = torch.distributed.get_world_size(pp_group)
@@ -113,13 +109,14 @@ class _PipelineRun:
     def run(self) -> list:
         plan = plan_pipeline(self.pp_size, len(self.models), self.num_microbatches,
                              self.config.microbatch_group_size_per_vp_stage, self.forward_only)[self.pp_rank]
-        saved_vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+        topology = current_topology()  # its virtual rank tells forward_step which chunk runs
+        saved_vp_rank = topology.virtual_pipeline_model_parallel_rank
         with contextlib.ExitStack() as stack:
             self.grad_sync_off = self._disable_grad_sync(stack)
             for step in plan:
                 self._step(step)
             self.comm.finish()
-        parallel_state.set_virtual_pipeline_model_parallel_rank(saved_vp_rank)
+        topology.virtual_pipeline_model_parallel_rank = saved_vp_rank
         finalize_grads(self.config, self.models, self.total_num_tokens, self.forward_only)
         return self.forward_data_store
 
@@ -157,7 +154,7 @@ class _PipelineRun:
 
     def _set_vp_rank(self, chunk: int) -> None:
         if len(self.models) > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+            current_topology().virtual_pipeline_model_parallel_rank = chunk
 
     def _forward(self, action: Action):
         chunk, m = action.chunk, action.microbatch

@@ -21,21 +21,21 @@ from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 
-from teratron import parallel_state
 from teratron.pipeline_parallel.microbatch_step import (as_chunk_list, backward_step, finalize_grads,
                                                         forward_step, get_model_config)
 from teratron.pipeline_parallel.pipelined import (forward_backward_pipelining_with_interleaving,
                                                   forward_backward_pipelining_without_interleaving)
 from teratron.process_groups import get_pg_size
+from teratron.topology import current_topology, resolve_pg_collection
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
-    """The schedule for the layout (default: parallel_state's): no pipelining, 1F1B, or
+    """The schedule for the layout (default: the current topology's): no pipelining, 1F1B, or
     interleaved 1F1B when there are virtual stages."""
     if pp_size is None:
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_size = get_pg_size(resolve_pg_collection().pp)
     if vp_size is None:
-        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        vp_size = current_topology().virtual_pipeline_model_parallel_size
     if pp_size == 1:
         return forward_backward_no_pipelining
     if vp_size is not None and vp_size > 1:
@@ -66,7 +66,7 @@ def forward_backward_no_pipelining(
     model = as_chunk_list(model, "model", 1)[0]
     data_iterator = as_chunk_list(data_iterator, "data_iterator", 1)[0]
     config = get_model_config(model)
-    cp_group = parallel_state.get_context_parallel_group() if pg_collection is None else pg_collection.cp
+    cp_group = resolve_pg_collection(pg_collection).cp
     no_sync = config.no_sync_func or contextlib.nullcontext
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")

@@ -24,9 +24,9 @@ teratron averages over the whole vocabulary, so every TP layout gives the same l
 import torch
 import torch.distributed as dist
 
-from teratron import fusions, parallel_state
+from teratron import fusions
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.tensor_parallel.utils import VocabUtility
+from teratron.tensor_parallel.utils import VocabUtility, resolve_tp_group
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -123,14 +123,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing: float = 0.0, group=None,
                                  unpadded_vocab_size: int | None = None):
     """Per-token loss [...] from logits [..., V/tp] split over the TP group and targets [...]
-    (global vocab ids). `group=None` means parallel_state's TP group. `unpadded_vocab_size`:
+    (global vocab ids). `group=None` means the current topology's TP group. `unpadded_vocab_size`:
     the real vocabulary; columns past it are padding and excluded (None: no padding)."""
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' shape without "
                          f"the vocab dim {tuple(vocab_parallel_logits.shape[:-1])}")
-    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    group = resolve_tp_group(group)
     padded = vocab_parallel_logits.shape[-1] * get_pg_size(group)
     if unpadded_vocab_size is not None and not 2 <= unpadded_vocab_size <= padded:
         raise ValueError(f"unpadded_vocab_size={unpadded_vocab_size} must be in [2, {padded}] (the padded "

@@ -15,13 +15,13 @@ again), the same trade as activation recompute.
 import torch
 import torch.nn.functional as F
 
-from teratron import parallel_state
 from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from teratron.tensor_parallel.utils import resolve_tp_group
 
 # Budget for one chunk's fp32 logits when no chunk size is given.
 DEFAULT_CHUNK_LOGITS_BYTES = 256 * 2**20
@@ -81,8 +81,8 @@ def fused_vocab_parallel_cross_entropy(hidden, weight, target, label_smoothing: 
     as ColumnParallelLinear does), against `target` [s, b] (global vocab ids). Equals
     vocab_parallel_cross_entropy(ColumnParallelLinear(hidden), target, ...) with the same
     arguments. `chunk_size`: tokens per chunk (None: default_chunk_size). `group`: the TP group
-    (None: parallel_state's)."""
-    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    (None: the current topology's)."""
+    group = resolve_tp_group(group)
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0])
     if chunk_size < 1:

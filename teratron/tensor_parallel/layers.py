@@ -14,8 +14,9 @@ parameters carry `allreduce=False` (they are reduced over the expert-data-parall
 instead, also with EP = 1: when expert-TP differs from TP the dense data-parallel group would
 sum different expert-TP shards).
 
-A layer whose TP group has one rank (or none: model parallel not initialised when it was
-built) never communicates, whatever parallel_state holds later. Expert layers
+A layer built without a group takes the current topology's (expert-)TP group, as Megatron's
+does. A layer whose TP group has one rank (or none: a group of one) never communicates,
+whatever topology is current later. Expert layers
 (`is_expert=True`) communicate nothing: the MoE token dispatcher moves tokens in
 and out of the expert-TP region, as in Megatron.
 
@@ -31,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratron import parallel_state
 from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.grad_accumulation_fusion import fuses_grad_accumulation, linear_with_grad_accumulation
@@ -43,7 +43,7 @@ from teratron.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from teratron.tensor_parallel.utils import VocabUtility, gather_shards, shard_tensor
+from teratron.tensor_parallel.utils import VocabUtility, gather_shards, resolve_tp_group, shard_tensor
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -52,9 +52,10 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
 }
 
 
-def param_is_not_tensor_parallel_duplicate(param) -> bool:
-    """True for a TP shard, or for a replicated parameter on TP rank 0 (count it once)."""
-    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None) -> bool:
+    """True for a TP shard, or for a replicated parameter on TP rank 0 (count it once).
+    `tp_group=None`: the current topology's."""
+    return getattr(param, "tensor_model_parallel", False) or get_pg_rank(resolve_tp_group(tp_group)) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -73,15 +74,6 @@ def copy_tensor_model_parallel_attributes(destination, source) -> None:
     for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))
-
-
-def resolve_tp_group(tp_group, is_expert: bool = False):
-    """The group passed in, else parallel_state's (expert-)TP group (None when not initialised)."""
-    if tp_group is not None:
-        return tp_group
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group()
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 def param_device(config) -> torch.device:

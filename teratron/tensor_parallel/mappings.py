@@ -3,20 +3,16 @@
 Each function's backward is the dual collective of its forward. "Last dim" functions move
 between replicated activations and hidden-dim shards ([..., h] <-> [..., h/tp]); "sequence"
 functions move between replicated and sequence-sharded activations along dim 0
-([s, b, h] <-> [s/tp, b, h]). `group=None` means parallel_state's TP group, and no
+([s, b, h] <-> [s/tp, b, h]). `group=None` means the current topology's TP group, and no
 communication at all when there is none.
 """
 
 import torch
 import torch.distributed as dist
 
-from teratron import comm, parallel_state
+from teratron import comm
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.tensor_parallel.utils import divide
-
-
-def _resolve(group):
-    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+from teratron.tensor_parallel.utils import divide, resolve_tp_group
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -155,35 +151,35 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(input_, group=None):
     """Forward: identity. Backward: all-reduce (each rank's partial gradient summed)."""
-    return _CopyToModelParallelRegion.apply(input_, _resolve(group))
+    return _CopyToModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def reduce_from_tensor_model_parallel_region(input_, group=None):
     """Forward: all-reduce. Backward: identity."""
-    return _ReduceFromModelParallelRegion.apply(input_, _resolve(group))
+    return _ReduceFromModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None):
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
-    return _ScatterToModelParallelRegion.apply(input_, _resolve(group))
+    return _ScatterToModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def gather_from_tensor_model_parallel_region(input_, group=None):
     """Forward: all-gather the last dim. Backward: keep this rank's slice."""
-    return _GatherFromModelParallelRegion.apply(input_, _resolve(group))
+    return _GatherFromModelParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def scatter_to_sequence_parallel_region(input_, group=None):
     """Forward: keep this rank's slice of dim 0. Backward: all-gather dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(input_, _resolve(group))
+    return _ScatterToSequenceParallelRegion.apply(input_, resolve_tp_group(group))
 
 
 def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
     """Forward: all-gather dim 0. Backward: reduce-scatter dim 0 when the consumer is
     tensor-parallel (tensor_parallel_output_grad), else keep this rank's slice."""
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, _resolve(group))
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, resolve_tp_group(group))
 
 
 def reduce_scatter_to_sequence_parallel_region(input_, group=None):
     """Forward: reduce-scatter dim 0. Backward: all-gather dim 0."""
-    return _ReduceScatterToSequenceParallelRegion.apply(input_, _resolve(group))
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, resolve_tp_group(group))

@@ -17,8 +17,9 @@ import contextlib
 
 import torch
 
-from teratron import parallel_state
-from teratron.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from teratron.process_groups import get_pg_rank
+from teratron.tensor_parallel.utils import gather_split_1d_tensor, resolve_tp_group, split_tensor_into_1d_equal_chunks
+from teratron.topology import resolve_pg_collection
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -114,10 +115,11 @@ get_rng_tracker = get_cuda_rng_tracker
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None, ep_rank: int | None = None,
                                     etp_rank: int | None = None) -> None:
     """Seed the default generator and the tracker's streams (see the module docstring). Ranks
-    default to parallel_state's."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
-    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
-    etp_rank = parallel_state.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
+    default to this rank's in the current topology."""
+    groups = resolve_pg_collection()
+    tp_rank = get_pg_rank(groups.tp) if tp_rank is None else tp_rank
+    ep_rank = get_pg_rank(groups.ep) if ep_rank is None else ep_rank
+    etp_rank = get_pg_rank(groups.expt_tp) if etp_rank is None else etp_rank
     torch.manual_seed(seed)
     tracker = _RNG_STATE_TRACKER
     tracker.reset()
@@ -134,13 +136,14 @@ class CheckpointFunction(torch.autograd.Function):
     generator states of the forward (default and tracker), so dropout masks match exactly.
 
     With distribute_saved_activations the first argument is kept as 1/tp of its elements per
-    TP rank and all-gathered again for the recompute.
+    rank of `tp_group` and all-gathered again for the recompute.
     """
 
     @staticmethod
-    def forward(ctx, run_function, distribute_saved_activations, *args):
+    def forward(ctx, run_function, distribute_saved_activations, tp_group, *args):
         ctx.run_function = run_function
         ctx.distribute_saved_activations = distribute_saved_activations
+        ctx.tp_group = tp_group
         ctx.rng_states = (_get_device_rng_state(), _RNG_STATE_TRACKER.get_states())
         with torch.no_grad():
             outputs = run_function(*args)
@@ -152,7 +155,7 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = outputs.detach()
         if distribute_saved_activations:
             ctx.input_0_shape = args[0].shape
-            args[0].data = split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True)
+            args[0].data = split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True, group=tp_group)
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.other_args = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
@@ -167,7 +170,7 @@ class CheckpointFunction(torch.autograd.Function):
         for i, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
             inputs[i] = tensor
         if ctx.distribute_saved_activations:
-            inputs[0].data = gather_split_1d_tensor(inputs[0].data).view(ctx.input_0_shape)
+            inputs[0].data = gather_split_1d_tensor(inputs[0].data, ctx.tp_group).view(ctx.input_0_shape)
         inputs = [x.detach().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
 
         current = (_get_device_rng_state(), _RNG_STATE_TRACKER.get_states())
@@ -184,9 +187,13 @@ class CheckpointFunction(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None) + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
+        return (None, None, None) + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
 
 
-def checkpoint(function, distribute_saved_activations: bool, *args):
-    """Activation recompute of `function(*args)` (Megatron's tensor_parallel.checkpoint)."""
-    return CheckpointFunction.apply(function, distribute_saved_activations, *args)
+def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=None):
+    """Activation recompute of `function(*args)` (Megatron's tensor_parallel.checkpoint).
+    `tp_group`: the group distribute_saved_activations splits over (None: the current
+    topology's TP group)."""
+    if distribute_saved_activations:
+        tp_group = resolve_tp_group(tp_group)
+    return CheckpointFunction.apply(function, distribute_saved_activations, tp_group, *args)

@@ -2,8 +2,9 @@
 
 import torch
 
-from teratron import comm, parallel_state
+from teratron import comm
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -35,9 +36,17 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
     return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
 
 
+def resolve_tp_group(tp_group=None, is_expert: bool = False):
+    """The group passed in, else the current topology's (expert-)TP group (None: a group of one)."""
+    if tp_group is not None:
+        return tp_group
+    groups = resolve_pg_collection()
+    return groups.expt_tp if is_expert else groups.tp
+
+
 def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, group=None) -> torch.Tensor:
     """This TP rank's 1/tp of the flattened tensor (a view unless new_buffer)."""
-    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    group = resolve_tp_group(group)
     chunk = divide(tensor.numel(), get_pg_size(group))
     start = chunk * get_pg_rank(group)
     piece = tensor.reshape(-1)[start:start + chunk]
@@ -46,7 +55,7 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = F
 
 def gather_split_1d_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Inverse of split_tensor_into_1d_equal_chunks: the flat tensor from every TP rank's chunk."""
-    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    group = resolve_tp_group(group)
     output = torch.empty(tensor.numel() * get_pg_size(group), dtype=tensor.dtype, device=tensor.device)
     comm.all_gather_into_tensor(output, tensor.reshape(-1), group)
     return output

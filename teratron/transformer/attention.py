@@ -13,12 +13,12 @@ import torch
 
 from teratron import fusions, tensor_parallel
 from teratron.process_groups import get_pg_size
+from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb
 from teratron.transformer.spec_utils import ModuleSpec, build_module
-from teratron.transformer.utils import default_pg_collection
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SelfAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        self.pg_collection = default_pg_collection(pg_collection)
+        self.pg_collection = resolve_pg_collection(pg_collection)
         tp = self.pg_collection.tp
         tp_size = get_pg_size(tp)
         heads, groups = config.num_attention_heads, config.num_query_groups

@@ -12,6 +12,7 @@ from typing import Union
 import torch
 
 from teratron import fusions
+from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
@@ -30,8 +31,9 @@ class MLP(torch.nn.Module):
                  pg_collection=None):
         super().__init__()
         self.config = config
-        if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
+        if tp_group is None:
+            groups = resolve_pg_collection(pg_collection)
+            tp_group = groups.expt_tp if is_expert else groups.tp
         input_size = config.hidden_size if input_size is None else input_size
         ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         gated = config.gated_linear_unit

@@ -20,11 +20,11 @@ from teratron import tensor_parallel
 from teratron.fp8 import Fp8Recipe, layer_uses_fp8
 from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.cuda_graphs import LayerCudaGraphs
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.norms import Norm
 from teratron.transformer.spec_utils import ModuleSpec, build_module
-from teratron.transformer.utils import default_pg_collection
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TransformerBlock(torch.nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.vp_stage = vp_stage
-        self.pg_collection = default_pg_collection(pg_collection)
+        self.pg_collection = resolve_pg_collection(pg_collection)
         self.input_tensor = None
         pp = self.pg_collection.pp
         placement = dict(vp_stage=vp_stage, pp_rank=get_pg_rank(pp), pp_size=get_pg_size(pp))
@@ -132,7 +132,8 @@ class TransformerBlock(torch.nn.Module):
         for chunk in chunks:
             run = self._run_layers(*chunk)
             if chunk in recomputed:
-                hidden_states = tensor_parallel.checkpoint(run, distribute, hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = tensor_parallel.checkpoint(run, distribute, hidden_states, attention_mask,
+                                                           rotary_pos_emb, tp_group=self.pg_collection.tp)
             else:
                 hidden_states = run(hidden_states, attention_mask, rotary_pos_emb)
         return hidden_states

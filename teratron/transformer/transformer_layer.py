@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from teratron import fusions, tensor_parallel
+from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.moe.moe_layer import MoELayer
@@ -56,6 +57,7 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        pg_collection = resolve_pg_collection(pg_collection)
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         hidden, eps = config.hidden_size, config.layernorm_epsilon
         self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=hidden, eps=eps)

@@ -19,7 +19,8 @@ from dist import run_distributed
 from teratron import parallel_state
 from teratron.model_parallel_config import ModelParallelConfig
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from teratron.tensor_parallel.layers import padded_vocab_init_method
+from teratron.tensor_parallel.layers import (padded_vocab_init_method, param_is_not_tensor_parallel_duplicate,
+                                            set_tensor_model_parallel_attributes)
 from teratron.tensor_parallel.utils import shard_tensor
 
 S, B, H, F_, V = 8, 2, 16, 24, 32
@@ -181,12 +182,22 @@ def check_layers(refs, group, r, n):
     _check_padded_vocab_init(refs, group, r, n)
 
 
+def _check_duplicate_counting(group, r):
+    """A TP shard counts on every rank, a replicated parameter on TP rank 0 only."""
+    shard, replicated = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    set_tensor_model_parallel_attributes(shard, True, 0, 1)
+    assert param_is_not_tensor_parallel_duplicate(shard, group)
+    assert param_is_not_tensor_parallel_duplicate(replicated, group) == (r == 0)
+
+
 def _all_layouts():
     rank = dist.get_rank()
     refs = _build_refs()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     check_layers(refs, None, rank % 2, 2)
     check_layers(refs, dist.group.WORLD, rank, 4)
+    _check_duplicate_counting(None, rank % 2)
+    _check_duplicate_counting(dist.group.WORLD, rank)
     return True
 
 

@@ -58,6 +58,11 @@ def _streams():
     for distribute in (False, True):
         recomputed = _loss_and_grads(recompute=True, distribute=distribute)
         assert all(torch.equal(a, b) for a, b in zip(plain, recomputed)), distribute
+    # The saved input is split over the group given, else over the topology's TP group.
+    for group, kept in ((None, 8 * 16 // 2), (torch.distributed.group.WORLD, 8 * 16 // 4)):
+        x = torch.randn(8, 16, requires_grad=True) * 1.0
+        checkpoint(_block, True, x, torch.randn(16, 16), tp_group=group)
+        assert x.numel() == kept, group
     return tp_mask, expert_mask, default_mask
 
 

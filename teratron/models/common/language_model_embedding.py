@@ -26,13 +26,13 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.vocab_size = vocab_size
         self.unpadded_vocab_size = unpadded_vocab_size
         self.max_sequence_length = max_sequence_length
-        self.tp_group = tp_group
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             vocab_size, config.hidden_size, config=config,
             init_method=padded_vocab_init_method(config.embedding_init_method, unpadded_vocab_size),
             tp_group=tp_group,
         )
+        self.tp_group = self.word_embeddings.tp_group  # None given: the current topology's, resolved there
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,

@@ -10,6 +10,8 @@ gradients, samples) does not depend on how far it was padded, hence on the TP si
 live on different stages the last stage holds a copy (attribute `shared_embedding=True`) that
 starts equal to the embedding (both are built under the "embedding" init stream) and whose
 gradient `finalize_model_grads` sums with the first stage's over the embedding group.
+Without `pg_collection` the model takes the current topology's groups; the config's parallel
+sizes must equal the groups' (`topology.check_parallel_sizes`).
 """
 
 from typing import Literal
@@ -23,10 +25,10 @@ from teratron.tensor_parallel import mappings
 from teratron.tensor_parallel.cross_entropy import real_vocab_in_partition
 from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.tensor_parallel.layers import padded_vocab_init_method
+from teratron.topology import check_parallel_sizes, resolve_pg_collection
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.rope import RotaryEmbedding
 from teratron.transformer.transformer_block import TransformerBlock
-from teratron.transformer.utils import default_pg_collection
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
@@ -55,7 +57,8 @@ class GPTModel(torch.nn.Module):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.vp_stage = vp_stage
-        self.pg_collection = default_pg_collection(pg_collection)
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        check_parallel_sizes(config, self.pg_collection)
         tp = self.pg_collection.tp
         if vocab_size % get_pg_size(tp):
             raise ValueError(

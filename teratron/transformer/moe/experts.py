@@ -17,18 +17,14 @@ the input scaled instead.
 
 import torch
 
-from teratron import fusions
-from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
+from teratron import fusions
+from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.mlp import MLP, bias_activation
-
-
-def _expert_tp_group(pg_collection):
-    pg = ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None else pg_collection
-    return pg.expt_tp
 
 
 def _scale_input(tokens, probs, config):
@@ -49,7 +45,7 @@ class SequentialMLP(torch.nn.Module):
         super().__init__()
         self.config = config
         indices = range(num_local_experts) if local_expert_indices is None else local_expert_indices
-        tp_group = _expert_tp_group(pg_collection)
+        tp_group = resolve_pg_collection(pg_collection).expt_tp
         experts = []
         for expert in indices:
             with component_rng(f"expert{expert}"):
@@ -100,7 +96,7 @@ class GroupedMLP(torch.nn.Module):
         super().__init__()
         self.config = config
         indices = list(range(num_local_experts) if local_expert_indices is None else local_expert_indices)
-        tp_group = _expert_tp_group(pg_collection)
+        tp_group = resolve_pg_collection(pg_collection).expt_tp
         tp_size, tp_rank = get_pg_size(tp_group), get_pg_rank(tp_group)
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         stride = 2 if config.gated_linear_unit else 1

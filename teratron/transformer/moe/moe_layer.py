@@ -14,10 +14,11 @@ from typing import Union
 
 import torch
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_rank, get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                scatter_to_sequence_parallel_region)
 from teratron.tensor_parallel.utils import divide
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.moe.router import TopKRouter
 from teratron.transformer.moe.token_dispatcher import DISPATCHERS
 from teratron.transformer.spec_utils import ModuleSpec, build_module
@@ -34,8 +35,7 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self._check_config(config)
         self.config = config
-        self.pg_collection = pg = (ProcessGroupCollection.use_mpu_process_groups()
-                                   if pg_collection is None else pg_collection)
+        self.pg_collection = pg = resolve_pg_collection(pg_collection)
         ep_size, ep_rank = get_pg_size(pg.ep), get_pg_rank(pg.ep)
         self.num_local_experts = divide(config.num_moe_experts, ep_size)
         first = ep_rank * self.num_local_experts

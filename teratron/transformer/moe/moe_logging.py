@@ -12,8 +12,9 @@ losses are then averaged over data-parallel ranks, token counts summed. Every ra
 
 import torch
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_size
+from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from teratron.topology import resolve_pg_collection
 
 _MOE_LAYER_WISE_LOGGING_TRACKER: dict = {}
 
@@ -84,7 +85,7 @@ def _collective_device(tracker):
 
 def reduce_aux_losses_tracker_across_ranks(config, pg_collection=None) -> dict:
     """Every tracked entry of `config`, combined over ranks as the module docstring says."""
-    pg = ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None else pg_collection
+    pg = resolve_pg_collection(pg_collection)
     seq_group = pg.tp_cp if config.sequence_parallel else pg.cp
     tracker = _MOE_LAYER_WISE_LOGGING_TRACKER
     device = _collective_device(tracker)

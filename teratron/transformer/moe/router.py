@@ -23,10 +23,11 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from teratron.process_groups import ProcessGroupCollection, get_pg_size
+from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                reduce_from_tensor_model_parallel_region)
 from teratron.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.moe.moe_logging import save_to_aux_losses_tracker
 from teratron.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, apply_router_token_dropping,
                                                 compute_routing_scores_for_aux_loss,
@@ -77,7 +78,7 @@ class TopKRouter(torch.nn.Module):
         self.score_function = config.moe_router_score_function
         types = config.moe_router_load_balancing_type
         self.routing_types = list(types) if isinstance(types, list) else [types]
-        pg = ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None else pg_collection
+        pg = resolve_pg_collection(pg_collection)
         self.seq_group = pg.tp_cp if config.sequence_parallel else pg.cp
         self.dp_group = pg.dp
         self.layer_number = None
