@@ -17,8 +17,8 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "teratron"
 # own modules and units of LOWER levels only; units of one level are independent of each other.
 LAYERS = [
     ("teratron", "utils", "model_parallel_config", "fusions"),
-    ("parallel_state",),
-    ("process_groups",),
+    ("topology",),
+    ("parallel_state", "process_groups"),
     ("comm",),
     ("fp8", "pipeline_parallel"),
     ("tensor_parallel",),
