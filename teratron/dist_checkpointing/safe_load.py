@@ -38,7 +38,7 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file asks the unpickler for something other than checkpoint data."""
 
 
-def _unsafe(where: str, name: str) -> UnsafeCheckpointError:
+def unsafe_error(where: str, name: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(f"{where}: holds a pickled {name}, which is not checkpoint data; unpickling it "
                                  "could run code, so teratron refuses to load it (use checkpoints teratron wrote)")
 
@@ -54,6 +54,12 @@ _PLAIN_DATA_EXTRAS = [argparse.Namespace, *_numpy_array_globals()]
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
+def refused_global(error: Exception):
+    """The name torch.load(weights_only=True) refused to unpickle, if that is why it failed."""
+    found = _REFUSED_GLOBAL.search(str(error))
+    return found.group(1) if found else None
+
+
 def load_torch_file(source, where: str):
     """torch.load of a file or stream with the plain-data allow-list; `where` names it in errors."""
     try:
@@ -63,10 +69,8 @@ def load_torch_file(source, where: str):
     except FileNotFoundError:
         raise DamagedCheckpointError(f"{where}: missing; the checkpoint is incomplete") from None
     except pickle.UnpicklingError as e:
-        refused = _REFUSED_GLOBAL.search(str(e))
-        if refused:
-            raise _unsafe(where, refused.group(1)) from None
-        raise _damaged(where, e) from None
+        refused = refused_global(e)
+        raise (unsafe_error(where, refused) if refused else _damaged(where, e)) from None
     except Exception as e:  # noqa: BLE001 - a truncated zip, a bad header: the file is damaged
         raise _damaged(where, e) from None
 
@@ -116,7 +120,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             found = value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
         if found is None:
-            raise _unsafe(self.where, f"{module}.{name}")
+            raise unsafe_error(self.where, f"{module}.{name}")
         return found
 
 

@@ -13,7 +13,6 @@ torch.load(weights_only=True).
 
 import contextlib
 import os
-import re
 import warnings
 
 import torch
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
 from teratron.dist_checkpointing.safe_load import (DCP_METADATA_FILENAME, CheckpointReader, UnsafeCheckpointError,
-                                                   read_dcp_metadata)
+                                                   read_dcp_metadata, refused_global, unsafe_error)
 from teratron.dist_checkpointing.storage import DamagedCheckpointError
 
 _SHOWN = 4  # examples per kind of mismatch in an error message
@@ -51,9 +50,6 @@ def failure_reason(error) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-_REFUSED_TENSOR = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
-
-
 def _read(checkpoint_dir: str, planner, process_group=None, no_dist: bool = False) -> None:
     """dcp.load of the planner's items; a failed read (a missing or truncated data file) becomes an
     OSError naming the folder instead of DCP's multi-rank traceback, a refused object one line."""
@@ -65,11 +61,9 @@ def _read(checkpoint_dir: str, planner, process_group=None, no_dist: bool = Fals
         for _, error in _rank_errors(e):
             if isinstance(error, (UnsafeCheckpointError, DamagedCheckpointError)):
                 raise error from None
-            refused = _REFUSED_TENSOR.search(str(error))  # DCP's own weights_only load of a tensor
+            refused = refused_global(error)  # DCP's own weights_only load of a tensor
             if refused:
-                raise UnsafeCheckpointError(f"{checkpoint_dir}: a tensor in its .distcp files is a pickled "
-                                            f"{refused.group(1)}; unpickling it could run code, so teratron "
-                                            "refuses to load it (use checkpoints teratron wrote)") from None
+                raise unsafe_error(f"{checkpoint_dir} (a tensor in its .distcp files)", refused) from None
         raise OSError(f"{checkpoint_dir}: reading the checkpoint failed ({failure_reason(e)}); it is damaged "
                       "or incomplete") from None
 
