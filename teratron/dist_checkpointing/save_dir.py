@@ -93,6 +93,9 @@ def _missing_folders(path: str) -> list:
 
 
 def _check_contents(save, load, finetune, overwrite) -> None:
+    tracker = os.path.join(save, storage.TRACKER_FILENAME)
+    if os.path.lexists(tracker) and not os.path.isfile(tracker):
+        raise SaveDirError(f"{tracker}: not a file, so no checkpoint could be published there; remove it")
     found = storage.iteration_dirs(save)
     if not found:
         return

@@ -101,8 +101,11 @@ def test_checkpoints_without_a_readable_tracker_are_an_error(other_run, tmp_path
     line = _error(capsys)
     assert path in line, line
     assert ("but no latest_checkpointed_iteration.txt" if tracker == "missing" else
-            "not an iteration number" if tracker == "garbage" else "cannot be read") in line, line
+            "not an iteration number" if tracker == "garbage" else "not a file") in line, line
     assert snapshot(save) == before and sorted(os.listdir(save))[:2] == ["iter_0000001", "iter_0000002"]
+    if tracker == "directory":  # --overwrite does not help: no checkpoint could be published
+        assert train("--train-iters", "4", "--save", save, "--overwrite") == 2
+        assert "not a file" in _error(capsys) and snapshot(save) == before
 
 
 def test_overwrite_replaces_another_runs_checkpoints(other_run, tmp_path, capsys):
