@@ -164,6 +164,7 @@ def test_a_lock_from_another_host_or_unreadable_is_respected(tmp_path):
 def _claim_on_two_ranks(good, taken):
     claim_save_dir(good)
     held = sorted(os.listdir(good))
+    dist.barrier()  # every rank looked before rank 0 releases
     release_save_dir()
     dist.barrier()
     try:
@@ -176,7 +177,7 @@ def _claim_on_two_ranks(good, taken):
 def test_every_rank_raises_the_same_refusal_and_created_folders_go(tmp_path, other_run):
     good = str(tmp_path / "new" / "ckpt")
     results = run_distributed(_claim_on_two_ranks, 2, good, other_run)
-    assert results[0][0] == [LOCK_FILENAME]  # rank 0 locked the folder it created
+    assert results[0][0] == results[1][0] == [LOCK_FILENAME]  # rank 0 locked the folder it created
     assert results[0][1] == results[1][1] and "holds checkpoints" in results[0][1]
     assert os.listdir(tmp_path) == []  # released: the folders the claim created are gone
     assert LOCK_FILENAME not in os.listdir(other_run)
