@@ -10,6 +10,7 @@ Weights map through the tables of `hf_mapping`; the config through `hf_config` (
 padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
 from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.process_groups import ProcessGroupCollection
 from teratron.transformer.moe import moe_layer_pattern
 
@@ -140,7 +142,7 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
             "iteration": 0, "model_args": model_args, "has_optimizer": False,
             "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                        "expert_model_parallel_size": ep},
-            "source": {"huggingface": os.path.abspath(hf_path)},
+            "source": {"huggingface": os.path.abspath(hf_path)}, "files": storage.record_files(tmp),
         })
         _copy_side_files(hf_path, os.path.join(save, storage.HF_DIRNAME))
         return storage.publish(save, 0)
@@ -154,12 +156,10 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
 def _trained_aux_loss_coeff(checkpoint_dir: str):
     """The aux-loss coefficient of the training run that saved the checkpoint (None: an import,
     or a run without an aux loss)."""
-    common_file = os.path.join(checkpoint_dir, storage.COMMON_FILENAME)
-    if not os.path.isfile(common_file):
-        return None
-    args = torch.load(common_file, map_location="cpu", weights_only=False).get("args")
-    types = getattr(args, "moe_router_load_balancing_type", None)
-    coeffs = getattr(args, "moe_aux_loss_coeff", None)
+    args = read_common_state(checkpoint_dir).get("args")
+    args = vars(args) if isinstance(args, argparse.Namespace) else args or {}  # older checkpoints: a Namespace
+    types = args.get("moe_router_load_balancing_type")
+    coeffs = args.get("moe_aux_loss_coeff")
     types, coeffs = (v if isinstance(v, list) else [v] for v in (types, coeffs))
     return next((float(c) for t, c in zip(types, coeffs) if t == "aux_loss"), None)
 
@@ -181,7 +181,9 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
     folder `out`, published by renaming a finished temporary folder."""
     checkpoint_dir = storage.resolve_checkpoint_dir(load)
-    model_args = storage.read_metadata(checkpoint_dir).get("model_args")
+    metadata = storage.read_metadata(checkpoint_dir)
+    storage.verify_files(checkpoint_dir, metadata)
+    model_args = metadata.get("model_args")
     if not model_args:
         raise ValueError(f"--load {checkpoint_dir}: metadata.json records no model_args, so the model cannot "
                          "be rebuilt; export a checkpoint saved by `teratron train`, import-hf or merge")

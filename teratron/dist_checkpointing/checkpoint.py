@@ -5,14 +5,18 @@ checkpoint folder, synchronously or in the background.
     start_async_save(...) -> AsyncSave;  save.finalize(blocking)          background writing
     load_checkpoint(checkpoint_dir, model, optimizer, load_optimizer, load_rng) -> common state
 
-Every rank writes its boxes into ROOT/.tmp_iter_N/ (torch.distributed.checkpoint); once all
-ranks succeeded, rank 0 adds metadata.json and common.pt and publishes the folder (rename, then
-tracker). RNG states are per rank (`rng_state.<global rank>`); they load only into the layout
-that saved them.
+A state holding NaN/Inf is refused before anything is written (NonFiniteStateError on every
+rank). Every rank writes its boxes into ROOT/.tmp_iter_N/ (torch.distributed.checkpoint) and
+checksums a share of the files written; once all ranks succeeded, rank 0 adds common.pt and
+metadata.json (which records every file's size and sha256) and publishes the folder (rename,
+then tracker). Loading checks those checksums first, each rank a share. RNG states are per rank
+(`rng_state.<global rank>`, tensors and plain data); they load only into the layout that saved
+them.
 """
 
 import os
 import random
+import re
 import shutil
 import threading
 
@@ -26,13 +30,23 @@ from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import is_model_key, model_sharded_items, param_layouts, unwrap
 from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, optimizer_common_state,
                                                          optimizer_sharded_items, prepare_for_load)
+from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.process_groups import ProcessGroupCollection, get_pg_size
 
 RNG_PREFIX = "rng_state."
+_DCP_FILE = re.compile(r"__(\d+)_")  # DCP names rank r's files __<r>_<n>.distcp
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+class NonFiniteStateError(ValueError):
+    """The model or optimizer state holds NaN/Inf: it is not saved."""
+
+
+def _rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def _barrier(group=None):
@@ -51,18 +65,22 @@ def all_ranks_true(flag: bool, group=None) -> bool:
 
 
 def get_rng_state() -> dict:
+    """This rank's RNG states as tensors and plain data (numpy's key array as a tensor)."""
     from teratron.tensor_parallel import get_cuda_rng_tracker
 
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    algorithm, keys, *position = np.random.get_state()
+    return {"random": random.getstate(), "numpy": (algorithm, torch.from_numpy(keys.astype(np.int64)), *position),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore get_rng_state's states (older checkpoints hold numpy's keys as an array)."""
     from teratron.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    algorithm, keys, *position = state["numpy"]
+    np.random.set_state((algorithm, np.asarray(keys, dtype=np.uint32), *position))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -105,6 +123,33 @@ def _describe(model_chunks, optimizer, common, metadata, with_rng):
     return common, metadata
 
 
+def _non_finite_key(items):
+    """The key of one of this rank's floating-point tensors that holds NaN/Inf, or None."""
+    by_device = {}
+    for item in items:
+        if isinstance(item, ShardedTensor) and item.data.is_floating_point() and item.data.numel():
+            by_device.setdefault(item.data.device, []).append(item)
+    for boxes in by_device.values():
+        # A tensor's min and max show any NaN or Inf in it, without a temporary of its size;
+        # one host sync per device. (fp8 has no min/max kernels on every device: upcast it.)
+        extremes = torch.stack([torch.stack([d.amin(), d.amax()]).float() for d in
+                                (b.data.float() if b.data.element_size() == 1 else b.data for b in boxes)])
+        finite = torch.isfinite(extremes).all(dim=1)
+        if not bool(finite.all()):
+            return boxes[int((~finite).nonzero()[0])].key
+    return None
+
+
+def check_finite(items, root: str, iteration: int) -> None:
+    """A collective: NonFiniteStateError on every rank when any rank's items hold NaN/Inf."""
+    key = _non_finite_key(items)
+    if not all_ranks_true(key is None):
+        raise NonFiniteStateError(f"iteration {iteration}: the model or optimizer state holds NaN/Inf "
+                                  f"({key or 'on another rank'}), so it is not saved to --save {root}, whose "
+                                  "latest checkpoint stays as it was; lower --lr, check the data, or resume from "
+                                  "that checkpoint")
+
+
 def _begin(root: str, iteration: int) -> str:
     tmp = storage.temporary_dir(root, iteration)
     if _rank() == 0:
@@ -115,13 +160,68 @@ def _begin(root: str, iteration: int) -> str:
     return tmp
 
 
-def _finish(root, iteration, ok: bool, error, common, metadata) -> str:
-    """All ranks: publish when every rank wrote its part, else remove the attempt and raise."""
+def _share(names: list, group=None) -> list:
+    """The files this rank checksums: those it wrote itself, the others spread over the ranks."""
+    rank, world = _rank(group), _world_size(group)
+    owners = [int(m.group(1)) if (m := _DCP_FILE.match(name)) else i for i, name in enumerate(names)]
+    return [name for name, owner in zip(names, owners) if owner % world == rank]
+
+
+def _record_files(folder: str, names: list, group=None) -> dict:
+    """A collective: name -> size and sha256 of every file, each rank checksumming its share."""
+    share, error = {}, None
+    try:
+        share = {name: storage.file_record(os.path.join(folder, name)) for name in _share(names, group)}
+    except OSError as e:
+        error = f"checksumming {e.filename}: {e.strerror}"
+    records, errors = {}, []
+    for rank_share, rank_error in serialization.all_gather_objects((share, error), group):
+        records.update(rank_share)
+        errors += [rank_error] if rank_error else []
+    if errors:
+        raise OSError(errors[0])
+    return records
+
+
+def _write(items, tmp: str, group=None):
+    """A collective: DCP-write every rank's items, then checksum the files. Returns (the files'
+    records, or None when any rank failed; this rank's own error, if any)."""
+    try:
+        written, error = serialization.save(items, tmp, process_group=group), None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it first
+        written, error = None, e
+    if not all_ranks_true(error is None, group):
+        return None, error
+    try:
+        return _record_files(tmp, written, group), None
+    except OSError as e:
+        return None, e
+
+
+def verify_checkpoint(checkpoint_dir: str, metadata: dict, group=None) -> None:
+    """A collective: every file metadata.json records has its size and sha256 (each rank checks a
+    share); one DamagedCheckpointError on every rank naming a file that does not."""
+    error = None
+    try:
+        storage.verify_files(checkpoint_dir, metadata, _share(sorted(metadata.get("files") or {}), group))
+    except storage.DamagedCheckpointError as e:
+        error = str(e)
+    errors = [e for e in serialization.all_gather_objects(error, group) if e]
+    if errors:
+        raise storage.DamagedCheckpointError(errors[0])
+
+
+def _finish(root, iteration, files, error, common, metadata) -> str:
+    """All ranks: publish when every rank wrote its part (`files` are their records), else remove
+    the attempt and raise."""
     tmp = storage.temporary_dir(root, iteration)
+    ok = files is not None
     if ok and _rank() == 0:
         try:
-            torch.save(common, os.path.join(tmp, storage.COMMON_FILENAME))
-            storage.write_metadata(tmp, {"iteration": iteration, **metadata})
+            common_file = os.path.join(tmp, storage.COMMON_FILENAME)
+            torch.save(common, common_file)
+            files = {**files, storage.COMMON_FILENAME: storage.file_record(common_file)}
+            storage.write_metadata(tmp, {"iteration": iteration, **metadata, "files": files})
         except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
             ok, error = False, e
     if not all_ranks_true(ok):
@@ -143,24 +243,26 @@ def _finish(root, iteration, ok: bool, error, common, metadata) -> str:
     return storage.iteration_dir(root, iteration)
 
 
-def save_checkpoint(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
-                    with_rng=True) -> str:
-    """Write and publish iteration `iteration` under `root` (a collective); returns its folder."""
-    tmp = _begin(root, iteration)
+def _items_of_every_rank(model_chunks, optimizer, with_rng):
+    """(this rank's items, None), or (None, this rank's error or None) when any rank failed."""
     items, error = None, None
     try:
         items = sharded_items(model_chunks, optimizer, with_rng)
     except Exception as e:  # noqa: BLE001 - the ranks agree before DCP's collectives
         error = e
-    if all_ranks_true(error is None):
-        try:
-            serialization.save(items, tmp)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it first
-            error = e
-    elif error is None:
-        error = RuntimeError("another rank could not gather its state")
+    return (items, None) if all_ranks_true(error is None) else (None, error)
+
+
+def save_checkpoint(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
+                    with_rng=True) -> str:
+    """Write and publish iteration `iteration` under `root` (a collective); returns its folder."""
+    items, error = _items_of_every_rank(model_chunks, optimizer, with_rng)
+    files = None
+    if items is not None:
+        check_finite(items, root, iteration)
+        files, error = _write(items, _begin(root, iteration))
     common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng)
-    return _finish(root, iteration, error is None, error, common, metadata)
+    return _finish(root, iteration, files, error, common, metadata)
 
 
 def _snapshot(items):
@@ -192,17 +294,14 @@ class AsyncSave:
 
     def __init__(self, root, iteration, items, common, metadata):
         self.root, self.iteration, self.common, self.metadata = root, iteration, common, metadata
-        self.error = None
+        self.files, self.error = None, None
         group = _async_group()
         self.thread = threading.Thread(target=self._write, args=(items, group), daemon=True,
                                        name=f"teratron-async-save-{iteration}")
         self.thread.start()
 
     def _write(self, items, group):
-        try:
-            serialization.save(items, storage.temporary_dir(self.root, self.iteration), process_group=group)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported by finalize
-            self.error = e
+        self.files, self.error = _write(items, storage.temporary_dir(self.root, self.iteration), group)
 
     def finalize(self, blocking: bool) -> bool:
         """A collective: True once published (raises if any rank failed); False while writing."""
@@ -210,25 +309,28 @@ class AsyncSave:
             self.thread.join()
         if not all_ranks_true(not self.thread.is_alive()):
             return False
-        _finish(self.root, self.iteration, self.error is None, self.error, self.common, self.metadata)
+        _finish(self.root, self.iteration, self.files, self.error, self.common, self.metadata)
         return True
 
 
 def start_async_save(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
                      with_rng=True) -> AsyncSave:
     """Snapshot the state now and write it in the background (a collective)."""
+    items = sharded_items(model_chunks, optimizer, with_rng)
+    check_finite(items, root, iteration)
     _begin(root, iteration)
-    items = _snapshot(sharded_items(model_chunks, optimizer, with_rng))
+    items = _snapshot(items)
     common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng)
     return AsyncSave(root, iteration, items, common, metadata)
 
 
 def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer=True, load_rng=True) -> tuple:
     """Load the folder into the model chunks (any layout), optionally the optimizer and this
-    rank's RNG state; returns (metadata, common state)."""
+    rank's RNG state; returns (metadata, common state). Every file is checked against its
+    checksum first."""
     metadata = storage.read_metadata(checkpoint_dir)
-    common_file = os.path.join(checkpoint_dir, storage.COMMON_FILENAME)
-    common = torch.load(common_file, map_location="cpu", weights_only=False) if os.path.isfile(common_file) else {}
+    verify_checkpoint(checkpoint_dir, metadata)
+    common = read_common_state(checkpoint_dir)
     layouts = param_layouts(model_chunks)
     items = model_sharded_items(model_chunks)
     refresh_masters = False
@@ -236,6 +338,10 @@ def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer
         if not metadata.get("has_optimizer", False):
             raise ValueError(f"--load {checkpoint_dir}: the checkpoint has no optimizer state; add "
                              "--no-load-optim (or --finetune) to load the model only")
+        if "optimizer" not in common:
+            raise storage.DamagedCheckpointError(
+                f"{os.path.join(checkpoint_dir, storage.COMMON_FILENAME)}: missing, or without the optimizer's "
+                "parameter groups; the checkpoint is damaged (add --no-load-optim to load the model only)")
         optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts,
                                                             serialization.saved_keys(checkpoint_dir))
         items += optimizer_items

@@ -5,6 +5,9 @@ The output holds sum_i w_i * x_i for every floating-point model tensor (accumula
 stored in the inputs' dtype); non-floating tensors must be equal in every input and are copied.
 Weights are used as given (they need not sum to 1) unless `--normalize` divides them by their sum.
 
+Every input's files are checked against their recorded checksums first, and nothing read from
+them can run code (`safe_load`).
+
 Fail-closed: the inputs must have the same model args and the same model tensors (keys, global
 shapes, dtypes, chunking); any difference refuses with the reason before anything is written.
 The recorded layouts themselves need not match: an import (which records only TP/PP/EP) merges
@@ -24,6 +27,7 @@ import torch
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.dist_checkpointing.safe_load import read_common_state
 
 
 def _model_tensors(checkpoint_dir):
@@ -97,8 +101,10 @@ def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool 
     if os.path.exists(output):
         raise FileExistsError(f"--output {output}: already exists; merge into a new folder")
     dirs = [os.path.abspath(storage.resolve_checkpoint_dir(path, "--inputs")) for path in inputs]
-    structure = check_compatible(dirs)
     metas = [storage.read_metadata(d) for d in dirs]
+    for folder, meta in zip(dirs, metas):
+        storage.verify_files(folder, meta)
+    structure = check_compatible(dirs)
     iteration = max(m.get("iteration", 0) for m in metas)
     merged = {key: _merge_tensor(key, dirs, coefficients) for key in structure}
 
@@ -107,17 +113,17 @@ def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool 
         os.makedirs(storage.temporary_dir(staging, iteration))
         items = [ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in merged.items()]
         serialization.save(items, storage.temporary_dir(staging, iteration), no_dist=True)
-        source = dirs[[m.get("iteration", 0) for m in metas].index(iteration)]
-        common_file = os.path.join(source, storage.COMMON_FILENAME)
-        common = torch.load(common_file, map_location="cpu", weights_only=False) if os.path.isfile(common_file) else {}
+        common = read_common_state(dirs[[m.get("iteration", 0) for m in metas].index(iteration)])
         common.pop("optimizer", None)
         common.pop("opt_param_scheduler", None)
-        torch.save(common, os.path.join(storage.temporary_dir(staging, iteration), storage.COMMON_FILENAME))
-        storage.write_metadata(storage.temporary_dir(staging, iteration), {
+        tmp = storage.temporary_dir(staging, iteration)
+        torch.save(common, os.path.join(tmp, storage.COMMON_FILENAME))
+        storage.write_metadata(tmp, {
             "iteration": iteration, "model_args": metas[0].get("model_args"), "layout": metas[0].get("layout"),
             "has_optimizer": False, "has_rng": False,
             "merge": {"inputs": dirs, "weights": list(weights), "coefficients": coefficients,
                       "normalized": normalize, "optimizer_state": "dropped"},
+            "files": storage.record_files(tmp),
         })
         storage.publish(staging, iteration)
         hf_side = os.path.join(storage.checkpoint_root(dirs[0]), storage.HF_DIRNAME)

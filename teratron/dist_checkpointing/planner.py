@@ -7,6 +7,7 @@ every requested box with the saved ones: resharding to any layout.
 """
 
 import io
+import os
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from teratron.dist_checkpointing.safe_load import load_torch_file
 
 
 def _index(key, offsets):
@@ -49,6 +51,8 @@ class ShardedSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item):
+        # Objects are pickled with torch.save and read back with weights_only=True: they must be
+        # tensors and plain data (lists, dicts, numbers, strings), which nothing else can read.
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
             torch.save(self.objects[write_item.index.fqn], buffer)
@@ -57,11 +61,12 @@ class ShardedSavePlanner(DefaultSavePlanner):
 
 
 class ShardedLoadPlanner(DefaultLoadPlanner):
-    """Reads the requested boxes (already checked against the metadata) and objects."""
+    """Reads the requested boxes (already checked against the metadata) and objects (tensors and
+    plain data only: `safe_load`)."""
 
-    def __init__(self, items):
+    def __init__(self, items, checkpoint_dir: str):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.items = items
+        self.items, self.checkpoint_dir = items, checkpoint_dir
         self.tensors = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
@@ -88,9 +93,11 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(requests)
 
     def load_bytes(self, read_item, value):
+        key = read_item.dest_index.fqn
+        stored = self.metadata.storage_data[read_item.storage_index].relative_path
         for item in self.items:
-            if isinstance(item, ShardedObject) and item.key == read_item.dest_index.fqn:
-                item.value = torch.load(value, weights_only=False)
+            if isinstance(item, ShardedObject) and item.key == key:
+                item.value = load_torch_file(value, f"{os.path.join(self.checkpoint_dir, stored)} ({key})")
 
     def resolve_tensor(self, read_item):
         box = self.tensors[_index(read_item.dest_index.fqn, read_item.dest_index.offset)]

@@ -6,10 +6,13 @@
 
 Before reading, `load` checks the request against the checkpoint's metadata on every rank and
 raises one ValueError listing missing keys, shape mismatches and (optionally) keys the model
-does not have, so loading another model's checkpoint says what differs.
+does not have, so loading another model's checkpoint says what differs. Nothing read runs code
+(`safe_load`): .metadata goes through an allow-list, objects and tensors through
+torch.load(weights_only=True).
 """
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -20,6 +23,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.planner import ShardedLoadPlanner, ShardedSavePlanner
+from teratron.dist_checkpointing.safe_load import (DCP_METADATA_FILENAME, CheckpointReader, UnsafeCheckpointError,
+                                                   read_dcp_metadata, refused_global, unsafe_error)
+from teratron.dist_checkpointing.storage import DamagedCheckpointError
 
 _SHOWN = 4  # examples per kind of mismatch in an error message
 
@@ -32,44 +38,52 @@ def _quiet_single_process():
         yield
 
 
+def _rank_errors(error: CheckpointException) -> list:
+    """(rank, exception) of each rank that failed; DCP keeps (exception, traceback) pairs."""
+    return [(rank, e[0] if isinstance(e, tuple) else e) for rank, e in sorted(error.failures.items())]
+
+
 def failure_reason(error) -> str:
     """One line for an error; DCP's CheckpointException gathers every rank's (exception, traceback)."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {failure_reason(e[0] if isinstance(e, tuple) else e)}"
-                         for rank, e in sorted(error.failures.items()))
-    return f"{type(error).__name__}: {error}"
+        return "; ".join(f"rank {rank}: {failure_reason(e)}" for rank, e in _rank_errors(error))
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def _read(checkpoint_dir: str, planner, process_group=None, no_dist: bool = False) -> None:
     """dcp.load of the planner's items; a failed read (a missing or truncated data file) becomes an
-    OSError naming the folder instead of DCP's multi-rank traceback."""
+    OSError naming the folder instead of DCP's multi-rank traceback, a refused object one line."""
     try:
         with _quiet_single_process():
-            dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=planner,
+            dcp.load({}, storage_reader=CheckpointReader(checkpoint_dir), planner=planner,
                      process_group=process_group, no_dist=no_dist or not dist.is_initialized())
     except CheckpointException as e:
+        for _, error in _rank_errors(e):
+            if isinstance(error, (UnsafeCheckpointError, DamagedCheckpointError)):
+                raise error from None
+            refused = refused_global(error)  # DCP's own weights_only load of a tensor
+            if refused:
+                raise unsafe_error(f"{checkpoint_dir} (a tensor in its .distcp files)", refused) from None
         raise OSError(f"{checkpoint_dir}: reading the checkpoint failed ({failure_reason(e)}); it is damaged "
                       "or incomplete") from None
 
 
-def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False) -> None:
+def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False) -> list:
     """Write every rank's items into `checkpoint_dir` (a collective over `process_group`, unless
-    `no_dist`: this process writes alone)."""
+    `no_dist`: this process writes alone); returns the names of the files written (all ranks')."""
     writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
     with _quiet_single_process():
-        dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items), process_group=process_group,
-                 no_dist=no_dist or not dist.is_initialized())
+        metadata = dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items),
+                            process_group=process_group, no_dist=no_dist or not dist.is_initialized())
+    return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA_FILENAME})
 
 
 def read_metadata(checkpoint_dir: str):
     try:
-        return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+        return read_dcp_metadata(os.path.join(checkpoint_dir, DCP_METADATA_FILENAME))
     except FileNotFoundError:
         raise FileNotFoundError(f"{checkpoint_dir}: no torch.distributed.checkpoint metadata (.metadata); "
                                 "not a teratron checkpoint folder, or an incomplete one") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise ValueError(f"{checkpoint_dir}/.metadata cannot be read ({type(e).__name__}: {e}); "
-                         "the checkpoint is damaged") from None
 
 
 def _clip_rows(box: ShardedTensor, saved_rows: int) -> ShardedTensor | None:
@@ -105,7 +119,7 @@ def _match(items, metadata):
     return out, problems
 
 
-def _all_gather(obj, process_group):
+def all_gather_objects(obj, process_group=None) -> list:
     if not dist.is_initialized():
         return [obj]
     gathered = [None] * dist.get_world_size(process_group)
@@ -130,14 +144,14 @@ def load(items: list, checkpoint_dir: str, process_group=None, unexpected_filter
     metadata = read_metadata(checkpoint_dir)
     to_read, problems = _match(items, metadata)
     if unexpected_filter is not None:
-        requested = set().union(*_all_gather({i.key for i in items}, process_group))
+        requested = set().union(*all_gather_objects({i.key for i in items}, process_group))
         problems += [("unexpected", key) for key in metadata.state_dict_metadata
                      if unexpected_filter(key) and key not in requested]
-    problems = [p for rank_problems in _all_gather(problems, process_group) for p in rank_problems]
+    problems = [p for rank_problems in all_gather_objects(problems, process_group) for p in rank_problems]
     if problems:
         raise ValueError(f"checkpoint {checkpoint_dir} does not match: {_describe(problems)}; load it into "
                          "the model it was saved from (same architecture flags)")
-    _read(checkpoint_dir, ShardedLoadPlanner(to_read), process_group)
+    _read(checkpoint_dir, ShardedLoadPlanner(to_read, checkpoint_dir), process_group)
 
 
 def saved_keys(checkpoint_dir: str) -> dict:
@@ -159,5 +173,5 @@ def load_full(checkpoint_dir: str, select) -> dict:
             data = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             items.append(ShardedTensor(key, data, tuple(md.size), (0,) * len(md.size)))
     if items:
-        _read(checkpoint_dir, ShardedLoadPlanner(items), no_dist=True)
+        _read(checkpoint_dir, ShardedLoadPlanner(items, checkpoint_dir), no_dist=True)
     return {i.key: i.data if isinstance(i, ShardedTensor) else i.value for i in items}

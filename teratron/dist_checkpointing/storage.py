@@ -3,7 +3,8 @@
     ROOT/latest_checkpointed_iteration.txt   the newest complete iteration (written last)
     ROOT/iter_0000100/                        one checkpoint:
         .metadata, __*_*.distcp               torch.distributed.checkpoint data (every tensor)
-        metadata.json                         format + version, model args, saved layout, notes
+        metadata.json                         format + version, model args, saved layout, notes,
+                                              every other file's size and sha256 ("files")
         common.pt                             rank 0's small state (args, scheduler, counters)
     ROOT/hf/                                  Hugging Face config and tokenizer files, if imported
 
@@ -11,10 +12,17 @@ A checkpoint is written into ROOT/.tmp_iter_0000100/ and renamed when every rank
 only then is the tracker replaced (atomically). A crash mid-save leaves a hidden temporary folder
 and the previous checkpoint as the latest one. Merges and Hugging Face exports are assembled in
 a hidden `.NAME.<pid>.partial` folder beside their output (`staging_dir`) and renamed into place.
+
+Loading checks every recorded file's size and sha256 first (`verify_files`), so a damaged,
+truncated or missing file is named in one line before anything is read from it. (sha256 rather
+than a CRC: it runs at about 1.4 GB/s a core against crc32's 3 GB/s, and it makes metadata.json
+vouch for every other file, so a user who trusts metadata.json can trust the whole folder.)
 """
 
+import hashlib
 import json
 import os
+import re
 import shutil
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -23,6 +31,12 @@ COMMON_FILENAME = "common.pt"
 HF_DIRNAME = "hf"
 FORMAT = "teratron_torch_dist"
 FORMAT_VERSION = 1
+_ITERATION_DIR = re.compile(r"iter_\d{7}")
+_BLOCK = 1 << 24  # bytes read at a time while checksumming
+
+
+class DamagedCheckpointError(OSError):
+    """A checkpoint file is missing, truncated, altered or unparsable (the message names it)."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -42,16 +56,32 @@ def staging_dir(final: str) -> str:
     return staging
 
 
+def iteration_dirs(root: str) -> list:
+    """The names of ROOT's published checkpoints (iter_NNNNNNN folders), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if _ITERATION_DIR.fullmatch(n) and os.path.isdir(os.path.join(root, n)))
+
+
 def read_tracker(root: str):
-    """The iteration named by ROOT's tracker, or None when there is none."""
+    """The iteration named by ROOT's tracker, or None when ROOT holds no checkpoint yet. Checkpoints
+    without a readable tracker are an error: which one is the latest is unknown."""
     tracker = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(tracker):
+    if not os.path.lexists(tracker):
+        found = iteration_dirs(root)
+        if found:
+            raise ValueError(f"{root} holds {', '.join(found[-3:])} but no {TRACKER_FILENAME}, so which checkpoint "
+                             f"is the latest is unknown; write the iteration to resume from into {tracker}")
         return None
-    text = open(tracker).read().strip()
     try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number; fix or delete the file") from None
+        with open(tracker, "rb") as f:
+            text = f.read(64).decode("utf-8", errors="replace").strip()
+    except OSError as e:
+        raise ValueError(f"{tracker} cannot be read ({e.strerror}); write the iteration of the latest "
+                         "checkpoint into it") from None
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number; fix or delete the file")
+    return int(text)
 
 
 def _replace_file(path: str, text: str) -> None:
@@ -96,6 +126,46 @@ def publish(root: str, iteration: int) -> str:
     _replace_file(os.path.join(root, TRACKER_FILENAME), str(iteration))
     _fsync_dir(root)
     return final
+
+
+def file_record(path: str) -> dict:
+    """{"bytes": size, "sha256": hex digest} of a file."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def record_files(checkpoint_dir: str) -> dict:
+    """name -> file_record of every file in the folder but metadata.json (one process's checksums)."""
+    return {name: file_record(os.path.join(checkpoint_dir, name)) for name in sorted(os.listdir(checkpoint_dir))
+            if name != METADATA_FILENAME and os.path.isfile(os.path.join(checkpoint_dir, name))}
+
+
+def verify_file(checkpoint_dir: str, name: str, record: dict) -> None:
+    """Raise DamagedCheckpointError unless the file has the recorded size and sha256."""
+    path = os.path.join(checkpoint_dir, name)
+    advice = "restore it, or load another checkpoint"
+    if not os.path.isfile(path):
+        raise DamagedCheckpointError(f"{path}: missing (metadata.json lists it); the checkpoint is incomplete: "
+                                     f"{advice}")
+    found = file_record(path)
+    if found["bytes"] != record.get("bytes"):
+        raise DamagedCheckpointError(f"{path}: {found['bytes']} bytes where {record.get('bytes')} were saved "
+                                     f"(truncated or overwritten); the checkpoint is damaged: {advice}")
+    if found["sha256"] != record.get("sha256"):
+        raise DamagedCheckpointError(f"{path}: its bytes changed since it was saved (sha256 differs from "
+                                     f"metadata.json); the checkpoint is damaged: {advice}")
+
+
+def verify_files(checkpoint_dir: str, metadata: dict, names=None) -> None:
+    """Check the files metadata.json records (all, or `names`); checkpoints saved before teratron
+    recorded checksums have none to check."""
+    records = metadata.get("files") or {}
+    for name in sorted(records) if names is None else names:
+        verify_file(checkpoint_dir, name, records[name])
 
 
 def write_metadata(checkpoint_dir: str, metadata: dict) -> None:

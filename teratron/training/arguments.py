@@ -419,6 +419,9 @@ def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="Checkpoint folder to write.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
+    g.add_argument("--overwrite", action="store_true",
+                   help="Let --save write into a folder holding checkpoints of a run this one does not resume "
+                        "(its saves replace them).")
     g.add_argument("--no-save-optim", action="store_true", help="Save without optimizer/scheduler state.")
     g.add_argument("--no-save-rng", action="store_true", help="Save without RNG states.")
     g.add_argument("--load", default=None, help="Checkpoint folder to resume from.")

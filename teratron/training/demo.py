@@ -44,6 +44,7 @@ def prepare(args) -> None:
     args.tokenizer_model = data.tokenizer_model
     if args.save is None:
         args.save = os.path.join(args.demo_dir, "checkpoints")
+        args.overwrite = True  # the demo's own folder: a rerun replaces the last demo, like its metrics
     if args.metrics_file is None:
         args.metrics_file = os.path.join(args.demo_dir, "metrics.jsonl")
         if os.path.exists(args.metrics_file):

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from teratron.dist_checkpointing import claim_save_dir, release_save_dir
 from teratron.training.arguments import (check_interleaved_schedule, core_transformer_config_from_args,
                                          validate_args)
 from teratron.training.build import (attach_model_hooks, build_model, build_optimizer, build_scheduler,
@@ -72,6 +73,7 @@ def pretrain(args, after_training: Optional[Callable[[Run], None]] = None) -> Tr
     try:
         return _pretrain(args, world_size, after_training)
     finally:
+        release_save_dir()
         shutdown()
 
 
@@ -90,6 +92,7 @@ def _pretrain(args, world_size, after_training):
     args.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
     if args.save:
         check_save_dir_writable(args.save)
+        claim_save_dir(args.save, args.load, args.finetune, args.overwrite)
     initialize_model_parallel(args)
     set_random_seed(args.seed, args.deterministic_mode)
     device = get_device()

@@ -7,7 +7,12 @@
 - An async save equals a sync save of the same state, even when training changes the
   parameters while it writes; it is published only by `finalize`.
 - Saving an iteration again keeps the old folder until the new one is in place.
-- A checkpoint missing a data file refuses to load with one error naming its folder.
+- A checkpoint missing a data file refuses to load with one error naming the file (checksums) or,
+  read without them, its folder.
+- A state holding NaN/Inf on any rank is not saved (every rank raises before anything is
+  written); `teratron train --lr inf` stops with one line instead of publishing NaN checkpoints.
+- Checksums are checked by the ranks in shares, and a damaged file one rank finds is reported by
+  every rank.
 """
 
 import multiprocessing as mp
@@ -20,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from dist import run_distributed
+from teratron import cli
 from teratron import parallel_state as ps
-from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, serialization, start_async_save
-from teratron.dist_checkpointing import storage
+from teratron.dist_checkpointing import (DamagedCheckpointError, NonFiniteStateError, load_checkpoint, load_full,
+                                         save_checkpoint, serialization, start_async_save, storage)
 from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
 from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
 from teratron.process_groups import ProcessGroupCollection
@@ -152,7 +158,7 @@ def test_a_missing_data_file_is_one_error_naming_the_folder(tmp_path):
             os.remove(os.path.join(folder, name))
     with pytest.raises(OSError, match=f"{folder}: reading the checkpoint failed .*distcp"):
         load_full(folder, lambda key: True)
-    with pytest.raises(OSError, match=f"{folder}: reading the checkpoint failed"):
+    with pytest.raises(DamagedCheckpointError, match=f"{folder}/__0_0.distcp: missing"):
         load_checkpoint(folder, [model_and_optimizer(2)[0]], load_rng=False)
 
 
@@ -203,3 +209,67 @@ def test_how_torch_steps_is_not_restored(tmp_path):
         opt.step()
     for (name, p), q in zip(expected_model.named_parameters(), fused_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _non_finite_and_damage_on_one_rank(root):
+    """TP = 2: NaN/Inf on rank 1 only stops every rank's save before anything is written; then a
+    shard only rank 1 checksums is damaged, and every rank reports it."""
+    ps.initialize_model_parallel(2)
+    model, optimizer = model_and_optimizer(1, tp=2)
+    save_checkpoint(root, 1, [model], optimizer)
+    messages = []
+    weight = model.decoder.layers[0].mlp.linear_fc1.weight
+    exp_avg = optimizer.chained_optimizers[0].optimizer.state[weight]["exp_avg"]
+    for tensor, value, save in ((weight, float("nan"), save_checkpoint), (exp_avg, float("inf"), start_async_save)):
+        kept = tensor.detach().clone()
+        if dist.get_rank() == 1:
+            tensor.detach()[0, 0] = value
+        try:
+            save(root, 2, [model], optimizer)
+        except NonFiniteStateError as e:
+            messages.append(str(e))
+        tensor.detach().copy_(kept)
+    listing = sorted(os.listdir(root))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(storage.iteration_dir(root, 1), "__1_0.distcp"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    try:
+        load_checkpoint(storage.iteration_dir(root, 1), [model], optimizer)
+    except DamagedCheckpointError as e:
+        messages.append(str(e))
+    return messages, listing
+
+
+def test_non_finite_state_is_not_saved_and_damage_is_found_by_any_rank(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_distributed(_non_finite_and_damage_on_one_rank, 2, root)
+    for rank, (messages, listing) in enumerate(results):
+        assert len(messages) == 3, messages
+        assert listing == ["iter_0000001", storage.TRACKER_FILENAME]  # no iteration 2, no temporary folder
+        for message, key in zip(messages, ("decoder.layers.0.mlp.linear_fc1.weight",
+                                           "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight")):
+            assert message.startswith("iteration 2: the model or optimizer state holds NaN/Inf"), message
+            assert (key if rank == 1 else "on another rank") in message, message
+        assert messages[2].startswith(f"{storage.iteration_dir(root, 1)}/__1_0.distcp: its bytes changed")
+
+
+def test_training_with_an_infinite_learning_rate_publishes_no_nan_checkpoint(tmp_path, capsys):
+    """--lr inf turns the weights to NaN at the first step; with --skip-nan-steps the run used to
+    save NaN checkpoints and exit 0. Now the first save stops it, naming the iteration."""
+    save = tmp_path / "ckpt"
+    argv = ["train", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "30", "--num-layers", "1",
+            "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--lr", "inf", "--lr-warmup-iters", "0", "--eval-iters", "0",
+            "--num-workers", "0", "--no-progress-bar", "--train-iters", "3", "--skip-nan-steps",
+            "--save", str(save), "--save-interval", "1"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("teratron: error: iteration 1: the model or optimizer state "
+                                                   "holds NaN/Inf"), err
+    assert not save.exists() or os.listdir(save) == []
