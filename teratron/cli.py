@@ -25,16 +25,18 @@ USER_ERRORS = (ValueError, NotImplementedError, OSError)
 
 def _train(argv) -> int:
     from teratron.training import demo
-    from teratron.training.arguments import parse_train_args
+    from teratron.training.arguments import demo_argv, parse_train_args
+    from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
     args = parse_train_args(argv)
-    if args.demo:
-        demo.prepare(args)
-        pretrain(args, after_training=demo.finish)
-    else:
+    if not args.demo:
         demo.check_not_demo(args)
-        pretrain(args)
+        pretrain(build_run_config(args))
+        return 0
+    demo_dir, samples = demo.output_dir(args), demo.num_samples(args)
+    args = parse_train_args(argv, defaults=demo_argv() + demo.prepare(args))
+    pretrain(build_run_config(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
     return 0
 
 
@@ -83,7 +85,7 @@ def _top_parser():
 
 
 def main(argv=None) -> int:
-    from teratron.training.training import NonFiniteLossError
+    from teratron.training.trainer import NonFiniteLossError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -354,7 +354,7 @@ class ModelParallelConfig:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         _check_positive(self, "expert_tensor_parallel_size")
         if self.fp16 and self.bf16:
-            raise ValueError("fp16 and bf16 are both True; choose one mixed-precision mode")
+            raise ValueError("fp16 and bf16 are both True; choose one mixed-precision mode (--fp16 or --bf16)")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
         if self.pipeline_dtype is None:

@@ -80,10 +80,12 @@ def _estimate(train_argv, world_size, device_type):
 
 def _reference_overrides(reference: list, checked) -> list:
     """The reference run's extra flags; a torch.profiler trace of it goes to <profile-dir>/reference
-    unless the flags name a directory, so it does not overwrite the measured run's."""
-    profiled = checked.profile and checked.use_pytorch_profiler
-    if profiled and not any(f.split("=")[0] == "--profile-dir" for f in reference):
-        return reference + ["--profile-dir", os.path.join(checked.profile_dir, "reference")]
+    unless the flags name a directory, so it does not overwrite the measured run's (`checked` is
+    the measured run's RunConfig)."""
+    profiling = checked.profiling
+    if profiling.profile and profiling.use_pytorch_profiler and not any(
+            f.split("=")[0] == "--profile-dir" for f in reference):
+        return reference + ["--profile-dir", os.path.join(profiling.profile_dir, "reference")]
     return reference
 
 
@@ -93,7 +95,8 @@ def run(args) -> int:
     from teratron.bench import runs
     from teratron.bench.report import comparison, results_entry
     from teratron.bench.shapes import train_argv
-    from teratron.training.arguments import parse_train_args, validate_args
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import build_run_config
 
     on_gpu = torch.cuda.is_available()
     skip_baseline = args.skip_baseline or args.tiny
@@ -102,11 +105,11 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="teratron-bench-") as tmp:
         metrics, ref_metrics = os.path.join(tmp, "metrics.jsonl"), os.path.join(tmp, "reference.jsonl")
         argv = train_argv(args.tiny, args.warmup_iters, args.iters, args.train_flags, metrics)
-        checked = validate_args(parse_train_args(argv), args.nproc_per_node)  # bad flags fail before any run
+        checked = build_run_config(parse_train_args(argv), args.nproc_per_node)  # bad flags fail before any run
         if args.reference is not None:
             ref_argv = train_argv(args.tiny, args.warmup_iters, args.iters,
                                   args.train_flags + _reference_overrides(args.reference, checked), ref_metrics)
-            validate_args(parse_train_args(ref_argv), args.nproc_per_node)
+            build_run_config(parse_train_args(ref_argv), args.nproc_per_node)
         records = runs.run_training(argv, args.nproc_per_node, metrics)
         ours = runs.summarize(records, args.warmup_iters)
         loss = None
@@ -115,8 +118,10 @@ def run(args) -> int:
             loss = runs.compare_losses(records, ref_records, shlex.join(args.reference), args.warmup_iters)
     baseline = None
     if not skip_baseline:
-        accumulation = checked.global_batch_size // (checked.micro_batch_size * checked.data_parallel_size)
-        baseline = runs.run_baseline(args.hf_baseline, not args.baseline_eager, checked.micro_batch_size,
+        training = checked.training
+        accumulation = training.global_batch_size // (training.micro_batch_size
+                                                      * checked.distributed.data_parallel_size)
+        baseline = runs.run_baseline(args.hf_baseline, not args.baseline_eager, training.micro_batch_size,
                                      accumulation, args.iters)
     shown = [a for a in argv if a != metrics and a != "--metrics-file"]
     estimated = _estimate(shown, args.nproc_per_node, "cuda" if on_gpu else "cpu")

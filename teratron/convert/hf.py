@@ -23,9 +23,10 @@ from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.safetensors_io import HFWeights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.dist_checkpointing.safe_load import read_common_state
+from teratron.models.gpt.builder import build_gpt_model
 from teratron.process_groups import ProcessGroupCollection
 from teratron.transformer.moe import moe_layer_pattern
 
@@ -54,9 +55,9 @@ def expected_hf_shapes(model_args: dict, family: str) -> dict:
     """HF tensor name -> shape for the model of `model_args`: the parameters of the model built on
     the meta device (no memory) mapped through the export transforms, so the import expects
     exactly what an export of that model writes."""
-    config = transformer_config(model_args, perform_initialization=False)
+    model_config = gpt_config_from_model_args(model_args, perform_initialization=False)
     with torch.device("meta"):
-        model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
+        model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
     return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
 
 
@@ -80,8 +81,10 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
     if model_args["num_experts"]:
         model_args["moe_grouped_gemm"] = moe_grouped_gemm
         overrides = moe_training_config_from_hf(hf)
-    config = transformer_config(model_args, params_dtype=params_dtype, perform_initialization=False, **overrides)
-    model = build_gpt_model(model_args, config, pg_collection=ProcessGroupCollection())
+    model_config = gpt_config_from_model_args(model_args, params_dtype=params_dtype, perform_initialization=False,
+                                              **overrides)
+    config = model_config.transformer
+    model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
     model.load_state_dict(_read_hf(path, model_args, hf["model_type"]), strict=True)
     return model.eval(), config
 
@@ -126,8 +129,8 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
         if model_args["num_experts"] % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's "
                              f"{model_args['num_experts']} experts; choose an EP size that does")
-    config = transformer_config(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                expert_model_parallel_size=ep)
+    config = gpt_config_from_model_args(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        expert_model_parallel_size=ep).transformer
     _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
@@ -157,7 +160,11 @@ def _trained_aux_loss_coeff(checkpoint_dir: str):
     """The aux-loss coefficient of the training run that saved the checkpoint (None: an import,
     or a run without an aux loss)."""
     args = read_common_state(checkpoint_dir).get("args")
-    args = vars(args) if isinstance(args, argparse.Namespace) else args or {}  # older checkpoints: a Namespace
+    if isinstance(args, argparse.Namespace):  # checkpoints before the run description: the flags
+        args = vars(args)
+    elif isinstance(args, dict) and "model" in args:  # a RunConfig's record
+        args = args["model"]["transformer"]
+    args = args or {}
     types = args.get("moe_router_load_balancing_type")
     coeffs = args.get("moe_aux_loss_coeff")
     types, coeffs = (v if isinstance(v, list) else [v] for v in (types, coeffs))

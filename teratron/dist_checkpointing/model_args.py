@@ -2,7 +2,8 @@
 
 Every checkpoint records it (metadata.json), so a checkpoint can be rebuilt, exported to Hugging
 Face and checked against another one without the run's full argument list. The keys are the
-training flags' dest names (Megatron's), so `model_args_from_args(args)` is a lookup.
+training flags' dest names (Megatron's); `model_args_from_config` writes the record of a
+`GPTModelConfig` and `gpt_config_from_model_args` reads it back.
 
 Only what shapes the model's weights or forward math is recorded; training-only MoE settings
 (load balancing, aux-loss coefficients, capacity, dispatcher) are not, so a fine-tune may change
@@ -30,18 +31,25 @@ MODEL_ARG_NAMES = (
 )
 
 
-def model_args_from_args(args) -> dict:
-    """The model section of a training run's args (query groups resolved, true vocab recorded)."""
-    out = {name: getattr(args, name, None) for name in MODEL_ARG_NAMES if name not in MOE_DEFAULTS}
-    if not getattr(args, "group_query_attention", False):
-        out["num_query_groups"] = args.num_attention_heads
-    if getattr(args, "num_experts", None):
-        out.update({name: getattr(args, name, default) for name, default in MOE_DEFAULTS.items()})
-        out["moe_layer_freq"] = canonical_moe_layer_freq(args.num_layers, out["moe_layer_freq"])
-    else:  # MoE flags mean nothing to a dense model
-        out.update(MOE_DEFAULTS)
-    if out["vocab_size"] is None:
-        out["vocab_size"] = out["padded_vocab_size"]
+def model_args_from_config(model) -> dict:
+    """The record of a `GPTModelConfig` (query groups resolved, true and padded vocabulary)."""
+    c = model.transformer
+    out = dict(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
+        kv_channels=c.kv_channels, normalization=c.normalization, norm_epsilon=c.layernorm_epsilon,
+        swiglu=c.gated_linear_unit, add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
+        qk_layernorm=c.qk_layernorm, position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+        rotary_interleaved=c.rotary_interleaved,
+        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
+        max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
+        padded_vocab_size=model.padded_vocab_size, **MOE_DEFAULTS,
+    )
+    if c.num_moe_experts:
+        out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
+                   num_experts=c.num_moe_experts,
+                   moe_layer_freq=canonical_moe_layer_freq(c.num_layers, c.moe_layer_freq))
     return out
 
 
@@ -59,8 +67,12 @@ def moe_arg(model_args: dict, name: str):
     return model_args.get(name, MOE_DEFAULTS[name])
 
 
-def transformer_config(model_args: dict, **overrides):
-    """TransformerConfig of the model (dropout off, fp32 unless overridden)."""
+def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vocab_size_divisible_by=1,
+                               **overrides):
+    """The `GPTModelConfig` of a record: dropout off and fp32 unless `overrides` (TransformerConfig
+    fields, e.g. the layout) say otherwise; the recorded padded vocabulary unless another is given
+    (another TP size pads differently)."""
+    from teratron.models.gpt.gpt_config import GPTModelConfig
     from teratron.transformer.transformer_config import TransformerConfig
 
     a = model_args
@@ -77,26 +89,12 @@ def transformer_config(model_args: dict, **overrides):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},
                       num_moe_experts=a["num_experts"])
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def build_gpt_model(model_args: dict, config, pre_process=True, post_process=True, vp_stage=None,
-                    pg_collection=None, padded_vocab_size=None):
-    """A GPTModel (one stage) with the recorded architecture under `config`'s layout; MoE
-    layers where `moe_layer_freq` puts them."""
-    from teratron.models.gpt import GPTModel, get_gpt_decoder_block_spec
-    from teratron.process_groups import get_pg_rank, get_pg_size
-    from teratron.topology import resolve_pg_collection
-
-    a = model_args
-    pg = resolve_pg_collection(pg_collection)
-    spec = get_gpt_decoder_block_spec(config, normalization=a["normalization"], vp_stage=vp_stage,
-                                      pp_rank=get_pg_rank(pg.pp), pp_size=get_pg_size(pg.pp))
-    return GPTModel(
-        config, spec, vocab_size=padded_vocab_size or a["padded_vocab_size"],
-        max_sequence_length=a["max_position_embeddings"], pre_process=pre_process,
-        post_process=post_process, share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
+    return GPTModelConfig(
+        TransformerConfig(**kwargs), vocab_size=a["vocab_size"] or a["padded_vocab_size"],
+        max_position_embeddings=a["max_position_embeddings"],
         position_embedding_type=a["position_embedding_type"], rotary_percent=a["rotary_percent"],
-        rotary_base=a["rotary_base"], pg_collection=pg, vp_stage=vp_stage,
-        unpadded_vocab_size=a["vocab_size"],
+        rotary_base=a["rotary_base"],
+        share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        padded_vocab_size=padded_vocab_size or a["padded_vocab_size"],
     )

@@ -5,7 +5,8 @@
 
 Takes every `teratron train` flag (same parser, same YAML --config, same defaults); --train-iters
 and --lr are optional here. Its own flags: --world-size (GPUs of the job), --target-device and
---json.
+--json. Without any train flag it estimates the embedded demo (`teratron train` alone); the
+demo's shape and schedule never mix with flags or a --config that are given.
 """
 
 import json
@@ -32,7 +33,7 @@ def parse_args(argv):
         raise SystemExit(0)
     own, rest = add_arguments(ArgumentParser(prog="teratron estimate", add_help=False,
                                              allow_abbrev=False)).parse_known_args(argv)
-    args = parse_train_args(rest)
+    args = parse_train_args(rest, defaults=None if not rest else [])
     vars(args).update(vars(own))
     return args
 

@@ -14,30 +14,25 @@ hands the tensors it leaves in place to the enclosing hooks (these), and
 `transformer.activation_offload.stats` holds what it copied to the host.
 """
 
-import copy
 import sys
 import weakref
 
 import torch
 
 
-def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
-    """Bytes of the storages autograd keeps after one micro-batch forward through this rank's
-    model (first pipeline stage = last stage: call it without pipeline parallelism)."""
-    from teratron.estimate.report import resolve_vocab_size
+def saved_activation_bytes(run, device: torch.device) -> int:
+    """Bytes of the storages autograd keeps after one micro-batch forward through the model of
+    `run` (a RunConfig without pipeline parallelism: first stage = last stage)."""
+    from teratron.models.gpt.builder import build_gpt_model
     from teratron.tensor_parallel import model_parallel_cuda_manual_seed
-    from teratron.training.arguments import core_transformer_config_from_args, validate_args
-    from teratron.training.build import gpt_model_provider, set_vocab_sizes
     from teratron.transformer.torch_compile import compile_transformer_layers
 
-    args = copy.copy(args)
-    validate_args(args, world_size)
-    set_vocab_sizes(args, resolve_vocab_size(args))
-    torch.manual_seed(args.seed)
-    model = gpt_model_provider(args, core_transformer_config_from_args(args), True, True).to(device)
-    if args.torch_compile:  # as `teratron train` does; hooks see what the compiled layers save
+    training = run.training
+    torch.manual_seed(training.seed)
+    model = build_gpt_model(run.model).to(device)
+    if training.torch_compile:  # as `teratron train` does; hooks see what the compiled layers save
         compile_transformer_layers(model)
-    model_parallel_cuda_manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(training.seed)
     model.train()
     saved = []
 
@@ -45,10 +40,10 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
         saved.append(weakref.ref(t))
         return t
 
-    shape = (args.micro_batch_size, args.seq_length)
-    ids = torch.randint(0, args.vocab_size, shape, device=device,
-                        generator=torch.Generator(device).manual_seed(args.seed))
-    positions = torch.arange(args.seq_length, device=device).repeat(args.micro_batch_size, 1)
+    shape = (training.micro_batch_size, training.seq_length)
+    ids = torch.randint(0, run.model.vocab_size, shape, device=device,
+                        generator=torch.Generator(device).manual_seed(training.seed))
+    positions = torch.arange(training.seq_length, device=device).repeat(training.micro_batch_size, 1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(ids, positions, None, labels=ids)
     # What the graph still holds (side branches autograd already dropped are gone), by storage.
@@ -60,8 +55,9 @@ def saved_activation_bytes(args, world_size: int, device: torch.device) -> int:
 
 
 def main(argv=None) -> int:
-    from teratron.estimate.report import estimate_from_args
+    from teratron.estimate.report import estimate_from_run, resolve_vocab_size
     from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
     from teratron.transformer.activation_offload import stats
 
     args = parse_train_args(sys.argv[1:] if argv is None else argv)
@@ -70,9 +66,10 @@ def main(argv=None) -> int:
         raise ValueError("measure runs one process: drop --tensor/--pipeline-model-parallel-size "
                          "(tests/estimate measure TP ranks under gloo)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run = run_config_from_args(args, 1, resolve_vocab_size(args), cuda=device.type == "cuda")
     stats.reset()
-    measured = saved_activation_bytes(args, 1, device)
-    estimated = estimate_from_args(args, 1, device.type).stages[0].chunk_activations[0]
+    measured = saved_activation_bytes(run, device)
+    estimated = estimate_from_run(run, device.type).stages[0].chunk_activations[0]
     print(f"activations of one micro-batch on {device.type}: measured {measured / 2**30:.4f} GiB, "
           f"estimated {estimated / 2**30:.4f} GiB ({(estimated - measured) / measured:+.2%})")
     if stats.offloaded:

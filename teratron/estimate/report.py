@@ -1,10 +1,9 @@
-"""`estimate_from_args`: memory per GPU and FLOPs of a `teratron train` command line, and its
-table / JSON forms.
+"""`estimate_from_run`: memory per GPU and FLOPs of a run description (`RunConfig`), and its
+table / JSON forms; `estimate_from_args` for parsed `teratron train` flags.
 
-The flags go through the same validation and config builders as `teratron train`
-(`validate_args`, `core_transformer_config_from_args`, the optimizer and DDP configs), so the
-estimate describes exactly the run `teratron train` would start. FLOPs come from the training
-metrics' formula (`training.metrics.num_floating_point_operations`).
+The flags go through the same run description as `teratron train` (`run_config_from_args`),
+so the estimate describes exactly the run `teratron train` would start. FLOPs come from the
+training metrics' formula (`training.metrics.num_floating_point_operations`).
 """
 
 import copy
@@ -67,13 +66,6 @@ def resolve_vocab_size(args) -> int:
     return build_tokenizer(args).vocab_size
 
 
-def _configs(args):
-    from teratron.training.arguments import core_transformer_config_from_args
-    from teratron.training.build import ddp_config_from_args, optimizer_config_from_args
-
-    return core_transformer_config_from_args(args), optimizer_config_from_args(args), ddp_config_from_args(args)
-
-
 def _stage_chunks(config, pp_rank: int) -> list:
     """(layer numbers, pre_process, post_process) of each model chunk of pipeline rank pp_rank."""
     pp = config.pipeline_model_parallel_size
@@ -109,43 +101,49 @@ def _model_parameters(config, shape: ModelShape) -> int:
 
 def estimate_from_args(args, world_size: int, device_type: str = "cuda") -> Estimate:
     """The estimate for parsed `teratron train` flags on `world_size` GPUs (`device_type`
-    decides which kernels' saved tensors are counted; see kernels.py)."""
-    from teratron.training.arguments import validate_args
-    from teratron.training.build import set_vocab_sizes
-    from teratron.training.metrics import num_floating_point_operations
+    decides which kernels' saved tensors are counted and the device-dependent defaults; see
+    kernels.py)."""
+    from teratron.training.config import run_config_from_args
 
     args = copy.copy(args)
     # Neither changes memory or FLOPs; `teratron train` requires them, the estimate does not.
     args.train_iters = args.train_iters or 1
     args.lr = 0.0 if args.lr is None else args.lr
-    validate_args(args, world_size)
-    set_vocab_sizes(args, resolve_vocab_size(args))
-    config, optimizer_config, ddp_config = _configs(args)
-    shape = ModelShape(padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-                       max_position_embeddings=args.max_position_embeddings,
-                       position_embedding_type=args.position_embedding_type,
-                       share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                       rotary_percent=args.rotary_percent)
-    par = Parallelism(data_parallel_size=args.data_parallel_size,
-                      num_microbatches=args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
+    run = run_config_from_args(args, world_size, resolve_vocab_size(args), cuda=device_type == "cuda")
+    return estimate_from_run(run, device_type)
+
+
+def estimate_from_run(run, device_type: str = "cuda") -> Estimate:
+    """The estimate of a run description."""
+    from teratron.training.metrics import num_floating_point_operations
+
+    config, training, model = run.transformer, run.training, run.model
+    shape = ModelShape(padded_vocab_size=model.padded_vocab_size, seq_length=training.seq_length,
+                       max_position_embeddings=model.max_position_embeddings,
+                       position_embedding_type=model.position_embedding_type,
+                       share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+                       rotary_percent=model.rotary_percent)
+    dp = run.distributed.data_parallel_size
+    par = Parallelism(data_parallel_size=dp,
+                      num_microbatches=training.global_batch_size // (training.micro_batch_size * dp))
     kernels = kernels_for(device_type, config.params_dtype)
     estimate = Estimate(
-        model_parameters=_model_parameters(config, shape), world_size=world_size,
+        model_parameters=_model_parameters(config, shape), world_size=run.distributed.world_size,
         layout=dict(tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
                     vpp=config.virtual_pipeline_model_parallel_size, cp=config.context_parallel_size,
                     dp=par.data_parallel_size, ep=config.expert_model_parallel_size,
                     etp=config.expert_tensor_parallel_size, sequence_parallel=config.sequence_parallel,
-                    micro_batch_size=args.micro_batch_size, num_microbatches=par.num_microbatches,
+                    micro_batch_size=training.micro_batch_size, num_microbatches=par.num_microbatches,
                     params_dtype=str(config.params_dtype).replace("torch.", "")),
         kernels=dataclasses.asdict(kernels),
-        flops_per_step=num_floating_point_operations(args, args.global_batch_size),
-        tokens_per_step=args.global_batch_size * args.seq_length,
+        flops_per_step=num_floating_point_operations(model, training.seq_length, training.global_batch_size),
+        tokens_per_step=training.global_batch_size * training.seq_length,
         constants=dict(CUDA_CONTEXT_BYTES=CUDA_CONTEXT_BYTES, ALLOCATOR_RESERVE=ALLOCATOR_RESERVE,
                        WORKSPACE_BYTES=WORKSPACE_BYTES),
     )
     for pp_rank in range(config.pipeline_model_parallel_size):
-        estimate.stages.append(_stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape,
-                                               args.micro_batch_size, pp_rank, args.torch_compile))
+        estimate.stages.append(_stage_estimate(config, run.optimizer, run.ddp, par, kernels, shape,
+                                               training.micro_batch_size, pp_rank, training.torch_compile))
     return estimate
 
 
@@ -216,3 +214,26 @@ def format_table(estimate: Estimate) -> str:
         f"{ALLOCATOR_RESERVE:.0%} allocator reserve and {CUDA_CONTEXT_BYTES / GiB:.1f} GiB CUDA context",
     ]
     return "\n".join(lines)
+
+
+def check_fits(run, device_type: str) -> None:
+    """Refuse, before anything is allocated, a run whose estimated peak memory per process is
+    larger than this machine's memory per process (the GPU's, or the host's shared by the local
+    ranks on CPU)."""
+    import os
+
+    import torch
+
+    estimate = estimate_from_run(run, device_type)
+    if device_type == "cuda":
+        needed, available = estimate.device_memory, torch.cuda.get_device_properties(0).total_memory
+        where = f"the GPU has {_gib(available)} GiB"
+    else:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        needed = estimate.peak_allocated
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_ranks
+        where = f"the host has {_gib(available)} GiB per process"
+    if needed > available:
+        raise ValueError(f"the run needs about {_gib(needed)} GiB per process (teratron estimate) but {where}; "
+                         "shrink the model or the micro-batch, or add parallelism (--tensor-model-parallel-size, "
+                         "--pipeline-model-parallel-size, --use-distributed-optimizer)")

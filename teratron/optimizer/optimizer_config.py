@@ -1,5 +1,6 @@
 """OptimizerConfig: Megatron Core's optimizer fields, names and defaults."""
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -113,9 +114,30 @@ class OptimizerConfig:
             raise ValueError(f"muon_num_ns_steps={self.muon_num_ns_steps} must be at least 1")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise ValueError(f"optimizer_offload_fraction={self.optimizer_offload_fraction} must be in [0, 1]")
+        self._check_hyperparameters()
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale={self.loss_scale} must be positive, or None for dynamic scaling")
         if self.hysteresis < 1:
             raise ValueError(f"hysteresis={self.hysteresis} must be at least 1")
+
+    def _check_hyperparameters(self):
+        """Finite and in range: a NaN or Inf here would train to NaN (or, for clip_grad, silently
+        turn clipping off)."""
+        for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "clip_grad",
+                     "adam_eps", "sgd_momentum"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value} must be a finite number >= 0")
+        for name in ("adam_beta1", "adam_beta2", "lion_beta1", "lion_beta2", "muon_momentum"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0.0 <= value < 1.0):
+                raise ValueError(f"{name}={value} must be in [0, 1)")
+        if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) is larger than lr ({self.lr})")
+        if self.decoupled_lr is not None and (self.decoupled_min_lr or 0.0) > self.decoupled_lr:
+            raise ValueError(f"decoupled_min_lr ({self.decoupled_min_lr}) is larger than decoupled_lr "
+                             f"({self.decoupled_lr})")
+        if self.optimizer_cpu_offload and self.optimizer == "muon":
+            raise ValueError("optimizer_cpu_offload does not work with optimizer=muon; drop one")

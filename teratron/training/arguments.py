@@ -1,27 +1,24 @@
-"""`teratron train`'s flags (Megatron `pretrain_gpt.py` names and defaults) and the configs
-built from them.
+"""`teratron train`'s flags (Megatron `pretrain_gpt.py` names and defaults), parsed from the
+command line and `--config` YAML.
 
-    args = parse_train_args(argv)              # flags, --config YAML, the demo's defaults
-    validate_args(args, world_size)            # derived values; one-line errors
-    check_interleaved_schedule(args)           # what only a training run needs
-    config = core_transformer_config_from_args(args)
+    args = parse_train_args(argv)                               # flags over YAML over demo defaults
+    run = run_config_from_args(args, world_size, vocab_size)    # training/config.py: typed, checked
 
 `--config run.yaml` holds the same keys as the flags (dashes or underscores, no leading
 `--`); flags on the command line override it. A switch is `key: true`; a YAML list gives a
 many-value flag its values, and a one-value flag (`moe-layer-freq: [0, 1, 1]`) the list itself.
 Without --data-path, --mock-data or --train-data-path, `teratron train` runs the embedded demo,
-whose shape and schedule are defaults that flags and YAML still override.
+whose shape and schedule are defaults that flags and YAML still override. The parsed namespace
+is only the input of `run_config_from_args`: the rules and derived values live in the configs.
 """
 
 import argparse
 import ast
+import functools
 import os
 
-import torch
-import torch.nn.functional as F
 import yaml
 
-from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.transformer.activation_offload import OFFLOAD_MODULES
 
 _DATA_SOURCE_FLAGS = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
@@ -139,10 +136,11 @@ def _add_network_args(parser):
                    help="Storages of fewer elements stay on the device.")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
                    help="Core attention kernel: SDPA's choice, SDPA flash, SDPA cuDNN, or the reference path.")
-    g.add_argument("--torch-compile", action="store_true",
-                   help="torch.compile every transformer layer (fuses norms, RoPE, SwiGLU, residual adds).")
+    g.add_argument("--torch-compile", action="store_true", default=None,
+                   help="torch.compile every transformer layer (fuses norms, RoPE, SwiGLU, residual adds); "
+                        "the default on CUDA.")
     g.add_argument("--no-torch-compile", action="store_false", dest="torch_compile",
-                   help="Eager layers (the default; undoes an earlier --torch-compile, e.g. in a reference run).")
+                   help="Eager layers (the default on CPU).")
     for flag, dest, what in (("--apply-rope-fusion", "apply_rope_fusion", "RoPE"),
                              ("--bias-swiglu-fusion", "bias_activation_fusion", "bias + activation (SwiGLU/GeLU)"),
                              ("--bias-dropout-fusion", "bias_dropout_fusion", "bias + dropout + residual add")):
@@ -150,10 +148,12 @@ def _add_network_args(parser):
         g.add_argument(flag.replace("--", "--no-", 1).replace("apply-rope", "rope"), action="store_false",
                        dest=dest, help=argparse.SUPPRESS)
     g.add_argument("--bias-gelu-fusion", action="store_true", dest="bias_activation_fusion", help=argparse.SUPPRESS)
-    g.add_argument("--gradient-accumulation-fusion", action="store_true",
-                   help="Weight-gradient GEMMs add straight into the fp32 main_grad buffers (no bf16 dW pass).")
+    g.add_argument("--gradient-accumulation-fusion", action="store_true", default=None,
+                   help="Weight-gradient GEMMs add straight into the fp32 main_grad buffers (no bf16 dW pass); "
+                        "the default on CUDA.")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                   help="Weight gradients in the params dtype, added into main_grad by DDP's hook (the default).")
+                   help="Weight gradients in the params dtype, added into main_grad by DDP's hook (the default "
+                        "on CPU).")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Fuse the output layer with the cross entropy (token chunks; no full logits).")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
@@ -490,11 +490,28 @@ def build_train_parser(prog="teratron train") -> ArgumentParser:
     return parser
 
 
+# A --config file larger than this is not a run description.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors/aliases: a few hundred bytes of nested aliases expand to gigabytes."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError(f"alias *{self.peek_event().anchor} found; aliases are not allowed, write "
+                                 "the values out")
+        return super().compose_node(parent, index)
+
+
 def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
     """Turn a YAML mapping of flag names to values into command-line tokens."""
     try:
+        if os.path.getsize(path) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"--config {path}: larger than {_MAX_CONFIG_BYTES} bytes; a run description "
+                             "is a short mapping of flags")
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_NoAliasLoader)
     except FileNotFoundError:
         raise FileNotFoundError(f"--config {path}: no such file") from None
     except OSError as e:
@@ -507,9 +524,9 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     argv = []
     for key, value in data.items():
-        flag = _flag(str(key).lstrip("-"))
-        action = parser._option_string_actions.get(flag)
-        if action is None or flag == "--config":
+        option = flag(str(key).lstrip("-"))
+        action = parser._option_string_actions.get(option)
+        if action is None or option == "--config":
             raise ValueError(f"--config {path}: unknown key {key!r}; keys are flag names such as "
                              "num-layers or num_layers")
         if value is None:
@@ -518,13 +535,15 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
             if not isinstance(value, bool):
                 raise ValueError(f"--config {path}: {key} is a switch; give true or false")
             if value:
-                argv.append(flag)
+                argv.append(option)
+            elif action.default is None:  # a switch whose default depends on the device: false turns it off
+                argv.append("--no-" + option[2:])
         elif isinstance(value, list) and action.nargs is None:
-            argv += [flag, str(value)]  # one value that is a list: --moe-layer-freq "[0, 1, 1]"
+            argv += [option, str(value)]  # one value that is a list: --moe-layer-freq "[0, 1, 1]"
         elif isinstance(value, list):
-            argv += [flag] + [str(v) for v in value]
+            argv += [option] + [str(v) for v in value]
         else:
-            argv += [flag, str(value)]
+            argv += [option, str(value)]
     return argv
 
 
@@ -543,349 +562,46 @@ def demo_argv() -> list:
     ]
 
 
-def parse_train_args(argv) -> argparse.Namespace:
-    """Flags over YAML over (demo) defaults; `args.demo` says whether this is the demo run."""
+def parse_train_args(argv, defaults=None) -> argparse.Namespace:
+    """Flags over --config YAML over `defaults` (flags too). `args.demo` says whether this is the
+    demo run (no data flags given); its shape and schedule are the defaults unless `defaults` is
+    given (`teratron estimate` passes [])."""
     parser = build_train_parser()
     first = parser.parse_args(argv)
     config_argv = config_file_to_argv(first.config, parser) if first.config else []
     given = parser.parse_args(config_argv + argv)
     demo = not any(getattr(given, name) for name in _DATA_SOURCE_FLAGS)
-    args = parser.parse_args((demo_argv() if demo else []) + config_argv + argv)
+    if defaults is None:
+        defaults = demo_argv() if demo else []
+    args = parser.parse_args(list(defaults) + config_argv + argv) if defaults else given
     args.demo = demo
     return args
 
 
-def _flag(name: str) -> str:
-    """The command-line flag of an args attribute: num_layers -> --num-layers."""
+@functools.cache
+def flags_by_dest() -> dict:
+    """Each flag destination -> the flag that sets it (the positive spelling where a --no- twin
+    exists: --torch-compile; --disable-bias-linear for add_bias_linear, whose only flag turns
+    it off)."""
+    flags = {}
+    for action in build_train_parser()._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and (action.dest not in flags or flags[action.dest].startswith("--no-")):
+                flags[action.dest] = option
+                break
+    return flags
+
+
+@functools.cache
+def inverted_dests() -> frozenset:
+    """Destinations whose only flag sets them False (--disable-bias-linear, --no-mmap-bin-files)."""
+    parser = build_train_parser()
+    setting_true = {a.dest for a in parser._actions if not isinstance(a, argparse._StoreFalseAction)}
+    return frozenset(a.dest for a in parser._actions
+                     if isinstance(a, argparse._StoreFalseAction) and a.dest not in setting_true)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a flag destination (and of the config field named like it):
+    num_layers -> --num-layers."""
     return "--" + name.replace("_", "-")
-
-
-def _check_at_least(args, minimum, names) -> None:
-    for name in names:
-        if getattr(args, name) < minimum:
-            raise ValueError(f"{_flag(name)} must be >= {minimum}, got {getattr(args, name)}")
-
-
-def _require(args, names):
-    missing = [_flag(n) for n in names if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"missing required flag(s) {', '.join(missing)} (or set them in --config)")
-
-
-def validate_args(args, world_size: int) -> argparse.Namespace:
-    """Check the flags against each other and fill in Megatron's derived values."""
-    _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                    "micro_batch_size", "train_iters", "lr"])
-    _validate_model(args)
-    _validate_parallel(args, world_size)
-    _validate_moe(args)
-    _validate_schedule(args)
-    _validate_optimizer(args)
-    _validate_data_and_io(args)
-    _validate_cuda_graphs(args)
-    _validate_profiling(args, world_size)
-    return args
-
-
-def _validate_model(args):
-    _check_at_least(args, 1, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                              "micro_batch_size"))
-    if not 0 <= args.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
-    if args.kv_channels is None:
-        if args.hidden_size % args.num_attention_heads:
-            raise ValueError(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
-                             f"({args.num_attention_heads}); change one or set --kv-channels")
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
-        if args.ffn_hidden_size < 1:
-            raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
-                             "set --ffn-hidden-size")
-    if args.group_query_attention:
-        _check_at_least(args, 1, ("num_query_groups",))
-    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
-                         f"--num-query-groups ({args.num_query_groups})")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
-        raise ValueError(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
-                         f"--seq-length ({args.seq_length}); raise it")
-    if args.fp16 and args.bf16:
-        raise ValueError("--fp16 and --bf16 both given; choose one")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    if args.fine_grained_activation_offloading != bool(args.offload_modules):
-        raise ValueError("--fine-grained-activation-offloading and --offload-modules go together; give both "
-                         f"(modules: {' '.join(OFFLOAD_MODULES)}) or neither")
-
-
-def _validate_parallel(args, world_size):
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                       ("--context-parallel-size", cp),
-                       ("--expert-model-parallel-size", args.expert_model_parallel_size)):
-        if size < 1:
-            raise ValueError(f"{flag} must be >= 1, got {size}")
-    if world_size % (tp * pp * cp):
-        raise ValueError(f"the world size ({world_size} processes) is not divisible by TP ({tp}) x PP ({pp}) "
-                         f"x CP ({cp}) = {tp * pp * cp}; change the sizes or the number of processes")
-    args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp * cp)
-    if args.sequence_parallel and tp == 1:
-        print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled",
-              flush=True)
-        args.sequence_parallel = False
-    _validate_pipeline(args, pp)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
-                                      args.data_parallel_size, args.rampup_batch_size)
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
-    if args.copy_engine_collectives and not args.use_distributed_optimizer:
-        raise ValueError("--ddp-copy-engine-collectives needs --use-distributed-optimizer")
-
-
-def _validate_moe(args):
-    """Megatron's list flags as the config takes them (one value: a scalar), and the expert
-    grid against the world size."""
-    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
-        value = getattr(args, name)
-        if isinstance(value, list) and len(value) == 1:
-            setattr(args, name, value[0])
-    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
-    if isinstance(types, list) or isinstance(coeffs, list):
-        n_types = len(types) if isinstance(types, list) else 1
-        n_coeffs = len(coeffs) if isinstance(coeffs, list) else 1
-        if n_types != n_coeffs:
-            raise ValueError(f"--moe-router-load-balancing-type has {n_types} value(s) but --moe-aux-loss-coeff "
-                             f"{n_coeffs}; give one coefficient per type")
-    if isinstance(args.moe_layer_freq, list) and (len(args.moe_layer_freq) != args.num_layers
-                                                  or any(f not in (0, 1) for f in args.moe_layer_freq)):
-        raise ValueError(f"--moe-layer-freq {args.moe_layer_freq} must list one 0 or 1 per layer "
-                         f"(--num-layers {args.num_layers})")
-    if isinstance(args.moe_layer_freq, int) and args.moe_layer_freq < 1:
-        raise ValueError(f"--moe-layer-freq must be >= 1, got {args.moe_layer_freq}")
-    if args.num_experts is None:
-        return
-    if args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    ep = args.expert_model_parallel_size
-    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    pp = args.pipeline_model_parallel_size
-    if args.world_size % (etp * ep * pp):
-        raise ValueError(f"the world size ({args.world_size} processes) is not divisible by expert TP ({etp}) x "
-                         f"EP ({ep}) x PP ({pp}) = {etp * ep * pp}; change --expert-model-parallel-size, "
-                         "--expert-tensor-parallel-size or the number of processes")
-    if args.num_experts % ep:
-        raise ValueError(f"--num-experts ({args.num_experts}) is not divisible by --expert-model-parallel-size "
-                         f"({ep})")
-
-
-def _validate_pipeline(args, pp):
-    """Set args.virtual_pipeline_model_parallel_size (None without interleaving) from
-    --pipeline-model-parallel-layout, --num-layers-per-virtual-pipeline-stage or the flag itself;
-    the TransformerConfig checks the layer placement in detail."""
-    from teratron.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
-    layers_per_vp, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
-    if layers_per_vp is not None and vpp is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
-                         "both given; choose one")
-    if args.pipeline_model_parallel_layout is not None:
-        if layers_per_vp is not None:
-            raise ValueError("--pipeline-model-parallel-layout and --num-layers-per-virtual-pipeline-stage "
-                             "both given; the layout already places every layer, drop the other")
-        try:
-            layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
-            layout.validate_layer_layout(args.num_layers, None)
-        except ValueError as e:
-            raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
-        from_layout = layout.virtual_pipeline_model_parallel_size
-        if vpp is not None and vpp != from_layout:
-            raise ValueError(f"--pipeline-model-parallel-layout has {len(layout.stages)} stages = PP {pp} x "
-                             f"{from_layout} virtual stages, but --virtual-pipeline-model-parallel-size is "
-                             f"{vpp}; drop the flag (the layout sets it)")
-        vpp = from_layout
-    elif layers_per_vp is not None:
-        vpp = _virtual_stages_from_layers(args, pp, layers_per_vp)
-    if vpp is not None and vpp < 1:
-        raise ValueError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}")
-    if vpp is not None and vpp > 1 and pp < 2:
-        raise ValueError(f"{vpp} virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    args.virtual_pipeline_model_parallel_size = vpp if vpp is not None and vpp > 1 else None
-
-
-def _virtual_stages_from_layers(args, pp, layers_per_vp):
-    """Virtual stages per rank from the layers of the evenly split ranks (all ranks without
-    --decoder-first/last-pipeline-num-layers; the embedding/loss count as a layer when accounted)."""
-    flag = f"--num-layers-per-virtual-pipeline-stage ({layers_per_vp})"
-    if pp < 2:
-        raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1")
-    if layers_per_vp < 1:
-        raise ValueError(f"{flag} must be >= 1")
-    ends = [n for n in (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-            if n is not None]
-    layers = (args.num_layers - sum(ends) + int(args.account_for_embedding_in_pipeline_split)
-              + int(args.account_for_loss_in_pipeline_split))
-    ranks = pp - len(ends)
-    if ranks == 0:
-        raise ValueError(f"{flag}: every pipeline rank has a fixed layer count (--decoder-first/last-"
-                         "pipeline-num-layers); give --virtual-pipeline-model-parallel-size instead")
-    if layers < 0 or layers % ranks or (layers // ranks) % layers_per_vp:
-        raise ValueError(f"{flag} must divide the layers of each evenly split pipeline rank "
-                         f"({layers} layers over {ranks} rank(s)); change it or the layer counts")
-    return layers // ranks // layers_per_vp
-
-
-def check_interleaved_schedule(args) -> None:
-    """With virtual stages, every step's micro-batch count must be a multiple of the group size.
-
-    Checked by `teratron train` after `validate_args` (the estimate accepts any count)."""
-    if args.virtual_pipeline_model_parallel_size is None:
-        return
-    pp = args.pipeline_model_parallel_size
-    calculator = build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
-                                                   args.data_parallel_size, args.rampup_batch_size)
-    group = args.microbatch_group_size_per_vp_stage or pp
-    if group < pp:
-        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be at least "
-                         f"--pipeline-model-parallel-size ({pp})")
-    if calculator.is_rampup:
-        sizes = range(calculator.start_global_batch_size, args.global_batch_size + 1,
-                      calculator.batch_size_increment)
-    else:
-        sizes = [args.global_batch_size]
-    per_step = calculator.micro_batch_times_data_parallel_size
-    for size in sizes:
-        if (size // per_step) % group:
-            raise ValueError(
-                f"the interleaved schedule needs the micro-batches per step to be a multiple of "
-                f"--microbatch-group-size-per-virtual-pipeline-stage ({group}; default the PP size), but "
-                f"global batch {size} / (micro-batch {args.micro_batch_size} x DP {args.data_parallel_size}) "
-                f"= {size // per_step}; change --global-batch-size or the group size")
-
-
-def _validate_schedule(args):
-    _check_at_least(args, 1, ("train_iters", "log_interval", "eval_interval"))
-    _check_at_least(args, 0, ("lr", "eval_iters"))
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both given; choose one")
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-                         f"({args.lr_decay_iters}; default --train-iters)")
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the final decay)")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
-    if args.weight_decay_incr_style == "constant":
-        args.start_weight_decay = args.end_weight_decay = args.weight_decay
-    elif args.start_weight_decay is None or args.end_weight_decay is None:
-        raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
-                         "--start-weight-decay and --end-weight-decay")
-    if args.skip_nan_steps and not args.check_for_nan_in_loss_and_grad:
-        raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
-
-
-def _validate_optimizer(args):
-    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
-        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {args.optimizer_offload_fraction}")
-    if args.optimizer_cpu_offload and args.optimizer == "muon":
-        raise ValueError("--optimizer-cpu-offload does not work with --optimizer muon; drop one")
-    _check_at_least(args, 1, ("muon_num_ns_steps",))
-    if args.decoupled_lr is not None and args.decoupled_min_lr is None:
-        args.decoupled_min_lr = args.min_lr
-    if args.decoupled_lr is not None and args.decoupled_min_lr > args.decoupled_lr:
-        raise ValueError(f"--decoupled-min-lr ({args.decoupled_min_lr}) is larger than --decoupled-lr "
-                         f"({args.decoupled_lr})")
-
-
-def _validate_data_and_io(args):
-    if args.mock_data and (args.data_path or args.train_data_path):
-        raise ValueError("--mock-data and --data-path/--train-data-path both given; choose one")
-    if args.data_path and args.train_data_path:
-        raise ValueError("--data-path and --train-data-path both given; use one (per-split paths "
-                         "go with --train/valid/test-data-path)")
-    from teratron.datasets.utils import parse_and_normalize_split
-
-    if args.split is None:
-        args.split = "969,30,1"
-    parse_and_normalize_split(args.split)  # a bad --split fails here, also with --mock-data
-    _check_at_least(args, 1, [n for n in ("save_interval", "exit_interval") if getattr(args, n) is not None])
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval given without --save; add --save DIR")
-    if args.async_save and args.save is None:
-        raise ValueError("--async-save given without --save; add --save DIR")
-    _check_at_least(args, 0, ("num_workers",))
-    if args.load is not None and not os.path.isdir(args.load) and os.path.exists(args.load):
-        raise ValueError(f"--load {args.load}: not a directory; pass the checkpoint folder")
-
-
-
-def _validate_profiling(args, world_size):
-    if not args.profile:
-        return
-    start, end = args.profile_step_start, args.profile_step_end
-    if start < 1 or end <= start:
-        raise ValueError(f"--profile-step-start {start} --profile-step-end {end}: profiling covers iterations "
-                         "[start, end); use 1 <= start < end")
-    if args.train_iters is not None and start > args.train_iters:
-        raise ValueError(f"--profile-step-start {start} is after the last iteration (--train-iters "
-                         f"{args.train_iters}); lower it")
-    outside = [r for r in args.profile_ranks if not 0 <= r < world_size]
-    if outside:
-        raise ValueError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a world of "
-                         f"{world_size}; use ranks 0..{world_size - 1}")
-    if args.use_pytorch_profiler and args.profile_dir is None:
-        if args.tensorboard_dir is None:
-            raise ValueError("--profile needs --profile-dir or --tensorboard-dir (where the trace goes)")
-        args.profile_dir = os.path.join(args.tensorboard_dir, "profile")
-
-def _validate_cuda_graphs(args):
-    """What the training loop around CUDA graphs needs; the TransformerConfig checks the model."""
-    impl = "local" if args.enable_cuda_graph and args.cuda_graph_impl == "none" else args.cuda_graph_impl
-    if impl != "local":
-        return
-    if args.overlap_param_gather:
-        raise ValueError("--overlap-param-gather with --cuda-graph-impl local: its forward pre-hooks would gather "
-                         "parameters only while capturing; drop one")
-    if args.cuda_graph_scope == "full_iteration":
-        if args.overlap_grad_reduce:
-            raise ValueError("--overlap-grad-reduce with --cuda-graph-scope full_iteration: the reduction would be "
-                             "launched inside the graph; drop one (the gradients are reduced after the replay)")
-        if args.rampup_batch_size is not None:
-            raise ValueError("--rampup-batch-size with --cuda-graph-scope full_iteration: the graph holds a fixed "
-                             "number of micro-batches; drop one")
-
-
-def config_from_args(config_class, args, **renamed):
-    """`config_class` (a dataclass) from the flags: every field named like a flag's destination,
-    then `renamed`, the fields whose flag has another name (Megatron's own mapping)."""
-    from dataclasses import fields
-
-    kwargs = {f.name: getattr(args, f.name) for f in fields(config_class) if f.init and hasattr(args, f.name)}
-    return config_class(**{**kwargs, **renamed})
-
-
-def core_transformer_config_from_args(args):
-    from teratron.transformer import TransformerConfig
-
-    return config_from_args(
-        TransformerConfig, args,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        num_moe_experts=args.num_experts,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        pipeline_dtype=args.params_dtype,
-        deallocate_pipeline_outputs=True,
-    )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from teratron import dist_checkpointing
 from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.checkpoint import all_ranks_true
-from teratron.dist_checkpointing.model_args import model_args_from_args
+from teratron.dist_checkpointing.model_args import model_args_from_config
 
 # Model args that may differ between the saving and the loading run: vocabulary sizes follow the
 # tokenizer and the TP size (the loader pads or trims vocabulary rows), and only a learned
@@ -66,81 +66,109 @@ def read_tracker(load: str):
         raise ValueError(f"--load {load}: {e}") from None
 
 
-_pending_save = None  # the --async-save in flight
+class Checkpointer:
+    """Saves and loads a run's checkpoints under its CheckpointConfig; owns the --async-save in
+    flight (published by `finalize_async_save`: every iteration, before the next save and at the
+    end)."""
 
+    def __init__(self, run):
+        self.run = run
+        self.config = run.checkpoint
+        self._pending_save = None
 
-def maybe_finalize_async_save(blocking: bool = False) -> None:
-    """Publish the background save once every rank has written it (a collective when one is in
-    flight); with `blocking`, wait for it."""
-    global _pending_save
-    if _pending_save is not None and _pending_save.finalize(blocking):
-        _pending_save = None
+    def finalize_async_save(self, blocking: bool = False) -> None:
+        """Publish the background save once every rank has written it (a collective when one is
+        in flight); with `blocking`, wait for it."""
+        if self._pending_save is not None and self._pending_save.finalize(blocking):
+            self._pending_save = None
 
+    def save(self, iteration, model, optimizer, opt_param_scheduler, consumed_samples,
+             consumed_valid_samples=0) -> str:
+        """Write iteration `iteration`'s checkpoint under --save (a collective); returns its folder
+        (published now, or by finalize_async_save with --async-save)."""
+        c = self.config
+        self.finalize_async_save(blocking=True)
+        common = {"args": self.run.to_dict(), "iteration": iteration, "consumed_train_samples": consumed_samples,
+                  "consumed_valid_samples": consumed_valid_samples}
+        if not c.no_save_optim:
+            common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        save = dict(root=c.save, iteration=iteration, model_chunks=model,
+                    optimizer=None if c.no_save_optim else optimizer, common=common,
+                    metadata={"model_args": model_args_from_config(self.run.model)}, with_rng=not c.no_save_rng)
+        self._copy_hf_files()
+        if c.async_save:
+            self._pending_save = dist_checkpointing.start_async_save(**save)
+            return storage.iteration_dir(c.save, iteration)
+        return dist_checkpointing.save_checkpoint(**save)
 
-def _copy_hf_files(args) -> None:
-    """Keep the Hugging Face config/tokenizer files of an imported checkpoint with its descendants."""
-    if not args.load or dist.is_initialized() and dist.get_rank() != 0:
-        return
-    src, dst = os.path.join(args.load, storage.HF_DIRNAME), os.path.join(args.save, storage.HF_DIRNAME)
-    if os.path.isdir(src) and not os.path.exists(dst) and os.path.abspath(src) != os.path.abspath(dst):
-        shutil.copytree(src, dst)
+    def _copy_hf_files(self) -> None:
+        """Keep the Hugging Face config/tokenizer files of an imported checkpoint with its descendants."""
+        c = self.config
+        if not c.load or dist.is_initialized() and dist.get_rank() != 0:
+            return
+        src, dst = os.path.join(c.load, storage.HF_DIRNAME), os.path.join(c.save, storage.HF_DIRNAME)
+        if os.path.isdir(src) and not os.path.exists(dst) and os.path.abspath(src) != os.path.abspath(dst):
+            shutil.copytree(src, dst)
 
+    def load(self, model, optimizer, opt_param_scheduler):
+        """Restore --load's latest checkpoint into model/optimizer/scheduler and the RNGs.
 
-def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
-                    consumed_valid_samples=0) -> str:
-    """Write iteration `iteration`'s checkpoint under args.save (a collective); returns its folder
-    (published now, or by maybe_finalize_async_save with --async-save)."""
-    global _pending_save
-    maybe_finalize_async_save(blocking=True)
-    common = {"args": args, "iteration": iteration, "consumed_train_samples": consumed_samples,
-              "consumed_valid_samples": consumed_valid_samples}
-    if not args.no_save_optim:
-        common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    save = dict(root=args.save, iteration=iteration, model_chunks=model,
-                optimizer=None if args.no_save_optim else optimizer, common=common,
-                metadata={"model_args": model_args_from_args(args)}, with_rng=not args.no_save_rng)
-    _copy_hf_files(args)
-    if args.async_save:
-        _pending_save = dist_checkpointing.start_async_save(**save)
-        return storage.iteration_dir(args.save, iteration)
-    return dist_checkpointing.save_checkpoint(**save)
+        Returns (iteration, consumed_train_samples, consumed_valid_samples); (0, 0, 0) when
+        --load holds no checkpoint yet (a fresh run that saves to the same folder), or with
+        --finetune.
+        """
+        c = self.config
+        iteration = read_tracker(c.load)
+        if iteration is None:
+            print(f"WARNING: no {storage.TRACKER_FILENAME} in --load {c.load}; starting from scratch",
+                  flush=True)
+            return 0, 0, 0
+        checkpoint_dir = storage.iteration_dir(c.load, iteration)
+        if not os.path.isdir(checkpoint_dir):
+            raise FileNotFoundError(f"--load {c.load}: the tracker names iteration {iteration} but "
+                                    f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
+        self._check_model_args(storage.read_metadata(checkpoint_dir).get("model_args", {}), checkpoint_dir)
+        load_optimizer = not (c.finetune or c.no_load_optim)
+        metadata, common = dist_checkpointing.load_checkpoint(
+            checkpoint_dir, model, optimizer, load_optimizer=load_optimizer,
+            load_rng=not (c.finetune or c.no_load_rng))
+        if c.finetune:
+            return 0, 0, 0
+        if load_optimizer:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+        return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
+                common.get("consumed_valid_samples", 0))
 
+    def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
+        current = model_args_from_config(self.run.model)
+        differ = [f"{k} (saved {saved[k]}, now {current[k]})" for k in current
+                  if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]]
+        if differ:
+            raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
+                             "pass the architecture flags it was saved with")
 
-def _check_model_args(saved: dict, args, checkpoint_dir: str) -> None:
-    current = model_args_from_args(args)
-    differ = [f"{k} (saved {saved[k]}, now {current[k]})" for k in current
-              if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]]
-    if differ:
-        raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
-                         "pass the architecture flags it was saved with")
+    def after_iteration(self, iteration, model, optimizer, opt_param_scheduler, consumed_samples,
+                        consumed_valid_samples, exit_handler=None):
+        """Save on --save-interval, publish a finished async save, and decide whether to stop
+        (SIGTERM under --exit-signal-handler, or --exit-interval), saving first.
+        Returns (saved, stop)."""
+        c, exit_interval = self.config, self.run.training.exit_interval
+        self.finalize_async_save(blocking=False)
+        saved = False
 
+        def save():
+            self.save(iteration, model, optimizer, opt_param_scheduler, consumed_samples, consumed_valid_samples)
+            return True
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, args):
-    """Restore args.load's latest checkpoint into model/optimizer/scheduler and the RNGs.
-
-    Returns (iteration, consumed_train_samples, consumed_valid_samples); (0, 0, 0) when args.load
-    holds no checkpoint yet (a fresh run that saves to the same folder), or with --finetune.
-    """
-    iteration = read_tracker(args.load)
-    if iteration is None:
-        print(f"WARNING: no {storage.TRACKER_FILENAME} in --load {args.load}; starting from scratch",
-              flush=True)
-        return 0, 0, 0
-    checkpoint_dir = storage.iteration_dir(args.load, iteration)
-    if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"--load {args.load}: the tracker names iteration {iteration} but "
-                                f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
-    _check_model_args(storage.read_metadata(checkpoint_dir).get("model_args", {}), args, checkpoint_dir)
-    load_optimizer = not (args.finetune or args.no_load_optim)
-    metadata, common = dist_checkpointing.load_checkpoint(
-        checkpoint_dir, model, optimizer, load_optimizer=load_optimizer,
-        load_rng=not (args.finetune or args.no_load_rng))
-    if args.finetune:
-        return 0, 0, 0
-    if load_optimizer:
-        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
-            common.get("consumed_valid_samples", 0))
+        if c.save and c.save_interval and iteration % c.save_interval == 0:
+            saved = save()
+        stop = bool(exit_interval and iteration % exit_interval == 0)
+        stop = (exit_handler is not None and exit_handler.any_rank_received()) or stop
+        if stop:
+            if c.save and not saved:
+                saved = save()
+            self.finalize_async_save(blocking=True)
+        return saved, stop
 
 
 class ExitSignalHandler:
@@ -161,27 +189,3 @@ class ExitSignalHandler:
 
     def restore(self) -> None:
         signal.signal(self.signum, self.previous)
-
-
-def checkpoint_and_decide_exit(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
-                               consumed_valid_samples, exit_handler=None):
-    """After an iteration: save on --save-interval, publish a finished async save, and decide
-    whether to stop (SIGTERM under --exit-signal-handler, or --exit-interval), saving first.
-    Returns (saved, stop)."""
-    maybe_finalize_async_save(blocking=False)
-    saved = False
-
-    def save():
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, consumed_samples,
-                        consumed_valid_samples)
-        return True
-
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        saved = save()
-    stop = bool(args.exit_interval and iteration % args.exit_interval == 0)
-    stop = (exit_handler is not None and exit_handler.any_rank_received()) or stop
-    if stop:
-        if args.save and not saved:
-            saved = save()
-        maybe_finalize_async_save(blocking=True)
-    return saved, stop

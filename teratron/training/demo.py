@@ -23,62 +23,74 @@ def check_not_demo(args) -> None:
                              "(no --data-path/--mock-data); drop it")
 
 
-def prepare(args) -> None:
-    """Point the run at the demo corpus and its tokenizer, and at the demo's output folder."""
+def output_dir(args) -> str:
+    return args.demo_dir or DEFAULT_DEMO_DIR
+
+
+def num_samples(args) -> int:
+    samples = DEFAULT_NUM_SAMPLES if args.demo_samples is None else args.demo_samples
+    if samples < 0:
+        raise ValueError(f"--demo-samples must be >= 0, got {samples}")
+    return samples
+
+
+def prepare(args) -> list:
+    """Build the demo corpus; returns the flags that point the run at it, its tokenizer and the
+    demo's output folder (under the demo's shape and schedule, `arguments.demo_argv()`)."""
     from teratron.datasets.demo_corpus import prepare_demo_data
 
     given = [name for name in _TOKENIZER_FLAGS if getattr(args, name, None) is not None]
     if given:
         raise ValueError(f"--{given[0].replace('_', '-')}: the embedded demo uses its own tokenizer; "
                          "pass --data-path or --mock-data to choose one")
-    args.demo_dir = args.demo_dir or DEFAULT_DEMO_DIR
-    args.demo_samples = DEFAULT_NUM_SAMPLES if args.demo_samples is None else args.demo_samples
-    if args.demo_samples < 0:
-        raise ValueError(f"--demo-samples must be >= 0, got {args.demo_samples}")
+    demo_dir = output_dir(args)
+    num_samples(args)
     print(f"teratron demo: no --data-path given, so training a small GPT on the bundled English "
-          f"text; outputs go to {args.demo_dir}/", flush=True)
+          f"text; outputs go to {demo_dir}/", flush=True)
     data = prepare_demo_data()
     print(f"teratron demo: corpus of {data.num_tokens:,} tokens, vocabulary {data.vocab_size}", flush=True)
-    args.data_path = [data.data_prefix]
-    args.tokenizer_type = "HuggingFaceTokenizer"
-    args.tokenizer_model = data.tokenizer_model
-    if args.save is None:
-        args.save = os.path.join(args.demo_dir, "checkpoints")
-        args.overwrite = True  # the demo's own folder: a rerun replaces the last demo, like its metrics
+    flags = ["--data-path", data.data_prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+             "--tokenizer-model", data.tokenizer_model]
+    if args.save is None:  # the demo's own folder: a rerun replaces the last demo, like its metrics
+        flags += ["--save", os.path.join(demo_dir, "checkpoints"), "--overwrite"]
     if args.metrics_file is None:
-        args.metrics_file = os.path.join(args.demo_dir, "metrics.jsonl")
-        if os.path.exists(args.metrics_file):
-            os.remove(args.metrics_file)
+        metrics_file = os.path.join(demo_dir, "metrics.jsonl")
+        flags += ["--metrics-file", metrics_file]
+        if os.path.exists(metrics_file):
+            os.remove(metrics_file)
+    return flags
 
 
-def finish(run) -> None:
+def finish(trainer, demo_dir: str, count: int) -> None:
     """After training: the loss curve, a few sampled lines, and where everything is."""
-    if not run.is_logging_rank:
+    from teratron.training.trainer import is_logging_rank
+
+    if not is_logging_rank():
         return
-    args = run.args
-    os.makedirs(args.demo_dir, exist_ok=True)
-    png = write_loss_plot(run.state, os.path.join(args.demo_dir, "loss.png"))
+    run = trainer.run
+    os.makedirs(demo_dir, exist_ok=True)
+    png = write_loss_plot(trainer.state, os.path.join(demo_dir, "loss.png"))
     print(f"teratron demo: loss curve -> {png}", flush=True)
-    if args.world_size > 1:
+    if run.distributed.world_size > 1:
         print("teratron demo: sampling runs single-process only; skipped under torchrun", flush=True)
         return
-    lines = sample_lines(run, args.demo_samples)
-    path = os.path.join(args.demo_dir, "samples.txt")
+    lines = sample_lines(trainer, count)
+    path = os.path.join(demo_dir, "samples.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"teratron demo: samples from the trained model -> {path}")
     for line in lines:
         print(f"  > {line}")
-    print(f"teratron demo: checkpoint -> {args.save}", flush=True)
+    print(f"teratron demo: checkpoint -> {run.checkpoint.save}", flush=True)
 
 
-def sample_lines(run, count: int) -> list:
+def sample_lines(trainer, count: int) -> list:
     from teratron.inference import generate
 
-    generator = torch.Generator(device=run.device).manual_seed(run.args.seed)
-    model = run.model[0]
-    return [" ".join(generate(model, run.tokenizer, PROMPTS[i % len(PROMPTS)], max_new_tokens=40,
-                              max_sequence_length=run.args.seq_length, generator=generator).split())
+    generator = torch.Generator(device=trainer.device).manual_seed(trainer.run.training.seed)
+    model = trainer.model[0]
+    return [" ".join(generate(model, trainer.tokenizer, PROMPTS[i % len(PROMPTS)], max_new_tokens=40,
+                              max_sequence_length=trainer.run.training.seq_length, generator=generator).split())
             for i in range(count)]
 
 

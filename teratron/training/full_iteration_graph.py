@@ -32,12 +32,6 @@ from teratron.pipeline_parallel.microbatch_step import as_chunk_list, get_model_
 from teratron.transformer.cuda_graphs import NEED_CUDA, enable_layer_cuda_graphs
 
 
-def check_cuda_graph_device(args) -> None:
-    """`teratron train` with CUDA graphs asked for needs a GPU."""
-    if (args.cuda_graph_impl != "none" or args.enable_cuda_graph) and not torch.cuda.is_available():
-        raise ValueError(NEED_CUDA)
-
-
 def cuda_graph_phase(steps_done: int, warmup_steps: int) -> str:
     """'eager' for the warm-up steps, 'capture' for the step after them, then 'replay'."""
     if steps_done < warmup_steps:

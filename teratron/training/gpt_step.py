@@ -4,7 +4,7 @@ from functools import partial
 
 import torch
 
-from teratron import parallel_state
+from teratron.topology import resolve_pg_collection
 from teratron.utils import HostCopy
 
 
@@ -41,7 +41,7 @@ def forward_step(data_iterator, model, device):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def reduce_log_dicts(log_dicts: list, device, on_host: bool = True) -> dict:
+def reduce_log_dicts(log_dicts: list, device, on_host: bool = True, pg_collection=None) -> dict:
     """Average the schedule's per-micro-batch logs over micro-batches and data-parallel ranks.
 
     [sum, count] pairs are averaged by count; anything else by micro-batch. Call on every rank of
@@ -57,7 +57,7 @@ def reduce_log_dicts(log_dicts: list, device, on_host: bool = True) -> dict:
         totals.append(values.sum(0) if values.shape[1] == 2 else
                       torch.stack([values.mean(), torch.ones((), device=device)]))
     stacked = torch.stack(totals)  # [keys, 2]
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = resolve_pg_collection(pg_collection).dp_cp
     if group is not None:
         torch.distributed.all_reduce(stacked, group=group)
     means = dict(zip(keys, stacked[:, 0] / stacked[:, 1]))

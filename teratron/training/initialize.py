@@ -15,8 +15,14 @@ def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def initialize_distributed(args) -> int:
-    """Start torch.distributed when torchrun launched us; returns the world size.
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun), known before any rendezvous."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
+def initialize_distributed(config) -> int:
+    """Start torch.distributed when torchrun launched us (`config` a DistributedConfig); returns
+    the world size.
 
     A plain `teratron train` runs as one process without torch.distributed: every group is a
     group of one (parallel_state's contract), so nothing needs a rendezvous.
@@ -25,23 +31,25 @@ def initialize_distributed(args) -> int:
         return 1
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = config.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        dist.init_process_group(backend, timeout=timedelta(minutes=config.distributed_timeout_minutes))
     return dist.get_world_size()
 
 
-def initialize_model_parallel(args) -> None:
+def initialize_model_parallel(config, distributed) -> None:
+    """The process groups of `config`'s layout (a TransformerConfig; `distributed` a
+    DistributedConfig)."""
     if not dist.is_initialized():
         return
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+        distributed_timeout_minutes=distributed.distributed_timeout_minutes,
     )
 
 

@@ -25,8 +25,8 @@ from teratron.distributed.copy_engine import bytes_outside_allocator
 _PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def num_floating_point_operations(args, batch_size: int) -> float:
-    """Training FLOPs of one global batch, by Megatron-LM's `num_floating_point_operations`.
+def num_floating_point_operations(model, seq_length: int, batch_size: int) -> float:
+    """Training FLOPs of `batch_size` sequences of `model` (a GPTModelConfig), by Megatron-LM's `num_floating_point_operations`.
 
     Counts matrix multiplies only. Each GEMM runs three times (forward, weight gradient, input
     gradient) and a [m, n] x [n, k] GEMM costs 2mnk, hence the factor 3 * 2 = 6 per
@@ -41,26 +41,25 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     6 * h * padded_vocab, once per token.
     """
     fb_fma = 3 * 2
-    h, s = args.hidden_size, args.seq_length
-    query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    q_size = args.kv_channels * args.num_attention_heads
-    kv_size = args.kv_channels * query_groups
+    t = model.transformer
+    h, s = t.hidden_size, seq_length
+    q_size = t.kv_channels * t.num_attention_heads
+    kv_size = t.kv_channels * t.num_query_groups
     attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
 
-    ffn_factor = 3 if args.swiglu else 2
+    ffn_factor = 3 if t.gated_linear_unit else 2
     moe_layers = 0
     moe_ffn = 0
-    if getattr(args, "num_experts", None):
+    if t.num_moe_experts:
         from teratron.transformer.moe import moe_layer_pattern
 
-        moe_layers = sum(moe_layer_pattern(args.num_layers, getattr(args, "moe_layer_freq", 1)))
-        moe_ffn = args.moe_ffn_hidden_size * args.moe_router_topk
-        moe_ffn += getattr(args, "moe_shared_expert_intermediate_size", None) or 0
-    dense_layers = args.num_layers - moe_layers
-    mlp = fb_fma * h * ffn_factor * (args.ffn_hidden_size * dense_layers + moe_ffn * moe_layers)
+        moe_layers = sum(moe_layer_pattern(t.num_layers, t.moe_layer_freq))
+        moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
+    dense_layers = t.num_layers - moe_layers
+    mlp = fb_fma * h * ffn_factor * (t.ffn_hidden_size * dense_layers + moe_ffn * moe_layers)
 
-    logits = fb_fma * h * args.padded_vocab_size
-    return batch_size * s * (args.num_layers * attention + mlp + logits)
+    logits = fb_fma * h * model.padded_vocab_size
+    return batch_size * s * (t.num_layers * attention + mlp + logits)
 
 
 def device_peak_tflops() -> Optional[float]:
@@ -109,25 +108,27 @@ def _tag(key: str) -> str:
 class TrainingLogger:
     """Console, metrics-file and TensorBoard output of the training loop."""
 
-    def __init__(self, args, is_logging_rank: bool, world_size: int, start_iteration: int):
-        self.args = args
+    def __init__(self, run, is_logging_rank: bool, start_iteration: int):
+        self.run = run
+        self.train_iters = run.training.train_iters
         self.enabled = is_logging_rank
-        self.world_size = world_size
+        self.world_size = run.distributed.world_size
         self.peak_tflops = device_peak_tflops()
         self.metrics_file = None
         self.writer = None
         self.bar = None
         if not self.enabled:
             return
-        if args.metrics_file:
-            self.metrics_file = _open_metrics_file(args.metrics_file)
-        if args.tensorboard_dir:
-            self.writer = _open_tensorboard(args.tensorboard_dir)
+        log = run.logging
+        if log.metrics_file:
+            self.metrics_file = _open_metrics_file(log.metrics_file)
+        if log.tensorboard_dir:
+            self.writer = _open_tensorboard(log.tensorboard_dir)
         # Without a terminal the log lines already show progress; a bar would only add noise.
         # shutil's width falls back to 80 where a terminal reports 0 columns (tqdm then prints nothing).
-        self.bar = tqdm(total=args.train_iters, initial=start_iteration, desc="train", unit="it",
+        self.bar = tqdm(total=self.train_iters, initial=start_iteration, desc="train", unit="it",
                         ncols=shutil.get_terminal_size().columns,
-                        disable=None if args.progress_bar else True)
+                        disable=None if log.progress_bar else True)
 
     def print(self, line: str) -> None:
         if self.enabled:
@@ -141,10 +142,10 @@ class TrainingLogger:
         """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
         (losses and MoE metrics already averaged over them); `skipped` of them skipped their
         step (per window, as Megatron's log line counts them)."""
-        args = self.args
+        seq_length = self.run.training.seq_length
         time_per_iter = elapsed_s / max(iters, 1)
-        tokens_per_sec = samples * args.seq_length / elapsed_s
-        flops = num_floating_point_operations(args, samples)
+        tokens_per_sec = samples * seq_length / elapsed_s
+        flops = num_floating_point_operations(self.run.model, seq_length, samples)
         tflops_per_gpu = flops / (elapsed_s * self.world_size * 1e12)
         record = {
             "iteration": iteration,
@@ -178,7 +179,7 @@ class TrainingLogger:
         tflops = r["tflops_per_gpu"]
         parts = [
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/"
-            f"{self.args.train_iters:8d}",
+            f"{self.train_iters:8d}",
             f"consumed samples: {consumed_samples:12d}",
             f"elapsed time per iteration (ms): {time_per_iter * 1000:.1f}",
             f"throughput per GPU (TFLOP/s/GPU): {tflops:.{1 if tflops >= 10 else 3}f}",

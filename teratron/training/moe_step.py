@@ -11,10 +11,11 @@ calls it every step, skipped steps included.
 
 import torch
 
-from teratron import parallel_state
+from teratron.process_groups import get_pg_size
+from teratron.topology import resolve_pg_collection
 
 
-def moe_aux_loss_scale(config, num_microbatches: int, device) -> torch.Tensor:
+def moe_aux_loss_scale(config, num_microbatches: int, device, pg_collection=None) -> torch.Tensor:
     """The factor the schedule gives the main loss's gradient, for the aux losses' gradient.
 
     The schedule back-propagates loss_sum / num_tokens * cp_size / num_microbatches (or loss_sum
@@ -26,22 +27,22 @@ def moe_aux_loss_scale(config, num_microbatches: int, device) -> torch.Tensor:
     """
     one = torch.ones((), device=device)
     scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
-    scale = scale * parallel_state.get_context_parallel_world_size()
+    scale = scale * get_pg_size(resolve_pg_collection(pg_collection).cp)
     if not config.calculate_per_token_loss:
         scale = scale / num_microbatches
     return scale.detach()
 
 
-def set_moe_aux_loss_scale(config, num_microbatches: int, device) -> None:
+def set_moe_aux_loss_scale(config, num_microbatches: int, device, pg_collection=None) -> None:
     """Set MoEAuxLossAutoScaler's backward scale for this step's micro-batches."""
     if config.num_moe_experts is None:
         return
     from teratron.transformer.moe import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(moe_aux_loss_scale(config, num_microbatches, device))
+    MoEAuxLossAutoScaler.set_loss_scale(moe_aux_loss_scale(config, num_microbatches, device, pg_collection))
 
 
-def finish_moe_step(model_chunks, config, num_microbatches: int) -> dict:
+def finish_moe_step(model_chunks, config, num_microbatches: int, pg_collection=None) -> dict:
     """After the optimizer step: update the routers' balancing state (expert bias, quantile
     balancing, global-aux-loss counts) and return the step's MoE metrics (aux losses and z-loss
     per micro-batch, load imbalance; per layer with moe_per_layer_logging), emptying the tracker."""
@@ -50,4 +51,4 @@ def finish_moe_step(model_chunks, config, num_microbatches: int) -> dict:
     from teratron.transformer.moe import track_moe_metrics, update_moe_routers
 
     update_moe_routers(model_chunks)
-    return track_moe_metrics(1.0 / num_microbatches, config)
+    return track_moe_metrics(1.0 / num_microbatches, config, pg_collection=pg_collection)

@@ -109,10 +109,10 @@ class Profiler:
     """Starts before iteration `start` runs and stops before iteration `end` (or at the end of
     training); `step(iteration)` is called before each iteration."""
 
-    def __init__(self, args, rank: int, device: torch.device):
-        self.start, self.end, self.rank = args.profile_step_start, args.profile_step_end, rank
-        self.use_pytorch_profiler = args.use_pytorch_profiler
-        self.profile_dir = args.profile_dir
+    def __init__(self, config, rank: int, device: torch.device):
+        self.start, self.end, self.rank = config.profile_step_start, config.profile_step_end, rank
+        self.use_pytorch_profiler = config.use_pytorch_profiler
+        self.profile_dir = config.profile_dir
         self.on_cuda = device.type == "cuda"
         if not self.use_pytorch_profiler and not self.on_cuda:
             raise ValueError("--profile without --use-pytorch-profiler drives nsys (cudaProfilerStart) and needs "
@@ -186,9 +186,10 @@ class Profiler:
                           averages.table(sort_by=sort_by, row_limit=TABLE_ROWS), ""])
 
 
-def build_profiler(args, device: torch.device) -> Optional[Profiler]:
-    """A Profiler when --profile is on and this rank is in --profile-ranks, else None."""
+def build_profiler(config, device: torch.device) -> Optional[Profiler]:
+    """A Profiler when --profile is on and this rank is in --profile-ranks (a ProfilingConfig),
+    else None."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if not args.profile or rank not in args.profile_ranks:
+    if not config.profile or rank not in config.profile_ranks:
         return None
-    return Profiler(args, rank, device)
+    return Profiler(config, rank, device)

@@ -868,8 +868,10 @@ class TransformerConfig(ModelParallelConfig):
         if isinstance(balancing, list) and not (
             isinstance(self.moe_aux_loss_coeff, list) and len(self.moe_aux_loss_coeff) == len(balancing)
         ):
+            coeffs = self.moe_aux_loss_coeff
             raise ValueError(
-                "moe_aux_loss_coeff must be a list as long as moe_router_load_balancing_type"
+                f"moe_router_load_balancing_type has {len(balancing)} value(s) but moe_aux_loss_coeff "
+                f"{len(coeffs) if isinstance(coeffs, list) else 1}; give one coefficient per type"
             )
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(

@@ -65,6 +65,7 @@ def finetune(ckpt, trained, *model_flags):
     """`teratron train --load ckpt --finetune --save trained`: 2 iterations on mock data of the
     imported tiny model, whose shape the shared flags and `model_flags` give."""
     from teratron.training.arguments import parse_train_args
+    from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
     flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -74,4 +75,4 @@ def finetune(ckpt, trained, *model_flags):
              "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
              "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--load", str(ckpt), "--finetune", "--save", str(trained), *model_flags]
-    pretrain(parse_train_args(flags))
+    pretrain(build_run_config(parse_train_args(flags)))

@@ -21,8 +21,9 @@ from teratron.convert.hf import from_hf
 from teratron.convert.hf_mapping import teratron_to_hf
 from teratron.convert.safetensors_io import INDEX_FILENAME
 from teratron.dist_checkpointing import load_checkpoint, load_full, save_checkpoint, storage
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
 from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.models.gpt.builder import build_gpt_model
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -71,8 +72,7 @@ def _tp2_reload_and_save(ckpt, resaved):
     """Load the imported checkpoint under TP = 2 (vocab padded to 2 x 128), check logits, re-save."""
     ps.initialize_model_parallel(2)
     model_args = storage.read_metadata(storage.resolve_checkpoint_dir(ckpt))["model_args"]
-    config = transformer_config(model_args, tensor_model_parallel_size=2)
-    model = build_gpt_model(model_args, config, padded_vocab_size=256)
+    model = build_gpt_model(gpt_config_from_model_args(model_args, padded_vocab_size=256, tensor_model_parallel_size=2))
     model.parallel_output = False
     load_checkpoint(storage.resolve_checkpoint_dir(ckpt), [model], load_optimizer=False)
     with torch.no_grad():

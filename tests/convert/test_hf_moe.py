@@ -19,7 +19,8 @@ from teratron.convert.hf import from_hf
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
 from teratron.convert.safetensors_io import INDEX_FILENAME
 from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.models.gpt.builder import build_gpt_model
 
 MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -94,9 +95,9 @@ def _expert_parallel_reload(ckpt, resaved):
     logits = []
     for tp, ep, dispatcher in ((1, 2, "alltoall"), (2, 1, "allgather")):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        config = transformer_config(model_args, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                    moe_token_dispatcher_type=dispatcher)
-        model = build_gpt_model(model_args, config, padded_vocab_size=128 * tp)
+        model = build_gpt_model(gpt_config_from_model_args(
+            model_args, padded_vocab_size=128 * tp, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+            moe_token_dispatcher_type=dispatcher))
         model.parallel_output = False
         load_checkpoint(checkpoint_dir, [model], load_optimizer=False)
         with torch.no_grad():

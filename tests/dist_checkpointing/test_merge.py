@@ -12,7 +12,8 @@ from teratron import cli
 from teratron import parallel_state as ps
 from teratron.dist_checkpointing import load_checkpoint, save_checkpoint, storage
 from teratron.dist_checkpointing.merge import merge_checkpoints
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.models.gpt.builder import build_gpt_model
 from teratron.process_groups import ProcessGroupCollection
 
 ARGS = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=2, num_query_groups=2,
@@ -30,7 +31,7 @@ def merge_cli(*argv):
 def model(seed, dtype=torch.float32, **changes):
     args = {**ARGS, **changes}
     torch.manual_seed(seed)
-    return build_gpt_model(args, transformer_config(args, params_dtype=dtype),
+    return build_gpt_model(gpt_config_from_model_args(args, params_dtype=dtype),
                            pg_collection=ProcessGroupCollection()), args
 
 
@@ -71,7 +72,7 @@ def test_weighted_sum_loads_like_any_checkpoint(tmp_path):
 def _save_tp2(root):
     ps.initialize_model_parallel(2)
     args = dict(ARGS)
-    m = build_gpt_model(args, transformer_config(args, tensor_model_parallel_size=2))
+    m = build_gpt_model(gpt_config_from_model_args(args, tensor_model_parallel_size=2))
     save_checkpoint(root, 10, [m], metadata={"model_args": args})
 
 

@@ -29,7 +29,8 @@ from teratron import cli
 from teratron import parallel_state as ps
 from teratron.dist_checkpointing import (DamagedCheckpointError, NonFiniteStateError, load_checkpoint, load_full,
                                          save_checkpoint, serialization, start_async_save, storage)
-from teratron.dist_checkpointing.model_args import build_gpt_model, transformer_config
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.models.gpt.builder import build_gpt_model
 from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
 from teratron.process_groups import ProcessGroupCollection
 
@@ -44,7 +45,7 @@ ARGS = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_head
 def model_and_optimizer(seed, tp=1):
     torch.manual_seed(seed)
     pg = None if dist.is_initialized() else ProcessGroupCollection()
-    model = build_gpt_model(ARGS, transformer_config(ARGS, tensor_model_parallel_size=tp), pg_collection=pg)
+    model = build_gpt_model(gpt_config_from_model_args(ARGS, tensor_model_parallel_size=tp), pg_collection=pg)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1), [model])
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(seed))
     model(ids[:, :-1], torch.arange(8).expand(2, 8), labels=ids[:, 1:]).mean().backward()

@@ -2,6 +2,7 @@
 into another layout, async saves, SIGTERM / --exit-interval (in process and a real SIGTERM to
 `teratron train`), and the load-time refusals."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,10 +16,10 @@ import torch
 
 from dist import run_distributed
 from teratron.dist_checkpointing import storage
-from teratron.tensor_parallel import pad_vocab_size
 from teratron.training import checkpointing
-from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.arguments import parse_train_args
 from teratron.training.build import build_model, build_optimizer, build_scheduler
+from teratron.training.config import build_run_config
 from teratron.training.training import pretrain
 
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--make-vocab-size-divisible-by",
@@ -31,7 +32,7 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 
 def train(argv):
     """Loss per iteration of the run (on the logging rank; {} elsewhere)."""
-    return dict(pretrain(parse_train_args(TINY + argv)).loss_history)
+    return dict(pretrain(build_run_config(parse_train_args(TINY + argv))).loss_history)
 
 
 def rewind(root, iteration, copy_to):
@@ -75,86 +76,90 @@ def test_resume_into_another_layout(tmp_path, overlap):
 
 
 def setup(tmp_path, *extra):
-    args = parse_train_args(TINY + ["--train-iters", "10", "--save", str(tmp_path / "ckpt"), *extra])
-    validate_args(args, 1)
-    args.padded_vocab_size = pad_vocab_size(100, 64, 1)
-    config = core_transformer_config_from_args(args)
-    model = build_model(args, config, torch.device("cpu"))
-    optimizer = build_optimizer(args, model)
-    return args, model, optimizer, build_scheduler(args, optimizer)
+    run = build_run_config(parse_train_args(TINY + ["--train-iters", "10", "--save", str(tmp_path / "ckpt"), *extra]))
+    model = build_model(run, torch.device("cpu"))
+    optimizer = build_optimizer(run, model)
+    return run, model, optimizer, build_scheduler(run, optimizer)
+
+
+def changed(run, section, **changes):
+    """`run` with some fields of one section changed (a RunConfig is frozen)."""
+    return dataclasses.replace(run, **{section: dataclasses.replace(getattr(run, section), **changes)})
 
 
 def test_async_save_exit_signal_and_exit_interval(tmp_path):
-    args, model, optimizer, scheduler = setup(tmp_path, "--save-interval", "2")
-    args.async_save = True
-    saved, stop = checkpointing.checkpoint_and_decide_exit(2, model, optimizer, scheduler, args, 8, 0)
+    run, model, optimizer, scheduler = setup(tmp_path, "--save-interval", "2")
+    save = run.checkpoint.save
+    checkpointer = checkpointing.Checkpointer(changed(run, "checkpoint", async_save=True))
+    saved, stop = checkpointer.after_iteration(2, model, optimizer, scheduler, 8, 0)
     assert saved and not stop
-    checkpointing.maybe_finalize_async_save(blocking=True)
-    assert storage.read_tracker(args.save) == 2
+    checkpointer.finalize_async_save(blocking=True)
+    assert storage.read_tracker(save) == 2
 
-    args.async_save = False
+    checkpointer = checkpointing.Checkpointer(run)
     handler = checkpointing.ExitSignalHandler()
     try:
-        assert checkpointing.checkpoint_and_decide_exit(3, model, optimizer, scheduler, args, 12, 0, handler) == (
-            False, False)
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (False, False)
         os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal
-        assert checkpointing.checkpoint_and_decide_exit(3, model, optimizer, scheduler, args, 12, 0, handler) == (
-            True, True)
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (True, True)
     finally:
         handler.restore()
-    assert storage.read_tracker(args.save) == 3
-    args.exit_interval = 5
-    assert checkpointing.checkpoint_and_decide_exit(4, model, optimizer, scheduler, args, 16, 0) == (True, False)
-    assert checkpointing.checkpoint_and_decide_exit(5, model, optimizer, scheduler, args, 20, 0) == (True, True)
-    assert storage.read_tracker(args.save) == 5
+    assert storage.read_tracker(save) == 3
+    checkpointer = checkpointing.Checkpointer(changed(run, "training", exit_interval=5))
+    assert checkpointer.after_iteration(4, model, optimizer, scheduler, 16, 0) == (True, False)
+    assert checkpointer.after_iteration(5, model, optimizer, scheduler, 20, 0) == (True, True)
+    assert storage.read_tracker(save) == 5
 
-    args.load = args.save
+    checkpointer = checkpointing.Checkpointer(changed(run, "checkpoint", load=save))
     torch.manual_seed(11)
-    checkpointing.save_checkpoint(5, model, optimizer, scheduler, args, 20)
+    checkpointer.save(5, model, optimizer, scheduler, 20)
     expected_draw = torch.rand(3)  # the RNG states are saved: a resume draws the same numbers
     torch.manual_seed(12)
-    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (5, 20, 0)
+    assert checkpointer.load(model, optimizer, scheduler) == (5, 20, 0)
     assert torch.equal(torch.rand(3), expected_draw)
-    args.finetune = True
-    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (0, 0, 0)
+    finetune = checkpointing.Checkpointer(changed(run, "checkpoint", load=save, finetune=True))
+    assert finetune.load(model, optimizer, scheduler) == (0, 0, 0)
 
 
 def test_load_refusals(tmp_path):
-    args, model, optimizer, scheduler = setup(tmp_path, "--no-save-optim")
-    args.load = args.save
-    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (0, 0, 0)  # nothing yet
-    checkpointing.save_checkpoint(4, model, optimizer, scheduler, args, 16)
+    run, model, optimizer, scheduler = setup(tmp_path, "--no-save-optim")
+    save = run.checkpoint.save
+    checkpointer = checkpointing.Checkpointer(changed(run, "checkpoint", load=save))
+    assert checkpointer.load(model, optimizer, scheduler) == (0, 0, 0)  # nothing yet
+    checkpointer.save(4, model, optimizer, scheduler, 16)
     with pytest.raises(ValueError, match="has no optimizer state; add --no-load-optim"):
-        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
-    args.no_load_optim = True
-    assert checkpointing.load_checkpoint(model, optimizer, scheduler, args) == (4, 16, 0)
+        checkpointer.load(model, optimizer, scheduler)
+    checkpointer = checkpointing.Checkpointer(changed(run, "checkpoint", load=save, no_load_optim=True))
+    assert checkpointer.load(model, optimizer, scheduler) == (4, 16, 0)
 
     other, other_model, other_optimizer, other_scheduler = setup(tmp_path, "--hidden-size", "48")
-    other.load, other.no_load_optim = args.save, True
+    other = changed(other, "checkpoint", load=save, no_load_optim=True)
     with pytest.raises(ValueError, match=r"another model: hidden_size \(saved 32, now 48\)"):
-        checkpointing.load_checkpoint(other_model, other_optimizer, other_scheduler, other)
-    # Flags that lie about the model: the tensors themselves disagree.
-    for name in ("hidden_size", "kv_channels", "ffn_hidden_size"):
-        setattr(other, name, getattr(args, name))
+        checkpointing.Checkpointer(other).load(other_model, other_optimizer, other_scheduler)
+    # A description that lies about the model: the tensors themselves disagree.
+    t = run.transformer
+    lying = dataclasses.replace(other.model, transformer=dataclasses.replace(
+        other.transformer, hidden_size=t.hidden_size, kv_channels=t.kv_channels, ffn_hidden_size=t.ffn_hidden_size))
     shapes = r"22 keys with other shapes: .*linear_fc1.weight: saved \(128, 32\), expected \(256, 48\)"
     with pytest.raises(ValueError, match=shapes):
-        checkpointing.load_checkpoint(other_model, other_optimizer, other_scheduler, other)
+        checkpointing.Checkpointer(dataclasses.replace(other, model=lying)).load(
+            other_model, other_optimizer, other_scheduler)
 
-    meta = os.path.join(args.save, "iter_0000004", "metadata.json")
+    meta = os.path.join(save, "iter_0000004", "metadata.json")
     record = json.loads(open(meta).read())
     assert record["format"] == storage.FORMAT and record["format_version"] == storage.FORMAT_VERSION
     open(meta, "w").write(json.dumps({**record, "format_version": storage.FORMAT_VERSION + 1}))
     with pytest.raises(ValueError, match="format version 2 is newer than this teratron reads"):
-        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+        checkpointer.load(model, optimizer, scheduler)
     open(meta, "w").write("{not json")
     with pytest.raises(ValueError, match="metadata.json: not valid JSON"):
-        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
-    open(os.path.join(args.save, storage.TRACKER_FILENAME), "w").write("7")
+        checkpointer.load(model, optimizer, scheduler)
+    open(os.path.join(save, storage.TRACKER_FILENAME), "w").write("7")
     with pytest.raises(FileNotFoundError, match="iter_0000007 is missing"):
-        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
-    open(os.path.join(args.save, storage.TRACKER_FILENAME), "w").write("soon")
+        checkpointer.load(model, optimizer, scheduler)
+    open(os.path.join(save, storage.TRACKER_FILENAME), "w").write("soon")
     with pytest.raises(ValueError, match="not an iteration number"):
-        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+        checkpointer.load(model, optimizer, scheduler)
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):

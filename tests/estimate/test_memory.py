@@ -1,7 +1,6 @@
 """Model-state bytes (hand-computed and against the real optimizer), micro-batches the
 pipeline schedules hold, the benchmark shape and the `teratron estimate` command."""
 
-import copy
 import json
 from types import SimpleNamespace
 
@@ -16,8 +15,8 @@ from teratron.estimate.memory import Parallelism, activation_peak, state_bytes
 from teratron.estimate.params import ChunkParams
 from teratron.estimate.report import estimate_from_args
 from teratron.optimizer import OptimizerConfig
-from teratron.tensor_parallel import pad_vocab_size
-from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import build_run_config
 from teratron.training.build import build_model, build_optimizer
 
 
@@ -73,13 +72,11 @@ def _optimizer_bytes(flags, world_size):
 
     args = parse_train_args(flags)
     estimate = estimate_from_args(args, world_size, "cpu").stages[0].memory.states
-    args = copy.copy(args)
-    validate_args(args, world_size)
-    initialize_model_parallel(args)
+    run = build_run_config(args, world_size)
+    initialize_model_parallel(run.transformer, run.distributed)
     try:
-        args.padded_vocab_size = pad_vocab_size(250, 128, args.tensor_model_parallel_size)
-        model = build_model(args, core_transformer_config_from_args(args), torch.device("cpu"))
-        optimizer = build_optimizer(args, model)
+        model = build_model(run, torch.device("cpu"))
+        optimizer = build_optimizer(run, model)
         optimizer.step()
         parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
         model_storages = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}

@@ -1,15 +1,14 @@
 """Parameter counts per GPU against the numel of real models built by the training code path:
 single process for many shapes, then per rank under TP, PP (+ virtual stages) and EP."""
 
-import copy
 
 import pytest
 import torch
 
 from dist import run_distributed
 from teratron.estimate.report import estimate_from_args
-from teratron.tensor_parallel import pad_vocab_size
-from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import build_run_config
 from teratron.training.build import build_model
 
 VOCAB = 250
@@ -19,11 +18,7 @@ BASE = (f"--mock-data --tokenizer-type NullTokenizer --vocab-size {VOCAB} --num-
 
 def real_numel(args, world_size: int) -> int:
     """Parameters this rank's model chunks hold, as `teratron train` builds them."""
-    args = copy.copy(args)
-    validate_args(args, world_size)
-    args.padded_vocab_size = pad_vocab_size(VOCAB, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
-    model = build_model(args, core_transformer_config_from_args(args), torch.device("cpu"))
+    model = build_model(build_run_config(args, world_size), torch.device("cpu"))
     return sum(p.numel() for chunk in model for p in chunk.parameters())
 
 
@@ -56,9 +51,8 @@ def _per_rank(flag_sets, world_size):
     out = []
     for flags in flag_sets:
         args = parse_train_args(BASE + flags.split())
-        checked = copy.copy(args)
-        validate_args(checked, world_size)
-        initialize_model_parallel(checked)
+        run = build_run_config(args, world_size)
+        initialize_model_parallel(run.transformer, run.distributed)
         try:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             out.append((pp_rank, real_numel(args, world_size)))

@@ -27,7 +27,8 @@ from teratron.tensor_parallel import (
 )
 from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.tensor_parallel.utils import shard_tensor
-from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import run_config_from_args
 from teratron.transformer.transformer_config import TransformerConfig
 
 S, B, H, VOCAB = 8, 3, 16, 30  # 24 tokens; VOCAB is padded to 32 (a multiple of 8 x TP)
@@ -194,4 +195,4 @@ def test_config_and_flags():
     with pytest.raises(ValueError, match="chunk_size"):
         fused_vocab_parallel_cross_entropy(_t(1, (S, B, H)), _t(4, (32, H)), _target(32), chunk_size=0)
     args = parse_train_args(["--cross-entropy-loss-fusion"])  # over the demo defaults
-    assert core_transformer_config_from_args(validate_args(args, world_size=1)).cross_entropy_loss_fusion
+    assert run_config_from_args(args, world_size=1, vocab_size=64).transformer.cross_entropy_loss_fusion

@@ -1,10 +1,15 @@
 import pytest
 
-from teratron.training.arguments import (check_interleaved_schedule, core_transformer_config_from_args,
-                                         parse_train_args, validate_args)
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import check_interleaved_schedule, run_config_from_args
 
 BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
+
+
+def _run(argv, world_size=1):
+    """The run description of `argv` (a vocabulary of 64: no tokenizer needed)."""
+    return run_config_from_args(parse_train_args(argv), world_size, vocab_size=64, cuda=False)
 
 
 def test_yaml_config_and_flag_override(tmp_path):
@@ -41,33 +46,33 @@ def test_demo_defaults_apply_only_without_data_flags():
 
 
 def test_derived_values_follow_megatron():
-    args = validate_args(parse_train_args(BASE + ["--swiglu"]), world_size=4)
-    assert args.data_parallel_size == 4
-    assert args.global_batch_size == 8          # micro x DP
-    assert args.kv_channels == 16
-    assert args.ffn_hidden_size == 128          # int(4 * 64 * 2 / 3 / 64) * 64
-    assert args.max_position_embeddings == 32
-    assert args.lr_decay_iters == 10
+    run = _run(BASE + ["--swiglu"], world_size=4)
+    assert run.distributed.data_parallel_size == 4
+    assert run.training.global_batch_size == 8          # micro x DP
+    assert run.transformer.kv_channels == 16
+    assert run.transformer.ffn_hidden_size == 128       # int(4 * 64 * 2 / 3 / 64) * 64
+    assert run.model.max_position_embeddings == 32
+    assert run.scheduler.lr_decay_iters == 10
 
 
 def test_validation_errors():
     cases = [
         (["--global-batch-size", "3"], "--global-batch-size \\(3\\) is not divisible"),
-        (["--fp16", "--bf16"], "--fp16 and --bf16"),
+        (["--fp16", "--bf16"], "fp16 and bf16 are both True; choose one mixed-precision mode \\(--fp16 or --bf16\\)"),
         (["--tensor-model-parallel-size", "3"], "not divisible by TP \\(3\\)"),
         (["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
         (["--save-interval", "5"], "without --save"),
-        (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups must be >= 1"),
+        (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups \\(0\\) must divide"),
         (["--seed", "-1"], "--seed must be in"),
-        (["--lr", "-1"], "--lr must be >= 0"),
+        (["--lr", "-1"], "--lr=-1.0 must be a finite number >= 0"),
         (["--save", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
         (["--ddp-copy-engine-collectives"], "--ddp-copy-engine-collectives needs --use-distributed-optimizer"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
-            validate_args(parse_train_args(BASE + extra), 1)
+            _run(BASE + extra)
     with pytest.raises(ValueError, match="missing required flag\\(s\\) --lr"):
-        validate_args(parse_train_args([a for a in BASE if a not in ("--lr", "1e-3")]), 1)
+        _run([a for a in BASE if a not in ("--lr", "1e-3")])
 
 
 def test_megatron_attention_softmax_switch_is_accepted():
@@ -77,10 +82,8 @@ def test_megatron_attention_softmax_switch_is_accepted():
 
 
 def test_transformer_config_from_args():
-    args = validate_args(parse_train_args(BASE + ["--swiglu", "--normalization", "RMSNorm",
-                                                  "--group-query-attention", "--num-query-groups", "2",
-                                                  "--disable-bias-linear", "--hidden-dropout", "0.0"]), 1)
-    config = core_transformer_config_from_args(args)
+    config = _run(BASE + ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups",
+                          "2", "--disable-bias-linear", "--hidden-dropout", "0.0"]).transformer
     assert (config.num_layers, config.hidden_size, config.num_attention_heads) == (2, 64, 4)
     assert config.gated_linear_unit and config.normalization == "RMSNorm"
     assert config.num_query_groups == 2 and not config.add_bias_linear
@@ -94,15 +97,13 @@ def test_example_configs_parse_and_validate():
     assert len(examples) >= 3
     for path in examples:
         data = [] if "mock-data: true" in path.read_text() else ["--data-path", "some/prefix"]
-        args = parse_train_args(["--config", str(path)] + data)
-        validate_args(args, world_size=1)
-        core_transformer_config_from_args(args)
+        _run(["--config", str(path)] + data)
 
 
 def _pipeline(flags, world_size):
-    args = validate_args(parse_train_args(BASE + ["--global-batch-size", "8"] + flags), world_size)
-    check_interleaved_schedule(args)
-    return args, core_transformer_config_from_args(args)
+    run = _run(BASE + ["--global-batch-size", "8"] + flags, world_size)
+    check_interleaved_schedule(run)
+    return run, run.transformer
 
 
 def test_pipeline_flags_reach_the_config():
@@ -111,7 +112,7 @@ def test_pipeline_flags_reach_the_config():
     # A layout sets the virtual stages: [E] [t] | [t] [L] is PP 2 x VPP 2.
     args, config = _pipeline(["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
                               "E|t|t|L"], 2)
-    assert args.virtual_pipeline_model_parallel_size == config.virtual_pipeline_model_parallel_size == 2
+    assert config.virtual_pipeline_model_parallel_size == 2
     assert stage_layer_counts(config, 2) == [0, 1, 1, 0]
     assert config.deallocate_pipeline_outputs and config.microbatch_group_size_per_vp_stage == 2
 
@@ -160,31 +161,29 @@ def test_pipeline_flag_errors():
 
 
 def test_optimizer_and_ddp_flags():
-    from teratron.training.build import ddp_config_from_args, optimizer_config_from_args
-
-    args = validate_args(parse_train_args(BASE + [
+    run = _run(BASE + [
         "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-params",
         "--decoupled-lr", "1e-4", "--apply-wd-to-qk-layernorm", "--lion-beta1", "0.9",
         "--muon-momentum", "0.8", "--muon-no-split-qkv", "--muon-use-nesterov", "--muon-tp-mode", "duplicated",
         "--muon-num-ns-steps", "3", "--muon-scalar-optimizer", "lion",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--ddp-bucket-size", "1000", "--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw"]), 2)
-    opt = optimizer_config_from_args(args)
+        "--ddp-bucket-size", "1000", "--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw"], 2)
+    opt = run.optimizer
     assert opt.optimizer_cpu_offload and opt.optimizer_offload_fraction == 0.5 and not opt.pin_cpu_params
     assert opt.decoupled_lr == 1e-4 and opt.decoupled_min_lr == 0.0 and opt.apply_wd_to_qk_layernorm
     assert opt.lion_beta1 == 0.9 and opt.muon_momentum == 0.8 and not opt.muon_split_qkv and opt.muon_nesterov
     assert (opt.muon_tp_mode, opt.muon_num_ns_steps, opt.muon_scalar_optimizer) == ("duplicated", 3, "lion")
     # The distributed optimizer is the DDP buffers' to switch on: one config holds it.
     assert not hasattr(opt, "use_distributed_optimizer") and not hasattr(opt, "overlap_param_gather")
-    ddp = ddp_config_from_args(args)
+    ddp = run.ddp
     assert ddp.use_distributed_optimizer and ddp.overlap_grad_reduce and ddp.overlap_param_gather
     assert ddp.bucket_size == 1000 and ddp.average_in_collective and ddp.pad_buckets_for_high_nccl_busbw
 
     for extra, message in [(["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction"),
-                           (["--optimizer", "muon", "--optimizer-cpu-offload"], "--optimizer muon"),
+                           (["--optimizer", "muon", "--optimizer-cpu-offload"], "--optimizer=muon"),
                            (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr")]:
         with pytest.raises(ValueError, match=message):
-            validate_args(parse_train_args(BASE + extra), 1)
+            _run(BASE + extra)
 
 
 def test_moe_layer_freq_grammar():
@@ -212,7 +211,7 @@ MOE = BASE + ["--num-experts", "4", "--global-batch-size", "4"]
 
 
 def test_moe_flags_reach_the_config(tmp_path):
-    args = validate_args(parse_train_args(MOE + [
+    config = _run(MOE + [
         "--num-layers", "4", "--moe-layer-freq", "([1,0])*2", "--moe-router-topk", "2",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.01", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
@@ -221,8 +220,8 @@ def test_moe_flags_reach_the_config(tmp_path):
         "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position",
         "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap", "--moe-per-layer-logging",
         "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.001",
-        "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--expert-model-parallel-size", "2"]), 2)
-    config = core_transformer_config_from_args(args)
+        "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--expert-model-parallel-size", "2"],
+        2).transformer
     assert config.num_moe_experts == 4 and config.moe_layer_freq == [1, 0, 1, 0]
     assert config.moe_ffn_hidden_size == config.ffn_hidden_size == 256  # default: the dense size
     assert (config.moe_router_score_function, config.moe_router_enable_expert_bias,
@@ -239,11 +238,10 @@ def test_moe_flags_reach_the_config(tmp_path):
     assert config.moe_token_dispatcher_type == "alltoall" and config.expert_model_parallel_size == 2
 
     # One balancing type and coefficient are scalars, as Megatron passes them; the rest of the flags.
-    args = validate_args(parse_train_args(MOE + [
+    config = _run(MOE + [
         "--moe-router-load-balancing-type", "quantile_balancing", "--moe-router-quantile-balancing-ema", "0.5",
         "--moe-router-pre-softmax", "--moe-router-force-load-balancing", "--moe-apply-probs-on-input",
-        "--moe-router-topk", "1", "--moe-layer-freq", "2"]), 1)
-    config = core_transformer_config_from_args(args)
+        "--moe-router-topk", "1", "--moe-layer-freq", "2"]).transformer
     assert config.moe_router_load_balancing_type == "quantile_balancing" and config.moe_aux_loss_coeff == 0.0
     assert config.moe_router_quantile_balancing_ema == 0.5 and config.moe_router_pre_softmax
     assert config.moe_router_force_load_balancing and config.moe_apply_probs_on_input
@@ -255,22 +253,22 @@ def test_moe_flags_reach_the_config(tmp_path):
     with pytest.raises(ValueError, match="invalid choice: 'z_loss_free'"):
         parse_train_args(MOE + ["--config", str(cfg)])
     cfg.write_text("moe-layer-freq: [0, 1]\nmoe-aux-loss-coeff: [0.5]\n")
-    args = validate_args(parse_train_args(MOE + ["--config", str(cfg)]), 1)
-    assert args.moe_layer_freq == [0, 1] and args.moe_aux_loss_coeff == 0.5
+    config = _run(MOE + ["--config", str(cfg)]).transformer
+    assert config.moe_layer_freq == [0, 1] and config.moe_aux_loss_coeff == 0.5
 
 
 def test_moe_flag_errors():
     cases = [
-        (["--moe-layer-freq", "[1,0,1]"], r"--moe-layer-freq \[1, 0, 1\] must list one 0 or 1 per layer"),
-        (["--moe-layer-freq", "[1,2]"], "must list one 0 or 1"),
+        (["--moe-layer-freq", "[1,0,1]"], r"--moe-layer-freq as a list needs one 0/1 entry per layer \(2\), got \[1, 0, 1\]"),
+        (["--moe-layer-freq", "[1,2]"], "needs one 0/1 entry per layer"),
         (["--moe-layer-freq", "0"], "--moe-layer-freq must be >= 1"),
         (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "2 value\\(s\\) but --moe-aux-loss-coeff 1"),
-        (["--expert-model-parallel-size", "3"], r"not divisible by expert TP \(1\) x EP \(3\)"),
+        (["--expert-model-parallel-size", "3", "--num-experts", "6"], r"not divisible by expert TP \(1\) x EP \(3\)"),
         (["--expert-model-parallel-size", "2", "--num-experts", "3"], r"--num-experts \(3\) is not divisible"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
-            validate_args(parse_train_args(MOE + extra), 2)
+            _run(MOE + extra, 2)
 
 
 def test_moe_example_configs_build_their_transformer_config():
@@ -279,8 +277,7 @@ def test_moe_example_configs_build_their_transformer_config():
     examples = pathlib.Path(__file__).parents[2] / "examples" / "moe"
     configs = {}
     for path in sorted(examples.glob("*.yaml")):
-        args = validate_args(parse_train_args(["--config", str(path), "--data-path", "some/prefix"]), 8)
-        configs[path.stem] = core_transformer_config_from_args(args)
+        configs[path.stem] = _run(["--config", str(path), "--data-path", "some/prefix"], 8).transformer
     mixtral, deepseek = configs["mixtral_like"], configs["deepseek_like"]
     assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_layer_freq) == (8, 2, 1)
     assert mixtral.moe_aux_loss_coeff == 0.02 and mixtral.moe_z_loss_coeff == 0.001

@@ -9,8 +9,8 @@ import torch
 from teratron import cli
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
 from teratron.pipeline_parallel.schedules import forward_backward_no_pipelining
-from teratron.training.arguments import core_transformer_config_from_args, parse_train_args, validate_args
-from teratron.training.build import ddp_config_from_args
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import run_config_from_args
 from teratron.training.full_iteration_graph import (FullIterationCudaGraph, LayerCudaGraphSteps, cuda_graph_phase,
                                                     training_forward_backward_func)
 from teratron.transformer.cuda_graphs import NEED_CUDA
@@ -25,8 +25,13 @@ BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
 
 
+def _run(argv):
+    """The run description on a CUDA machine (with CPU-only runs refused in one line, below)."""
+    return run_config_from_args(parse_train_args(BASE + argv), world_size=1, vocab_size=64, cuda=True)
+
+
 def _config(argv):
-    return core_transformer_config_from_args(validate_args(parse_train_args(BASE + argv), world_size=1))
+    return _run(argv).transformer
 
 
 def test_flags_reach_the_config():
@@ -41,17 +46,17 @@ def test_flags_reach_the_config():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cuda-graph-impl", "local", "--use-distributed-optimizer", "--overlap-param-gather"],
+    (NO_DROPOUT + ["--cuda-graph-impl", "local", "--use-distributed-optimizer", "--overlap-param-gather"],
      "--overlap-param-gather with --cuda-graph-impl local"),
-    (["--enable-cuda-graph", "--use-distributed-optimizer", "--overlap-param-gather"],
+    (NO_DROPOUT + ["--enable-cuda-graph", "--use-distributed-optimizer", "--overlap-param-gather"],
      "--overlap-param-gather with --cuda-graph-impl local"),
-    (["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--overlap-grad-reduce"],
+    (NO_DROPOUT + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--overlap-grad-reduce"],
      "--overlap-grad-reduce with --cuda-graph-scope full_iteration"),
-    (["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--rampup-batch-size", "2", "2", "8",
+    (NO_DROPOUT + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--rampup-batch-size", "2", "2", "8",
       "--global-batch-size", "8"], "--rampup-batch-size with --cuda-graph-scope full_iteration"),
-    (["--cuda-graph-impl", "local"], "needs attention_dropout=0"),
+    (["--cuda-graph-impl", "local"], "needs --attention-dropout=0"),
     (["--cuda-graph-impl", "transformer_engine"], "Transformer Engine, which teratron does not use"),
-    (["--external-cuda-graph"], "external_cuda_graph is deprecated"),
+    (["--external-cuda-graph"], "--external-cuda-graph is deprecated"),
 ])
 def test_flag_combinations_refused(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -64,10 +69,9 @@ def test_flag_combinations_refused(argv, message):
      "full_iteration", "use_distributed_optimizer"),
 ])
 def test_overlap_flags_stay_allowed_where_sound(argv, scope, ddp_field):
-    args = validate_args(parse_train_args(BASE + NO_DROPOUT + argv), world_size=1)
-    config = core_transformer_config_from_args(args)
-    assert (config.cuda_graph_impl, config.cuda_graph_scope) == ("local", scope)
-    assert getattr(ddp_config_from_args(args), ddp_field)  # the data-parallel flag still reaches DDP
+    run = _run(NO_DROPOUT + argv)
+    assert (run.transformer.cuda_graph_impl, run.transformer.cuda_graph_scope) == ("local", scope)
+    assert getattr(run.ddp, ddp_field)  # the data-parallel flag still reaches DDP
 
 
 @pytest.mark.parametrize("flag", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"]])

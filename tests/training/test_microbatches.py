@@ -48,17 +48,18 @@ def test_samples_after_follows_the_ramp_iteration_by_iteration():
 
 
 def test_lr_reaches_min_lr_at_the_last_iteration_under_rampup():
-    from teratron.training.arguments import parse_train_args, validate_args
+    from teratron.training.arguments import parse_train_args
     from teratron.training.build import build_scheduler
+    from teratron.training.config import build_run_config
 
-    args = parse_train_args(["--mock-data", "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+    args = parse_train_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "16", "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
                              "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "16",
                              "--rampup-batch-size", "4", "4", "48", "--train-iters", "10", "--lr", "1.0",
                              "--min-lr", "0.1", "--lr-decay-style", "linear", "--lr-warmup-iters", "2"])
-    validate_args(args, 1)
+    run = build_run_config(args, 1)
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    scheduler = build_scheduler(args, optimizer)
+    scheduler = build_scheduler(run, optimizer)
     calc = build_num_microbatches_calculator(16, 2, 1, [4, 4, 48])
     consumed = 0
     for _ in range(10):

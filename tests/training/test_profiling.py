@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from teratron import cli
-from teratron.training.arguments import parse_train_args, validate_args
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import build_run_config
 from teratron.training.profiling import OTHER, category_times, kernel_category, timeline_lines
 from test_cli import NO_DROPOUT, TINY
 
@@ -78,7 +79,7 @@ def test_kernel_categories():
 
 
 def _check(argv, world_size=1):
-    return validate_args(parse_train_args(RUN + argv), world_size)
+    return build_run_config(parse_train_args(RUN + argv), world_size).profiling
 
 
 def test_profile_flags_are_validated(tmp_path, capsys):

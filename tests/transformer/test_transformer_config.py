@@ -242,7 +242,7 @@ VALUE_ERRORS = [
     (dict(num_moe_experts=4, moe_layer_freq=[1, 0]), "moe_layer_freq as a list needs one 0/1 entry per layer"),
     (dict(num_moe_experts=4, moe_layer_freq="1"), "moe_layer_freq must be an int or a list"),
     (dict(num_moe_experts=4, moe_router_load_balancing_type="switch"), "moe_router_load_balancing_type 'switch' is not one of"),
-    (dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1), "moe_aux_loss_coeff must be a list as long as"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1), r"has 2 value\(s\) but moe_aux_loss_coeff 1"),
     (dict(num_moe_experts=4, moe_router_score_function="relu"), "moe_router_score_function='relu'"),
     (dict(num_moe_experts=4, moe_router_dtype="bf16"), "moe_router_dtype='bf16'"),
     (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'"),

@@ -1,0 +1,48 @@
+"""GPTModelConfig: everything a GPTModel is built from, in one frozen value.
+
+The transformer (`TransformerConfig`, Megatron's API) plus what sits around it: the vocabulary,
+the position encoding and whether the output layer shares the input embedding. `build_gpt_model`
+(teratron.models.gpt.builder) turns it into model chunks for any layout; `teratron train`,
+`convert`, `merge`, `estimate` and the inference engine all build their models from it.
+"""
+
+from dataclasses import dataclass, field
+
+from teratron.models.gpt.gpt_model import POSITION_EMBEDDING_TYPES
+from teratron.tensor_parallel.utils import pad_vocab_size
+from teratron.transformer.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class GPTModelConfig:
+    transformer: TransformerConfig
+    vocab_size: int
+    """Real token ids (the tokenizer's vocabulary); the ids past it are padding."""
+    max_position_embeddings: int
+    """Rows of the learned position table; for RoPE, the longest sequence the model expects."""
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = True
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: int = field(default=None)
+    """Rows of the embedding and output layer: `vocab_size` padded to a multiple of
+    make_vocab_size_divisible_by x TP (Megatron's padding) unless given."""
+
+    def __post_init__(self):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type={self.position_embedding_type!r}; use one of "
+                             f"{POSITION_EMBEDDING_TYPES}")
+        for name in ("vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.padded_vocab_size is None:
+            padded = pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by,
+                                    self.transformer.tensor_model_parallel_size)
+            object.__setattr__(self, "padded_vocab_size", padded)
+        elif self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) is smaller than vocab_size "
+                             f"({self.vocab_size})")

@@ -1,0 +1,575 @@
+"""The run description: every setting of a `teratron train` run, typed, checked once, frozen.
+
+    args = parse_train_args(argv)                          # flags over --config YAML (arguments.py)
+    run = run_config_from_args(args, world_size, vocab_size)
+
+`RunConfig` is a tree of frozen dataclasses, one per concern: the model (`GPTModelConfig`, whose
+`transformer` is Megatron's `TransformerConfig` with the parallel sizes), the optimizer and DDP
+(Megatron's `OptimizerConfig` and `DistributedDataParallelConfig`), and teratron's sections for
+the LR schedule, training loop, data, tokenizer, checkpoints, logging, profiling and processes.
+
+Each rule is checked by the config it belongs to (its `__post_init__`); rules across sections by
+`RunConfig`. `run_config_from_args` is the one table from flags to fields: a flag sets the
+field of its own name in every section that has one, `RENAMED` lists the flags whose field is
+called otherwise, and `DERIVED` names the values filled in from others (Megatron's defaults).
+Errors raised by Megatron's configs name fields; `in_flag_terms` rewrites them with the flags.
+Nothing mutates a RunConfig once built: the Trainer gives the model a copy of the
+TransformerConfig for the schedule's callbacks.
+"""
+
+import dataclasses
+import functools
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from teratron.distributed import DistributedDataParallelConfig
+from teratron.models.gpt.gpt_config import GPTModelConfig
+from teratron.optimizer import OptimizerConfig
+from teratron.training.arguments import flag, flags_by_dest, inverted_dests
+from teratron.training.microbatches import build_num_microbatches_calculator
+from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
+from teratron.transformer.cuda_graphs import NEED_CUDA
+from teratron.transformer.transformer_config import TransformerConfig
+
+
+def _at_least(section, minimum, names) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{flag(name)} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The training loop: batches, length, seeds, NaN handling, evaluation and exits."""
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    seq_length: int
+    rampup_batch_size: Optional[tuple] = None
+    seed: int = 1234
+    deterministic_mode: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
+    skip_nan_steps: bool = False
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: Optional[int] = None
+    exit_signal_handler: bool = False
+    torch_compile: bool = False
+    """torch.compile every transformer layer (default on CUDA)."""
+
+    def __post_init__(self):
+        _at_least(self, 1, ("micro_batch_size", "global_batch_size", "train_iters", "seq_length",
+                            "eval_interval", "exit_interval"))
+        _at_least(self, 0, ("eval_iters",))
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.skip_nan_steps and not self.check_for_nan_in_loss_and_grad:
+            raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The learning-rate and weight-decay schedule, in iterations (peaks and floors are the
+    optimizer's `lr`, `min_lr`, `weight_decay`)."""
+    lr_decay_iters: int
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+
+    def __post_init__(self):
+        _at_least(self, 1, ("lr_decay_iters",))
+        _at_least(self, 0, ("lr_warmup_iters",))
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both given; choose one")
+        if self.lr_warmup_iters >= self.lr_decay_iters:
+            raise ValueError(f"--lr-warmup-iters ({self.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+                             f"({self.lr_decay_iters}; default --train-iters)")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the final decay)")
+        if self.start_weight_decay is None or self.end_weight_decay is None:
+            raise ValueError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                             "--start-weight-decay and --end-weight-decay")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the samples come from and how they are masked."""
+    data_path: Optional[tuple] = None
+    split: str = "969,30,1"
+    train_data_path: Optional[tuple] = None
+    valid_data_path: Optional[tuple] = None
+    test_data_path: Optional[tuple] = None
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+    mmap_bin_files: bool = True
+    num_workers: int = 2
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def __post_init__(self):
+        from teratron.datasets.utils import parse_and_normalize_split
+
+        if self.mock_data and (self.data_path or self.train_data_path):
+            raise ValueError("--mock-data and --data-path/--train-data-path both given; choose one")
+        if self.data_path and self.train_data_path:
+            raise ValueError("--data-path and --train-data-path both given; use one (per-split paths "
+                             "go with --train/valid/test-data-path)")
+        parse_and_normalize_split(self.split)  # a bad --split fails here, also with --mock-data
+        _at_least(self, 0, ("num_workers",))
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Megatron's tokenizer flags (`teratron.tokenizers.build_tokenizer` reads them)."""
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None
+    vocab_extra_ids: int = 0
+    tiktoken_pattern: Optional[str] = None
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: Optional[tuple] = None
+    tokenizer_hf_include_special_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    load: Optional[str] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    async_save: bool = False
+    overwrite: bool = False
+    """Let --save write into a folder holding another run's checkpoints."""
+
+    def __post_init__(self):
+        _at_least(self, 1, ("save_interval",))
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("--save-interval given without --save; add --save DIR")
+        if self.async_save and self.save is None:
+            raise ValueError("--async-save given without --save; add --save DIR")
+        if self.load is not None and not os.path.isdir(self.load) and os.path.exists(self.load):
+            raise ValueError(f"--load {self.load}: not a directory; pass the checkpoint folder")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    metrics_file: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        _at_least(self, 1, ("log_interval",))
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """--profile: iterations [profile_step_start, profile_step_end) on profile_ranks."""
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple = (0,)
+    profile_dir: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.profile:
+            return
+        start, end = self.profile_step_start, self.profile_step_end
+        if start < 1 or end <= start:
+            raise ValueError(f"--profile-step-start {start} --profile-step-end {end}: profiling covers iterations "
+                             "[start, end); use 1 <= start < end")
+        if self.use_pytorch_profiler and self.profile_dir is None:
+            raise ValueError("--profile needs --profile-dir or --tensorboard-dir (where the trace goes)")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """The processes: how many, and how they talk (the layout's sizes are the TransformerConfig's)."""
+    world_size: int = 1
+    data_parallel_size: int = 1
+    distributed_backend: Optional[str] = None
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: GPTModelConfig
+    optimizer: OptimizerConfig
+    ddp: DistributedDataParallelConfig
+    scheduler: SchedulerConfig
+    training: TrainingConfig
+    data: DataConfig
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @property
+    def transformer(self) -> TransformerConfig:
+        return self.model.transformer
+
+    def __post_init__(self):
+        t, training, dist_ = self.transformer, self.training, self.distributed
+        if (self.model.position_embedding_type == "learned_absolute"
+                and self.model.max_position_embeddings < training.seq_length):
+            raise ValueError(f"--max-position-embeddings ({self.model.max_position_embeddings}) is smaller than "
+                             f"--seq-length ({training.seq_length}); raise it")
+        model_parallel = (t.tensor_model_parallel_size * t.pipeline_model_parallel_size
+                          * t.context_parallel_size)
+        if dist_.world_size != model_parallel * dist_.data_parallel_size:
+            raise ValueError(f"the world size ({dist_.world_size} processes) is not divisible by TP "
+                             f"({t.tensor_model_parallel_size}) x PP ({t.pipeline_model_parallel_size}) x CP "
+                             f"({t.context_parallel_size}) = {model_parallel}; change the sizes or the number "
+                             "of processes")
+        if t.num_moe_experts is not None:
+            ep, pp = t.expert_model_parallel_size, t.pipeline_model_parallel_size
+            etp = t.expert_tensor_parallel_size or t.tensor_model_parallel_size
+            if dist_.world_size % (etp * ep * pp):
+                raise ValueError(f"the world size ({dist_.world_size} processes) is not divisible by expert TP "
+                                 f"({etp}) x EP ({ep}) x PP ({pp}) = {etp * ep * pp}; change "
+                                 "--expert-model-parallel-size, --expert-tensor-parallel-size or the number of "
+                                 "processes")
+        self.microbatches()  # the global batch splits into micro-batches over DP
+        self._check_profiled_range()
+        self._check_cuda_graph_loop()
+
+    def _check_profiled_range(self):
+        profiling, world_size = self.profiling, self.distributed.world_size
+        if not profiling.profile:
+            return
+        if profiling.profile_step_start > self.training.train_iters:
+            raise ValueError(f"--profile-step-start {profiling.profile_step_start} is after the last iteration "
+                             f"(--train-iters {self.training.train_iters}); lower it")
+        outside = [r for r in profiling.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            raise ValueError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a world of "
+                             f"{world_size}; use ranks 0..{world_size - 1}")
+
+    def microbatches(self):
+        """The micro-batch calculator of the run (Megatron's, with batch-size ramp-up)."""
+        t = self.training
+        return build_num_microbatches_calculator(t.global_batch_size, t.micro_batch_size,
+                                                 self.distributed.data_parallel_size, t.rampup_batch_size)
+
+    def _check_cuda_graph_loop(self):
+        """What the training loop around local CUDA graphs needs; the TransformerConfig checks the model."""
+        t = self.transformer
+        if (t.cuda_graph_impl if not t.enable_cuda_graph else "local") != "local":
+            return
+        if self.ddp.overlap_param_gather:
+            raise ValueError("--overlap-param-gather with --cuda-graph-impl local: its forward pre-hooks would "
+                             "gather parameters only while capturing; drop one")
+        if self.transformer.cuda_graph_scope == "full_iteration":
+            if self.ddp.overlap_grad_reduce:
+                raise ValueError("--overlap-grad-reduce with --cuda-graph-scope full_iteration: the reduction "
+                                 "would be launched inside the graph; drop one (the gradients are reduced after "
+                                 "the replay)")
+            if self.training.rampup_batch_size is not None:
+                raise ValueError("--rampup-batch-size with --cuda-graph-scope full_iteration: the graph holds a "
+                                 "fixed number of micro-batches; drop one")
+
+    def to_dict(self) -> dict:
+        """The description as JSON-able values (what a checkpoint records)."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if callable(value) and hasattr(value, "__name__"):
+        return value.__name__
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags -> fields: the one table.
+
+# The sections a flag can set by name (a flag sets its namesake field in each of them).
+SECTIONS = {
+    "transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig,
+    "scheduler": SchedulerConfig, "training": TrainingConfig, "data": DataConfig,
+    "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "profiling": ProfilingConfig, "distributed": DistributedConfig, "model": GPTModelConfig,
+}
+
+# Flags whose field has another name: flag dest -> (section, field, how the value converts).
+RENAMED = {
+    "norm_epsilon": ("transformer", "layernorm_epsilon", None),
+    "swiglu": ("transformer", "gated_linear_unit", None),
+    "num_experts": ("transformer", "num_moe_experts", None),
+    "decoder_first_pipeline_num_layers": ("transformer", "num_layers_in_first_pipeline_stage", None),
+    "decoder_last_pipeline_num_layers": ("transformer", "num_layers_in_last_pipeline_stage", None),
+    "accumulate_allreduce_grads_in_fp32": ("ddp", "grad_reduce_in_fp32", None),
+    "ddp_bucket_size": ("ddp", "bucket_size", None),
+    "ddp_average_in_collective": ("ddp", "average_in_collective", None),
+    "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
+}
+
+# Values filled in from others (see `_derived`): field -> what it defaults to.
+DERIVED = {
+    "transformer.ffn_hidden_size": "4 x hidden, or 8/3 x hidden rounded down to 64 with --swiglu",
+    "transformer.num_query_groups": "--num-query-groups with --group-query-attention, else the heads",
+    "transformer.activation_func": "SiLU with --swiglu, else GeLU",
+    "transformer.params_dtype": "bf16/fp16 with --bf16/--fp16, else fp32",
+    "transformer.virtual_pipeline_model_parallel_size": "from the layout or layers per virtual stage",
+    "transformer.sequence_parallel": "off at TP 1",
+    "transformer.gradient_accumulation_fusion": "on with CUDA (not with local CUDA graphs)",
+    "training.torch_compile": "on with CUDA (not with local CUDA graphs)",
+    "training.global_batch_size": "micro-batch x DP",
+    "model.max_position_embeddings": "--seq-length",
+    "scheduler.lr_decay_iters": "--train-iters",
+    "scheduler.start_weight_decay": "--weight-decay (constant increment style)",
+    "profiling.profile_dir": "<--tensorboard-dir>/profile",
+    "distributed.data_parallel_size": "world size / (TP x PP x CP)",
+}
+
+# Flags that are the command's, not the run's.
+COMMAND_ONLY = ("config", "demo_dir", "demo_samples")
+
+# Flags that only feed derived values (see `_derived`).
+INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage")
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+            "train_iters", "lr")
+
+
+@functools.cache
+def _field_flags() -> dict:
+    """Config field name -> the flag that sets it."""
+    by_dest = flags_by_dest()
+    names = {f.name: by_dest[f.name] for section in SECTIONS.values() for f in fields(section)
+             if f.name in by_dest}
+    names.update({fld: by_dest[dest] for dest, (_, fld, _) in RENAMED.items()})
+    return names
+
+
+@functools.cache
+def _inverted_fields() -> frozenset:
+    """Fields whose flag turns them off: `add_bias_linear=True` is not `--disable-bias-linear=True`."""
+    renamed = {dest: fld for dest, (_, fld, _) in RENAMED.items()}
+    return frozenset(renamed.get(dest, dest) for dest in inverted_dests()) | {"share_embeddings_and_output_weights"}
+
+
+def in_flag_terms(message: str) -> str:
+    """A config's error message with field names replaced by the flags that set them (a one-word
+    name only where it reads as a field: before '=' or ' (')."""
+    names = _field_flags()
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.-])({alternatives})(?=[=(]| \()|(?<![\w.-])({alternatives})(?![\w-])")
+
+    def flag_of(match):
+        name = match.group(1) or match.group(2)
+        valued = match.group(1) and message[match.end()] == "="
+        if valued and name in _inverted_fields():
+            return name
+        return names[name] if match.group(1) or "_" in name else name
+    return pattern.sub(flag_of, message)
+
+
+def run_config_from_args(args, world_size: int, vocab_size: int, cuda: Optional[bool] = None) -> RunConfig:
+    """The run description of parsed flags (`parse_train_args`), for `world_size` processes and a
+    tokenizer of `vocab_size` ids; `cuda` (default: whether CUDA is available) picks the fast
+    defaults. Raises ValueError/NotImplementedError with one line naming the flag."""
+    missing = [flag(n) for n in REQUIRED if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"missing required flag(s) {', '.join(missing)} (or set them in --config)")
+    values = {name: value for name, value in vars(args).items() if name not in COMMAND_ONLY}
+    values = {k: tuple(v) if isinstance(v, list) and k not in _LIST_FIELDS else v for k, v in values.items()}
+    values.update(_derived(args, world_size, torch.cuda.is_available() if cuda is None else cuda))
+    try:
+        return _build(values, vocab_size)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(in_flag_terms(str(e))) from None
+
+
+def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
+    """The run description of parsed flags for this launch: the world size torchrun started
+    (unless given), the vocabulary of the tokenizer the flags name."""
+    from teratron.tokenizers import build_tokenizer
+    from teratron.training.initialize import world_size_from_env
+
+    world_size = world_size_from_env() if world_size is None else world_size
+    return run_config_from_args(args, world_size, build_tokenizer(args).vocab_size)
+
+
+# Flags whose list value is a field's list (a per-layer pattern, one coefficient per type).
+_LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "offload_modules")
+
+
+def _section_kwargs(section: str, values: dict) -> dict:
+    cls = SECTIONS[section]
+    kwargs = {f.name: values[f.name] for f in fields(cls) if f.init and f.name in values}
+    for dest, (target, fld, convert) in RENAMED.items():
+        if target == section and dest in values:
+            kwargs[fld] = convert(values[dest]) if convert else values[dest]
+    return kwargs
+
+
+def _build(values: dict, vocab_size: int) -> RunConfig:
+    transformer = TransformerConfig(**_section_kwargs("transformer", values))
+    model_kwargs = _section_kwargs("model", values)
+    model_kwargs.pop("vocab_size", None)  # the flag is the NullTokenizer's; the model takes the tokenizer's
+    model = GPTModelConfig(transformer=transformer, vocab_size=vocab_size, **model_kwargs)
+    sections = {name: SECTIONS[name](**_section_kwargs(name, values))
+                for name in ("optimizer", "ddp", "scheduler", "training", "data", "tokenizer", "checkpoint",
+                             "logging", "profiling", "distributed")}
+    return RunConfig(model=model, **sections)
+
+
+def _derived(args, world_size: int, cuda: bool) -> dict:
+    """Megatron's derived values and teratron's device-dependent defaults."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{flag(name)} must be >= 1, got {getattr(args, name)}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"the world size ({world_size} processes) is not divisible by TP ({tp}) x PP ({pp}) "
+                         f"x CP ({cp}) = {tp * pp * cp}; change the sizes or the number of processes")
+    dp = world_size // (tp * pp * cp)
+    out = dict(world_size=world_size, data_parallel_size=dp,
+               global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
+               max_position_embeddings=args.max_position_embeddings or args.seq_length,
+               lr_decay_iters=args.lr_decay_iters or args.train_iters,
+               split=args.split or "969,30,1",
+               num_query_groups=args.num_query_groups if args.group_query_attention else None,
+               activation_func=F.silu if args.swiglu else F.gelu,
+               params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+               pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+               deallocate_pipeline_outputs=True,
+               virtual_pipeline_model_parallel_size=_virtual_stages(args, pp))
+    if args.ffn_hidden_size is None:
+        out["ffn_hidden_size"] = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                  else 4 * args.hidden_size)
+        if out["ffn_hidden_size"] < 1:
+            raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
+                             "set --ffn-hidden-size")
+    if args.sequence_parallel and tp == 1:
+        print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled", flush=True)
+        out["sequence_parallel"] = False
+    if args.weight_decay_incr_style == "constant":
+        out["start_weight_decay"] = out["end_weight_decay"] = args.weight_decay
+    if args.decoupled_lr is not None and args.decoupled_min_lr is None:
+        out["decoupled_min_lr"] = args.min_lr
+    if args.use_pytorch_profiler and args.profile_dir is None and args.tensorboard_dir is not None:
+        out["profile_dir"] = os.path.join(args.tensorboard_dir, "profile")
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)  # one value of a list flag: the scalar the config takes
+        if isinstance(value, list) and len(value) == 1:
+            out[name] = value[0]
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        out["moe_ffn_hidden_size"] = args.ffn_hidden_size or out.get("ffn_hidden_size")
+    graphs = "local" if args.enable_cuda_graph and args.cuda_graph_impl == "none" else args.cuda_graph_impl
+    if graphs != "none" and not cuda:
+        raise ValueError(NEED_CUDA)
+    fast = cuda and graphs != "local"  # fast by default: the fastest correct path of today
+    for name in ("torch_compile", "gradient_accumulation_fusion"):
+        out[name] = fast if getattr(args, name) is None else getattr(args, name)
+    return out
+
+
+def _virtual_stages(args, pp):
+    """Virtual stages per pipeline rank (None without interleaving) from
+    --pipeline-model-parallel-layout, --num-layers-per-virtual-pipeline-stage or the flag itself."""
+    layers_per_vp, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if layers_per_vp is not None and vpp is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
+                         "both given; choose one")
+    if args.pipeline_model_parallel_layout is not None:
+        if layers_per_vp is not None:
+            raise ValueError("--pipeline-model-parallel-layout and --num-layers-per-virtual-pipeline-stage "
+                             "both given; the layout already places every layer, drop the other")
+        try:
+            layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
+            layout.validate_layer_layout(args.num_layers, None)
+        except ValueError as e:
+            raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
+        from_layout = layout.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp != from_layout:
+            raise ValueError(f"--pipeline-model-parallel-layout has {len(layout.stages)} stages = PP {pp} x "
+                             f"{from_layout} virtual stages, but --virtual-pipeline-model-parallel-size is "
+                             f"{vpp}; drop the flag (the layout sets it)")
+        vpp = from_layout
+    elif layers_per_vp is not None:
+        vpp = _virtual_stages_from_layers(args, pp, layers_per_vp)
+    if vpp is not None and vpp < 1:
+        raise ValueError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}")
+    if vpp is not None and vpp > 1 and pp < 2:
+        raise ValueError(f"{vpp} virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    return vpp if vpp is not None and vpp > 1 else None
+
+
+def _virtual_stages_from_layers(args, pp, layers_per_vp):
+    """Virtual stages per rank from the layers of the evenly split ranks (all ranks without
+    --decoder-first/last-pipeline-num-layers; the embedding/loss count as a layer when accounted)."""
+    name = f"--num-layers-per-virtual-pipeline-stage ({layers_per_vp})"
+    if pp < 2:
+        raise ValueError(f"{name} needs --pipeline-model-parallel-size > 1")
+    if layers_per_vp < 1:
+        raise ValueError(f"{name} must be >= 1")
+    ends = [n for n in (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+            if n is not None]
+    layers = (args.num_layers - sum(ends) + int(args.account_for_embedding_in_pipeline_split)
+              + int(args.account_for_loss_in_pipeline_split))
+    ranks = pp - len(ends)
+    if ranks == 0:
+        raise ValueError(f"{name}: every pipeline rank has a fixed layer count (--decoder-first/last-"
+                         "pipeline-num-layers); give --virtual-pipeline-model-parallel-size instead")
+    if layers < 0 or layers % ranks or (layers // ranks) % layers_per_vp:
+        raise ValueError(f"{name} must divide the layers of each evenly split pipeline rank "
+                         f"({layers} layers over {ranks} rank(s)); change it or the layer counts")
+    return layers // ranks // layers_per_vp
+
+
+def check_interleaved_schedule(run: RunConfig) -> None:
+    """With virtual stages, every step's micro-batch count must be a multiple of the group size.
+
+    A training run checks it (the estimate accepts any count)."""
+    t = run.transformer
+    if t.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = t.pipeline_model_parallel_size
+    calculator = run.microbatches()
+    group = t.microbatch_group_size_per_vp_stage or pp
+    if group < pp:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be at least "
+                         f"--pipeline-model-parallel-size ({pp})")
+    if calculator.is_rampup:
+        sizes = range(calculator.start_global_batch_size, run.training.global_batch_size + 1,
+                      calculator.batch_size_increment)
+    else:
+        sizes = [run.training.global_batch_size]
+    per_step = calculator.micro_batch_times_data_parallel_size
+    for size in sizes:
+        if (size // per_step) % group:
+            raise ValueError(
+                f"the interleaved schedule needs the micro-batches per step to be a multiple of "
+                f"--microbatch-group-size-per-virtual-pipeline-stage ({group}; default the PP size), but "
+                f"global batch {size} / (micro-batch {run.training.micro_batch_size} x DP "
+                f"{run.distributed.data_parallel_size}) = {size // per_step}; change --global-batch-size or the "
+                "group size")
