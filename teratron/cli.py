@@ -26,18 +26,30 @@ USER_ERRORS = (ValueError, NotImplementedError, OSError)
 def _train(argv) -> int:
     from teratron.training import demo
     from teratron.training.arguments import demo_argv, parse_train_args
-    from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
     args = parse_train_args(argv)
     if not args.demo:
         demo.check_not_demo(args)
-        pretrain(build_run_config(args))
+        pretrain(_fitting_run(args))
         return 0
     demo_dir, samples = demo.output_dir(args), demo.num_samples(args)
     args = parse_train_args(argv, defaults=demo_argv() + demo.prepare(args))
-    pretrain(build_run_config(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
+    pretrain(_fitting_run(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
     return 0
+
+
+def _fitting_run(args):
+    """The run description, refused (before anything is allocated) when `teratron estimate` says
+    it cannot fit this machine."""
+    import torch
+
+    from teratron.estimate.report import check_fits
+    from teratron.training.config import build_run_config
+
+    run = build_run_config(args)
+    check_fits(run, "cuda" if torch.cuda.is_available() else "cpu")
+    return run
 
 
 def _module_command(module_name: str, prog: str, description: str):

@@ -209,6 +209,7 @@ def _bad_input_cases(tmp_path):
         "zero query groups": (TINY + ["--group-query-attention", "--num-query-groups", "0"],
                               "--num-query-groups (0) must divide"),
         "negative seed": (TINY + ["--seed", "-1"], "--seed must be in"),
+        "a model no machine holds": (TINY + ["--hidden-size", "1000000000"], "GiB per process (teratron estimate)"),
         "copy-engine collectives without a GPU": (
             TINY + ["--use-distributed-optimizer", "--ddp-copy-engine-collectives"],
             "--ddp-copy-engine-collectives needs CUDA GPUs"),

@@ -92,6 +92,10 @@ class ChunkActivations:
         return sum(sum(layer.values()) for layer in self.layers) + sum(self.extra.values())
 
 
+class NotModelled(ValueError):
+    """The run uses something the estimate does not model (a one-line error for `teratron estimate`)."""
+
+
 def dims_for(config, shape: ModelShape, micro_batch_size: int) -> Dims:
     a = config.params_dtype.itemsize
     return Dims(s=shape.seq_length // config.context_parallel_size, b=micro_batch_size,
@@ -297,7 +301,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     """Activation bytes of one micro-batch through one model chunk on one rank; `compiled`: the
     transformer layers are compiled (`teratron train --torch-compile`)."""
     if config.attention_backend in _REFERENCE_BACKENDS:
-        raise ValueError(f"attention_backend={config.attention_backend.name}: the estimate models SDPA "
+        raise NotModelled(f"attention_backend={config.attention_backend.name}: the estimate models SDPA "
                          "attention (auto/flash/fused); the reference path keeps s x s scores")
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)

@@ -24,6 +24,15 @@ class ModelShape:
     share_embeddings_and_output_weights: bool = False
     rotary_percent: float = 1.0
 
+    @classmethod
+    def of(cls, model, seq_length: int) -> "ModelShape":
+        """The shape of a GPTModelConfig trained on sequences of `seq_length`."""
+        return cls(padded_vocab_size=model.padded_vocab_size, seq_length=seq_length,
+                   max_position_embeddings=model.max_position_embeddings,
+                   position_embedding_type=model.position_embedding_type,
+                   share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+                   rotary_percent=model.rotary_percent)
+
 
 @dataclass
 class ChunkParams:

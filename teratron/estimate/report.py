@@ -118,11 +118,7 @@ def estimate_from_run(run, device_type: str = "cuda") -> Estimate:
     from teratron.training.metrics import num_floating_point_operations
 
     config, training, model = run.transformer, run.training, run.model
-    shape = ModelShape(padded_vocab_size=model.padded_vocab_size, seq_length=training.seq_length,
-                       max_position_embeddings=model.max_position_embeddings,
-                       position_embedding_type=model.position_embedding_type,
-                       share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-                       rotary_percent=model.rotary_percent)
+    shape = ModelShape.of(model, training.seq_length)
     dp = run.distributed.data_parallel_size
     par = Parallelism(data_parallel_size=dp,
                       num_microbatches=training.global_batch_size // (training.micro_batch_size * dp))
@@ -219,12 +215,18 @@ def format_table(estimate: Estimate) -> str:
 def check_fits(run, device_type: str) -> None:
     """Refuse, before anything is allocated, a run whose estimated peak memory per process is
     larger than this machine's memory per process (the GPU's, or the host's shared by the local
-    ranks on CPU)."""
+    ranks on CPU). A run the estimate does not model (the reference attention path) is let
+    through."""
     import os
 
     import torch
 
-    estimate = estimate_from_run(run, device_type)
+    from teratron.estimate.activations import NotModelled
+
+    try:
+        estimate = estimate_from_run(run, device_type)
+    except NotModelled:
+        return
     if device_type == "cuda":
         needed, available = estimate.device_memory, torch.cuda.get_device_properties(0).total_memory
         where = f"the GPU has {_gib(available)} GiB"

@@ -8,6 +8,7 @@ Special tokens a tokenizer does not have (`cls` on GPT-2, say) raise `AttributeE
 `getattr(tokenizer, "pad", None)` is the way to ask for an optional one.
 """
 
+import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -50,6 +51,17 @@ class MegatronTokenizer(ABC):
     def inv_vocab(self) -> dict:
         """Id -> token."""
         return self._inv_vocab
+
+    def fingerprint(self) -> dict:
+        """What identifies the ids this tokenizer produces, recorded with checkpoints: its class,
+        vocabulary size and a sha256 of its id -> token table (of its options where it has no
+        table), so a run that resumes with another tokenizer is noticed whatever the file paths."""
+        try:
+            table = sorted((i, repr(t)) for t, i in self.vocab.items())
+        except (AttributeError, NotImplementedError):
+            table = sorted((k, v) for k, v in self.unique_identifiers.items() if k != "tokenizer_path")
+        digest = hashlib.sha256(repr(table).encode()).hexdigest()
+        return {"class": type(self).__name__, "vocab_size": self.vocab_size, "sha256": digest}
 
     @property
     @abstractmethod

@@ -427,6 +427,9 @@ def _add_checkpoint_args(parser):
     g.add_argument("--load", default=None, help="Checkpoint folder to resume from.")
     g.add_argument("--no-load-optim", action="store_true", help="Load without optimizer/scheduler state.")
     g.add_argument("--no-load-rng", action="store_true", help="Load without RNG states.")
+    g.add_argument("--allow-tokenizer-change", action="store_true",
+                   help="Load a checkpoint trained with another tokenizer or vocabulary size: the embedding and "
+                        "output rows are padded or trimmed to this run's vocabulary (refused otherwise).")
     g.add_argument("--finetune", action="store_true",
                    help="Load only the model weights and start at iteration 0.")
     g.add_argument("--async-save", action="store_true",

@@ -32,9 +32,9 @@ from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.checkpoint import all_ranks_true
 from teratron.dist_checkpointing.model_args import model_args_from_config
 
-# Model args that may differ between the saving and the loading run: vocabulary sizes follow the
-# tokenizer and the TP size (the loader pads or trims vocabulary rows), and only a learned
-# position table has a shape (which the loader checks).
+# Model args that may differ between the saving and the loading run: the padded vocabulary follows
+# the TP size (the loader pads or trims the padding rows), and only a learned position table has a
+# shape (which the loader checks). The vocabulary itself is the tokenizer's: `_check_tokenizer`.
 _MAY_DIFFER = ("vocab_size", "padded_vocab_size", "max_position_embeddings")
 
 
@@ -71,9 +71,10 @@ class Checkpointer:
     flight (published by `finalize_async_save`: every iteration, before the next save and at the
     end)."""
 
-    def __init__(self, run):
+    def __init__(self, run, tokenizer=None):
         self.run = run
         self.config = run.checkpoint
+        self.tokenizer = tokenizer  # recorded with every save, checked at load
         self._pending_save = None
 
     def finalize_async_save(self, blocking: bool = False) -> None:
@@ -94,7 +95,7 @@ class Checkpointer:
             common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         save = dict(root=c.save, iteration=iteration, model_chunks=model,
                     optimizer=None if c.no_save_optim else optimizer, common=common,
-                    metadata={"model_args": model_args_from_config(self.run.model)}, with_rng=not c.no_save_rng)
+                    metadata=self._model_record(), with_rng=not c.no_save_rng)
         self._copy_hf_files()
         if c.async_save:
             self._pending_save = dist_checkpointing.start_async_save(**save)
@@ -127,7 +128,9 @@ class Checkpointer:
         if not os.path.isdir(checkpoint_dir):
             raise FileNotFoundError(f"--load {c.load}: the tracker names iteration {iteration} but "
                                     f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
-        self._check_model_args(storage.read_metadata(checkpoint_dir).get("model_args", {}), checkpoint_dir)
+        record = storage.read_metadata(checkpoint_dir)
+        self._check_model_args(record.get("model_args", {}), checkpoint_dir)
+        self._check_tokenizer(record, checkpoint_dir)
         load_optimizer = not (c.finetune or c.no_load_optim)
         metadata, common = dist_checkpointing.load_checkpoint(
             checkpoint_dir, model, optimizer, load_optimizer=load_optimizer,
@@ -146,6 +149,35 @@ class Checkpointer:
         if differ:
             raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
                              "pass the architecture flags it was saved with")
+
+    def _model_record(self) -> dict:
+        record = {"model_args": model_args_from_config(self.run.model)}
+        if self.tokenizer is not None:
+            record["tokenizer"] = self.tokenizer.fingerprint()
+        return record
+
+    def _check_tokenizer(self, record: dict, checkpoint_dir: str) -> None:
+        """The vocabulary is part of the model: another tokenizer or vocabulary size is refused
+        unless --allow-tokenizer-change asks for it (then the embedding and output rows are padded
+        with new rows or trimmed, and the log says so)."""
+        saved_vocab = record.get("model_args", {}).get("vocab_size")
+        saved_tokenizer = record.get("tokenizer")
+        now = self.tokenizer.fingerprint() if self.tokenizer is not None else None
+        changes = []
+        if saved_vocab is not None and saved_vocab != self.run.model.vocab_size:
+            changes.append(f"its vocabulary has {saved_vocab} ids, this run's {self.run.model.vocab_size}")
+        if saved_tokenizer and now and (saved_tokenizer["class"], saved_tokenizer["sha256"]) != (
+                now["class"], now["sha256"]):
+            changes.append(f"it was trained with another tokenizer ({saved_tokenizer['class']}, "
+                           f"{saved_tokenizer['vocab_size']} ids; now {now['class']}, {now['vocab_size']} ids)")
+        if not changes:
+            return
+        if not self.config.allow_tokenizer_change:
+            raise ValueError(f"--load {checkpoint_dir}: {'; '.join(changes)}; pass the tokenizer flags it was "
+                             "trained with, or --allow-tokenizer-change to pad or trim the embedding rows")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"NOTE: --allow-tokenizer-change: {'; '.join(changes)}; the embedding and output rows are "
+                  "resized to this run's vocabulary (new rows start from the initialisation)", flush=True)
 
     def after_iteration(self, iteration, model, optimizer, opt_param_scheduler, consumed_samples,
                         consumed_valid_samples, exit_handler=None):

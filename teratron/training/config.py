@@ -159,6 +159,8 @@ class CheckpointConfig:
     async_save: bool = False
     overwrite: bool = False
     """Let --save write into a folder holding another run's checkpoints."""
+    allow_tokenizer_change: bool = False
+    """Load a checkpoint trained with another tokenizer or vocabulary size (rows padded or trimmed)."""
 
     def __post_init__(self):
         _at_least(self, 1, ("save_interval",))

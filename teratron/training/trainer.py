@@ -126,7 +126,7 @@ class Trainer:
         if is_logging_rank():
             self._print_model_summary()
 
-        self.checkpointer = Checkpointer(run)
+        self.checkpointer = Checkpointer(run, tokenizer)
         self.state = TrainState()
         if run.checkpoint.load:
             (self.state.iteration, self.state.consumed_train_samples,

@@ -259,13 +259,25 @@ def test_non_finite_state_is_not_saved_and_damage_is_found_by_any_rank(tmp_path)
         assert messages[2].startswith(f"{storage.iteration_dir(root, 1)}/__1_0.distcp: its bytes changed")
 
 
-def test_training_with_an_infinite_learning_rate_publishes_no_nan_checkpoint(tmp_path, capsys):
-    """--lr inf turns the weights to NaN at the first step; with --skip-nan-steps the run used to
-    save NaN checkpoints and exit 0. Now the first save stops it, naming the iteration."""
+def test_training_whose_weights_turn_nan_publishes_no_nan_checkpoint(tmp_path, capsys, monkeypatch):
+    """Weights that turn NaN in a step (here poisoned after each step; --lr inf used to do it, and is
+    now refused when the flags are read) were saved as NaN checkpoints, with --skip-nan-steps
+    every one and exit 0. Now the first save stops the run, naming the iteration."""
+    from teratron.training.trainer import Trainer
+
+    step = Trainer.step
+
+    def poisoned_step(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        with torch.no_grad():
+            next(self.model[0].parameters()).fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(Trainer, "step", poisoned_step)
     save = tmp_path / "ckpt"
     argv = ["train", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "30", "--num-layers", "1",
             "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "2",
-            "--global-batch-size", "2", "--lr", "inf", "--lr-warmup-iters", "0", "--eval-iters", "0",
+            "--global-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0",
             "--num-workers", "0", "--no-progress-bar", "--train-iters", "3", "--skip-nan-steps",
             "--save", str(save), "--save-interval", "1"]
     assert cli.main(argv) == 2

@@ -179,3 +179,35 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     last = json.loads(metrics.read_text().splitlines()[-1])["iteration"]
     assert 3 <= last < 100000 and storage.read_tracker(str(save)) == last
     assert sorted(os.listdir(save)) == [f"iter_{last:07d}", storage.TRACKER_FILENAME]
+
+
+def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, capsys):
+    """The vocabulary belongs to the model: a resume with another --vocab-size (or another
+    tokenizer) stops with one line, unless --allow-tokenizer-change, which says what it does."""
+    from teratron.tokenizers import NullTokenizer
+
+    run, model, optimizer, scheduler = setup(tmp_path)
+    embedding = model[0].module.embedding.word_embeddings.weight
+    with torch.no_grad():
+        embedding.add_(1.0)  # rows no initialisation draws
+    checkpointing.Checkpointer(run, NullTokenizer(100)).save(4, model, optimizer, scheduler, 16)
+    save = run.checkpoint.save
+    record = storage.read_metadata(os.path.join(save, "iter_0000004"))
+    assert record["tokenizer"] == NullTokenizer(100).fingerprint()
+
+    other, other_model, other_optimizer, other_scheduler = setup(tmp_path, "--vocab-size", "120")
+    refused = checkpointing.Checkpointer(changed(other, "checkpoint", load=save), NullTokenizer(120))
+    with pytest.raises(ValueError, match=r"its vocabulary has 100 ids, this run's 120; .*--allow-tokenizer-change"):
+        refused.load(other_model, other_optimizer, other_scheduler)
+    allowed = checkpointing.Checkpointer(changed(other, "checkpoint", load=save, allow_tokenizer_change=True),
+                                         NullTokenizer(120))
+    assert allowed.load(other_model, other_optimizer, other_scheduler) == (4, 16, 0)
+    assert "NOTE: --allow-tokenizer-change: its vocabulary has 100 ids" in capsys.readouterr().out
+    # The checkpoint's rows are loaded (both pad to 128 rows here).
+    assert torch.equal(other_model[0].module.embedding.word_embeddings.weight[:100], embedding[:100])
+
+    # Same vocabulary size, another tokenizer (its id -> token table differs).
+    stranger = NullTokenizer(100)
+    stranger.fingerprint = lambda: {"class": "ByteLevelTokenizer", "vocab_size": 100, "sha256": "0" * 64}
+    with pytest.raises(ValueError, match=r"another tokenizer \(NullTokenizer, 100 ids; now ByteLevelTokenizer"):
+        checkpointing.Checkpointer(changed(run, "checkpoint", load=save), stranger).load(model, optimizer, scheduler)

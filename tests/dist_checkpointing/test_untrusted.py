@@ -26,6 +26,7 @@ from teratron import cli
 from teratron.dist_checkpointing import load_full, storage
 from teratron.dist_checkpointing.safe_load import read_dcp_metadata
 from teratron.training.arguments import parse_train_args
+from teratron.training.config import build_run_config
 from teratron.training.training import pretrain
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint_f04e738")
@@ -53,7 +54,7 @@ class Payload:
 def checkpoint(tmp_path_factory):
     """A save directory of a tiny MoE run (iteration 2), written by this teratron."""
     save = str(tmp_path_factory.mktemp("base") / "ckpt")
-    pretrain(parse_train_args(MOE + ["--train-iters", "2", "--save", save, "--save-interval", "2"]))
+    pretrain(build_run_config(parse_train_args(MOE + ["--train-iters", "2", "--save", save, "--save-interval", "2"])))
     return save
 
 
@@ -208,7 +209,7 @@ def test_a_checkpoint_saved_before_checksums_resumes_merges_and_exports(tmp_path
     assert cli.main(["convert", "export-hf", "--load", old, "--out", str(tmp_path / "hf")]) == 0
     # Model, optimizer, scheduler, data position and the dropout RNG (numpy's state an array there)
     # all resume: iterations 3 and 4 repeat the losses f04e738 logged (written maybe on another CPU).
-    losses = dict(pretrain(parse_train_args(run["argv"] + ["--load", save, "--save", save])).loss_history)
+    losses = dict(pretrain(build_run_config(parse_train_args(run["argv"] + ["--load", save, "--save", save]))).loss_history)
     assert sorted(losses) == [3, 4]
     for iteration in (3, 4):
         assert losses[iteration] == pytest.approx(run["lm_loss"][str(iteration)], rel=1e-5)

@@ -154,11 +154,7 @@ def _estimate_chunk(args):
     from teratron.estimate.params import ModelShape
     run = build_run_config(args, 1)
     config, model = run.transformer, run.model
-    shape = ModelShape(padded_vocab_size=model.padded_vocab_size, seq_length=run.training.seq_length,
-                       max_position_embeddings=model.max_position_embeddings,
-                       position_embedding_type=model.position_embedding_type,
-                       share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-                       rotary_percent=model.rotary_percent)
+    shape = ModelShape.of(model, run.training.seq_length)
     return chunk_activations(config, kernels_for("cpu", config.params_dtype), shape, run.training.micro_batch_size,
                              list(range(1, config.num_layers + 1)), True, True)
 

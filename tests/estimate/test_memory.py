@@ -169,8 +169,8 @@ def test_cli_table_and_errors(capsys):
 def test_activation_offloading_moves_layer_activations_to_the_host(capsys):
     offload = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj", "mlp"]
     outs = []
-    for flags in ([], offload):
-        assert cli.main(BENCHMARK + flags + ["--json"]) == 0
+    for flags in ([], offload):  # eager layers: the count below is theirs (compiled ones keep Inductor's choice)
+        assert cli.main(BENCHMARK + ["--no-torch-compile"] + flags + ["--json"]) == 0
         outs.append(json.loads(capsys.readouterr().out))
     (base,), (off,) = (o["stages"] for o in outs)
     T, h, f = 4 * 2048, 2048, 5632

@@ -115,7 +115,7 @@ def test_fp8_training_follows_bf16(tmp_path):
 def test_fp8_command_line_errors(capsys):
     for flags, phrase in [(["--fp8-format", "hybrid"], "needs bf16 or fp16 parameters"),
                           (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
-                           "fp8_recipe='mxfp8' is not supported")]:
+                           "--fp8-recipe='mxfp8' is not supported")]:
         argv = [a for a in TINY if a != "--bf16"] + flags + ["--train-iters", "4"]
         assert cli.main(["train"] + argv) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()

@@ -278,8 +278,8 @@ def test_config_and_flag_errors(capsys):
             "--train-iters", "1", "--lr", "1e-3"]
     for flags, phrase in [(["--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "mlpp"],
                            "invalid choice: 'mlpp' (choose from 'attn_norm', 'qkv_linear'"),
-                          (["--offload-modules", "mlp"], "--fine-grained-activation-offloading and --offload-modules"),
-                          (["--fine-grained-activation-offloading"], "give both")]:
+                          (["--offload-modules", "mlp"], "is set but --fine-grained-activation-offloading is False"),
+                          (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading needs --offload-modules")]:
         assert cli.main(tiny + flags) == 2, flags
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("teratron: error: ") and phrase in err, err
