@@ -98,14 +98,20 @@ class SelfAttention(torch.nn.Module):
         query = query.reshape(s, b, self.np, self.hn)
         return self.q_layernorm(query), self.k_layernorm(key), value
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """hidden_states [s, b, h] -> output [s, b, h] (and the bias linear_proj kept apart). With
+        `inference_context` the new keys and values go to its KV cache and the queries attend
+        over the cache (`inference_context.attend(layer_number, q, k, v)`, Megatron's
+        inference_context), instead of core_attention over this call's tokens."""
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
             query = rope(query, rotary_pos_emb, interleaved)
             key = rope(key, rotary_pos_emb, interleaved)
-        if self.recompute_core_attention:
+        if inference_context is not None:
+            context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
+        elif self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             with activation_offload.offload("core_attn"):

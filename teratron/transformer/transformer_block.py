@@ -99,10 +99,14 @@ class TransformerBlock(torch.nn.Module):
         """The activations received from the previous pipeline stage (used when not pre_process)."""
         self.input_tensor = input_tensor
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if self.cuda_graphs is not None and self.cuda_graphs.active(self.training):
+        if inference_context is not None:
+            for layer in self.layers:
+                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                         inference_context=inference_context)
+        elif self.cuda_graphs is not None and self.cuda_graphs.active(self.training):
             hidden_states = self.cuda_graphs(hidden_states, attention_mask, rotary_pos_emb)
         elif self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)

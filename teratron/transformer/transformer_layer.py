@@ -75,14 +75,15 @@ class TransformerLayer(torch.nn.Module):
         self.recompute_mlp = ("moe" if is_moe else "mlp") in selective
         self.mlp_offload_name = None if is_moe else "mlp"  # an MoE layer offloads inside its experts
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         with activation_offload.layer_forward(self, hidden_states) as finish:
-            hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb, inference_context)
             return finish(self._mlp_residual(hidden_states)), None
 
-    def _attention_residual(self, hidden_states, attention_mask, rotary_pos_emb):
+    def _attention_residual(self, hidden_states, attention_mask, rotary_pos_emb, inference_context=None):
         normed = self._norm(self.input_layernorm, hidden_states, "attn_norm")
-        attention_output = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        attention_output = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                               inference_context=inference_context)
         return self._residual_add(self.self_attn_bda, attention_output, normed, hidden_states)
 
     def _mlp_residual(self, hidden_states):

@@ -115,19 +115,25 @@ class GPTModel(torch.nn.Module):
         return None
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, decoder_input=None,
-                runtime_gather_output: bool | None = None):
+                runtime_gather_output: bool | None = None, inference_context=None):
         """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
         bool [b, 1, s, s] (True = masked out) or None for causal. Returns logits [b, s, V/tp]
         ([b, s, V] when not parallel_output, or as runtime_gather_output says; V is the padded
         vocab, the padding columns -inf), the per-token loss [b, s] with labels (then computed
         in token chunks without the full logits when config.cross_entropy_loss_fusion), or on a
-        non-last stage the hidden states [s, b, h]."""
+        non-last stage the hidden states [s, b, h].
+
+        With `inference_context` (teratron.inference: the KV cache and this step's requests) the
+        batch is the step's new tokens of every request back to back, input_ids and position_ids
+        [1, t]; each attention layer stores its keys and values in the context and attends over
+        what the context holds for each token's request (`inference_context.attend`)."""
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self._rotary_pos_emb(decoder_input, position_ids))
+                                     rotary_pos_emb=self._rotary_pos_emb(decoder_input, position_ids),
+                                     inference_context=inference_context)
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
