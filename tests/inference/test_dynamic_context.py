@@ -105,16 +105,25 @@ def test_attend_over_blocks_equals_causal_attention_of_each_whole_sequence():
     assert context.allocator.num_free == context.num_blocks
 
 
-def test_softmax_scale_is_the_configured_one():
+def test_softmax_scale_and_padding_to_a_token_multiple():
+    """2 tokens padded to 4 (token_multiple, the TP size): the padding is neither stored nor
+    attended, and its output is zero."""
     config = InferenceConfig(buffer_size_gb=1e-4, block_size=BLOCK)
-    context = DynamicInferenceContext(config, [1], GROUPS, HEAD_DIM, torch.float32, "cpu", softmax_scale=0.3)
-    q, k, v = torch.randn(2, 1, HEADS, HEAD_DIM), torch.randn(2, 1, GROUPS, HEAD_DIM), torch.randn(2, 1, GROUPS, HEAD_DIM)
+    context = DynamicInferenceContext(config, [1], GROUPS, HEAD_DIM, torch.float32, "cpu", softmax_scale=0.3,
+                                      token_multiple=4)
+    q = torch.randn(4, 1, HEADS, HEAD_DIM)
+    k, v = torch.randn(4, 1, GROUPS, HEAD_DIM), torch.randn(4, 1, GROUPS, HEAD_DIM)
     context.add_request(0)
     context.reserve(0, 2)
-    context.initialize_attention_state([StepChunk(0, [0, 0], 0, 2)])
-    kk, vv = (x[:, 0].repeat_interleave(2, dim=1).transpose(0, 1) for x in (k, v))
-    expected = F.scaled_dot_product_attention(q[:, 0].transpose(0, 1), kk, vv, is_causal=True, scale=0.3)
-    assert_close(context.attend(1, q, k, v), expected.transpose(0, 1).reshape(2, 1, -1))
+    input_ids, position_ids = context.initialize_attention_state([StepChunk(0, [7, 8], 0, 2)])
+    assert input_ids.tolist() == [[7, 8, 0, 0]] and position_ids.tolist() == [[0, 1, 0, 0]]
+    out = context.attend(1, q, k, v)
+    kk, vv = (x[:2, 0].repeat_interleave(2, dim=1).transpose(0, 1) for x in (k, v))
+    expected = F.scaled_dot_product_attention(q[:2, 0].transpose(0, 1), kk, vv, is_causal=True, scale=0.3)
+    assert_close(out[:2], expected.transpose(0, 1).reshape(2, 1, -1))
+    assert torch.equal(out[2:], torch.zeros(2, 1, HEADS * HEAD_DIM))
+    assert torch.equal(context.memory_buffer[0, 0, 0, :2], k[:2, 0])
+    assert context.memory_buffer.count_nonzero() == 2 * 2 * GROUPS * HEAD_DIM  # K and V of 2 tokens
 
 
 def test_prefix_caching_registers_full_blocks_and_finds_the_longest_cached_prefix():

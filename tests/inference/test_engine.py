@@ -10,10 +10,16 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from convert.hf_testing import convert
+from dist import run_distributed
+from teratron import parallel_state as ps
 from teratron.convert.hf import from_hf
+from teratron.dist_checkpointing import load_checkpoint, storage
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
 from teratron.inference.config import InferenceConfig
 from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.sampling_params import SamplingParams
+from teratron.models.gpt.builder import build_gpt_model
 from teratron.tokenizers.null_tokenizer import NullTokenizer
 
 VOCAB = 101
@@ -242,3 +248,33 @@ def test_requests_that_can_never_run_are_refused_in_one_line(hf_model):
         assert "\n" not in str(error.value)
     engine.add_request([1] * 9, SamplingParams(num_tokens_to_generate=4))  # 12 tokens of keys: fits
     assert not engine.running and len(engine.waiting) == 1
+
+
+def _generate_in_layouts(checkpoint, layouts):
+    """On each rank: the greedy outputs of PROMPTS run together (chunked) by an engine over the
+    checkpoint loaded at each (tp, ep, dispatcher) layout."""
+    checkpoint_dir = storage.resolve_checkpoint_dir(checkpoint)
+    model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    outputs = []
+    for tp, ep, dispatcher in layouts:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        model = build_gpt_model(gpt_config_from_model_args(
+            model_args, padded_vocab_size=128 * tp, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+            **({"moe_token_dispatcher_type": dispatcher} if dispatcher else {})))
+        load_checkpoint(checkpoint_dir, [model], load_optimizer=False)
+        engine = engine_for(model, max_tokens_per_step=4)
+        assert engine.context.memory_buffer.shape[-2] == 2 // tp  # this rank's query groups
+        outputs.append([o.token_ids for o in engine.generate(PROMPTS, GREEDY)])
+        ps.destroy_model_parallel()
+    return outputs
+
+
+def test_tensor_and_expert_parallel_engines_give_the_same_output(hf_model, tmp_path):
+    """Every rank of a TP = 2 engine (and, for MoE, of an EP = 2 one with the alltoall dispatcher
+    and a TP = expert-TP = 2 one) runs the same requests and gets transformers' tokens."""
+    family, path, _ = hf_model
+    convert("import-hf", "--hf-path", str(path), "--save", str(tmp_path / "ckpt"))
+    layouts = [(2, 1, None)] if family != "mixtral" else [(2, 1, "allgather"), (1, 2, "alltoall")]
+    reference = hf_greedy(path, PROMPTS)
+    for per_rank in run_distributed(_generate_in_layouts, 2, str(tmp_path / "ckpt"), layouts):
+        assert per_rank == [reference] * len(layouts)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
+from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
 
 
@@ -47,19 +48,23 @@ class _AttentionBatch:
 
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, layer_numbers: Sequence[int], num_query_groups: int,
-                 head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None):
+                 head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None,
+                 token_multiple: int = 1):
+        """token_multiple: a step's tokens are padded to a multiple of it (the tensor-parallel size:
+        an MoE layer under TP splits them over the ranks)."""
         if not layer_numbers:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         self.config = config
         self.block_size = config.block_size
+        self.token_multiple = token_multiple
         self.layer_slot = {number: slot for slot, number in enumerate(layer_numbers)}
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         element_size = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_block = 2 * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
         self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block
         if self.num_blocks < 1:
-            raise ValueError(f"buffer_size_gb={config.buffer_size_gb} holds no KV block of {self.bytes_per_block} bytes; "
-                             f"raise --inference-dynamic-batching-buffer-size-gb")
+            raise ValueError(f"buffer_size_gb={config.buffer_size_gb} holds no KV block of {self.bytes_per_block} "
+                             "bytes; raise --inference-dynamic-batching-buffer-size-gb")
         # Zeros, not empty: masked keys of padding blocks get weight 0, and 0 * NaN would be NaN.
         self.memory_buffer = torch.zeros(2, len(layer_numbers), self.num_blocks, self.block_size, num_query_groups,
                                          head_dim, dtype=dtype, device=device)
@@ -78,7 +83,7 @@ class DynamicInferenceContext:
         first = attentions[0]
         weight = next(first.parameters())
         return cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                   first.config.softmax_scale)
+                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp))
 
     # Requests' memory.
 
@@ -130,10 +135,12 @@ class DynamicInferenceContext:
 
     def initialize_attention_state(self, chunks: Sequence[StepChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a step computing `chunks` (whose blocks are reserved); returns the model's
-        input_ids and position_ids [1, t], the chunks' tokens back to back."""
+        input_ids and position_ids [1, t], the chunks' tokens back to back, then padding (token 0
+        at position 0, neither stored nor attended) up to a multiple of token_multiple."""
         self.chunks = list(chunks)
         positions = [p for c in chunks for p in range(c.start, c.end)]
         tokens = [t for c in chunks for t in c.token_ids[c.start:c.end]]
+        padding = -len(tokens) % self.token_multiple
         blocks = [self.block_tables[c.request_id][p // self.block_size] for c in chunks for p in range(c.start, c.end)]
         self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [t]
         self.write_offsets = torch.tensor(positions, dtype=torch.long, device=self.device) % self.block_size  # [t]
@@ -144,8 +151,8 @@ class DynamicInferenceContext:
         prefill = [i for i, c in enumerate(chunks) if c.end - c.start > 1]
         self.attention_batches = [self._attention_batch([chunks[i] for i in rows], [first_token[i] for i in rows])
                                   for rows in (decode, prefill) if rows]
-        as_ids = lambda values: torch.tensor([values], dtype=torch.long, device=self.device)  # noqa: E731
-        return as_ids(tokens), as_ids(positions)
+        ids = torch.tensor([tokens + [0] * padding, positions + [0] * padding], dtype=torch.long, device=self.device)
+        return ids[:1], ids[1:]
 
     def _attention_batch(self, chunks: Sequence[StepChunk], first_token: Sequence[int]) -> _AttentionBatch:
         num_queries = max(c.end - c.start for c in chunks)
@@ -171,10 +178,11 @@ class DynamicInferenceContext:
         k and v [t, 1, ng, hn] -> [t, 1, np * hn]; each query sees its request's keys up to its
         own position (causal), cached and new."""
         keys, values = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks, bs, ng, hn] each
-        keys[self.write_blocks, self.write_offsets] = key[:, 0]
-        values[self.write_blocks, self.write_offsets] = value[:, 0]
+        real = len(self.write_blocks)
+        keys[self.write_blocks, self.write_offsets] = key[:real, 0]
+        values[self.write_blocks, self.write_offsets] = value[:real, 0]
         t, _, heads, head_dim = query.shape
-        output = query.new_empty(t, heads, head_dim)
+        output = query.new_zeros(t, heads, head_dim)  # padding tokens keep zeros
         for batch in self.attention_batches:
             output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values)
         return output.view(t, 1, heads * head_dim)

@@ -168,7 +168,6 @@ class DynamicInferenceEngine:
             logits = self.model(input_ids, position_ids, None, inference_context=self.context,
                                 runtime_gather_output=True)  # [1, t, V']
         self.context.commit_step()
-        self.num_tokens_computed += input_ids.shape[1]
         sampling, rows, end = [], [], 0
         for request, chunk in scheduled:
             request.num_computed = chunk.end
@@ -176,6 +175,7 @@ class DynamicInferenceEngine:
             if chunk.end == len(request.token_ids):
                 sampling.append(request)
                 rows.append(end - 1)
+        self.num_tokens_computed += end
         if sampling:  # none while every chunk is a prefill's middle
             outputs += self._sample(sampling, logits[0, rows].float())
         return outputs
@@ -184,13 +184,15 @@ class DynamicInferenceEngine:
         """logits [r, V']: the next token of each of `requests`."""
         tokens, log_probs, top_n = self.sampler.sample(logits, [r.params for r in requests],
                                                        [r.generator for r in requests])
+        tokens = tokens.tolist()  # one device sync for the step
+        log_probs = log_probs.tolist() if log_probs is not None else None
         outputs = []
         for i, request in enumerate(requests):
             if request.log_probs is not None:
-                request.log_probs.append(float(log_probs[i]))
+                request.log_probs.append(log_probs[i])
             if request.top_n_logprobs is not None:
                 request.top_n_logprobs.append(top_n[i])
-            self._append_token(request, int(tokens[i]))
+            self._append_token(request, tokens[i])
             outputs.append(request.output())
         return outputs
 
