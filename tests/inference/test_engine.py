@@ -5,6 +5,8 @@ several run at once with chunked prefill, when a tight KV buffer makes them wait
 and with prefix caching, which computes fewer tokens (counted exactly). Every block is free at the
 end. Stop tokens, end of document, log-probabilities, seeds, abort and refusals."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -37,12 +39,12 @@ NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)
 
 
-def save_hf_model(family, path):
+def save_hf_model(family, path, seed=0):
     """A tiny random HF model whose greedy continuations vary with the context: embeddings N(0, 1)
     carry the token through the residual stream, norms near 1, every other weight N(0, 0.3^2)
     (all weights N(0, 0.3^2), as in the conversion tests, make some models repeat one token)."""
     config_cls, model_cls, extra = MODELS[family]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -248,6 +250,30 @@ def test_requests_that_can_never_run_are_refused_in_one_line(hf_model):
         assert "\n" not in str(error.value)
     engine.add_request([1] * 9, SamplingParams(num_tokens_to_generate=4))  # 12 tokens of keys: fits
     assert not engine.running and len(engine.waiting) == 1
+
+
+def test_update_weights_drops_cached_prefixes(hf_model):
+    """New weights from another model: the engine's output is that model's, also for a prompt whose
+    prefix was cached under the old weights."""
+    family, _, model = hf_model
+    other_path = hf_model[1].parent / f"{family}_other"
+    save_hf_model(family, other_path, seed=1)
+    other, _ = from_hf(str(other_path))
+    engine = engine_for(copy.deepcopy(model), prefix_caching=True)
+    prompt = PROMPTS[0] + [1, 2, 3, 4, 5]
+    old = engine.generate([prompt], GREEDY)[0].token_ids
+    assert engine.context.allocator.num_cached == (len(prompt) + NEW_TOKENS - 1) // 4  # full blocks
+    waiting = engine.add_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match="update_weights with 1 requests unfinished"):
+        engine.update_weights(other)
+    engine.abort(waiting)
+    assert engine.step()[0].finish_reason == "abort"
+    engine.update_weights(other)
+    assert engine.context.allocator.num_cached == 0
+    new = engine.generate([prompt], GREEDY)[0].token_ids
+    assert new == engine_for(other).generate([prompt], GREEDY)[0].token_ids != old
+    assert engine.num_tokens_computed == 2 * (len(prompt) + NEW_TOKENS - 1)  # nothing reused
+    assert_all_blocks_free(engine)
 
 
 def _generate_in_layouts(checkpoint, layouts):

@@ -94,3 +94,11 @@ class KVBlockAllocator:
                 break
             blocks.append(block)
         return blocks
+
+    def forget_cached(self) -> None:
+        """Unregister every prefix (their keys and values are stale, e.g. after new weights); the
+        cached blocks no request references become free."""
+        self._free += list(self._evictable)
+        self._evictable.clear()
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()

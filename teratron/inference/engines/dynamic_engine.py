@@ -273,6 +273,17 @@ class DynamicInferenceEngine:
         request.num_computed = 0
         self.waiting.appendleft(request)
 
+    def update_weights(self, weights: Union[torch.nn.Module, dict]) -> None:
+        """Load new weights (a state dict of this model's layout, or a model of the same layout and
+        parameter names, e.g. the one being trained) between requests; cached prefixes are dropped,
+        their keys and values having been computed with the old weights."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"update_weights with {len(self.waiting) + len(self.running)} requests unfinished; "
+                             "let them finish or abort them first")
+        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        self.model.load_state_dict(state, strict=True)
+        self.context.allocator.forget_cached()
+
     # Whole prompts.
 
     def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
