@@ -67,6 +67,16 @@ def test_the_buffer_holds_as_many_blocks_as_the_budget_allows():
     assert "\n" not in str(error.value)
 
 
+def test_config_refusals_name_the_flag_in_one_line():
+    for kwargs, message in [(dict(buffer_size_gb=0), "buffer_size_gb=0 must be > 0"),
+                            (dict(block_size=0), "block_size=0 must be an integer >= 1"),
+                            (dict(max_tokens_per_step=1.5), "max_tokens_per_step=1.5 must be an integer >= 1"),
+                            (dict(max_seq_length=1), "max_seq_length=1 must be an integer >= 2")]:
+        with pytest.raises(ValueError, match=message) as error:
+            InferenceConfig(**kwargs)
+        assert "\n" not in str(error.value)
+
+
 def _reference(q, k, v):
     """Causal GQA attention over one whole sequence: q [s, np, hn], k, v [s, ng, hn] -> [s, np, hn]."""
     k, v = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))

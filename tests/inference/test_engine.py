@@ -100,25 +100,28 @@ def test_greedy_equals_transformers_alone_batched_chunked_and_waiting(hf_model):
     outputs, steps = run_steps(chunked, PROMPTS)
     assert [o.token_ids for o in outputs] == reference
     assert all(o.finished and o.finish_reason == "length" for o in outputs)
-    assert any(batches == 2 for batches, _ in steps)  # a step with decode and prefill tokens
+    assert any(batches == 2 for batches, _, _ in steps)  # a step with decode and prefill tokens
     tight = engine_for(model, buffer_size_gb=6 * tight_block_bytes(alone))
     assert tight.context.num_blocks == 6
     outputs, steps = run_steps(tight, PROMPTS)
     assert [o.token_ids for o in outputs] == reference
-    assert max(running for _, running in steps) < len(PROMPTS)  # some waited
+    assert max(running for _, running, _ in steps) < len(PROMPTS)  # some waited
+    assert any(preempted for _, _, preempted in steps)  # and some gave their blocks back for a while
     for engine in (alone, chunked, tight):
         assert_all_blocks_free(engine)
 
 
 def run_steps(engine, prompts):
     """Run `prompts` step by step: their final outputs, and per step the number of attention
-    batches (decode, prefill) and of running requests."""
+    batches (decode, prefill), of running requests, and whether a running request went back to
+    waiting (preempted)."""
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     final, steps = {}, []
     while engine.has_unfinished_requests():
-        running = len(engine.running)
+        running = {r.request_id for r in engine.running}
         final.update({o.request_id: o for o in engine.step() if o.finished})
-        steps.append((len(engine.context.attention_batches), max(running, len(engine.running))))
+        preempted = bool(running & {r.request_id for r in engine.waiting})
+        steps.append((len(engine.context.attention_batches), max(len(running), len(engine.running)), preempted))
     return [final[i] for i in ids], steps
 
 

@@ -41,7 +41,7 @@ class RequestOutput:
     """What this step added to text (for streaming)."""
     finished: bool
     finish_reason: Optional[str]
-    """"stop" (end of document, a stop token or stop string), "length" or "abort"."""
+    """One of "stop" (end of document, a stop token or stop string), "length", "abort"."""
     log_probs: Optional[list[float]] = None
     top_n_logprobs: Optional[list[dict[int, float]]] = None
 
@@ -277,7 +277,7 @@ class DynamicInferenceEngine:
         """Load new weights (a state dict of this model's layout, or a model of the same layout and
         parameter names, e.g. the one being trained) between requests; cached prefixes are dropped,
         their keys and values having been computed with the old weights."""
-        if self.has_unfinished_requests():
+        if self.waiting or self.running:
             raise ValueError(f"update_weights with {len(self.waiting) + len(self.running)} requests unfinished; "
                              "let them finish or abort them first")
         state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
