@@ -12,7 +12,10 @@ float reduction order.
 """
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -52,6 +55,12 @@ class Target:
     ranks: tuple = (0, 1, 2, 3)
     dtype: torch.dtype = torch.float32
     num_layers: int | None = None  # another architecture: the refit must refuse it
+    groups: str | None = None  # "given": both models' groups passed in; "none": the inference model's
+    # passed as groups of one, which misdescribes its TP shards: the refit must refuse it
+
+    @property
+    def refused(self) -> bool:
+        return self.num_layers is not None or self.groups == "none"
 
 
 def _inference_config(model_config, target: Target, padded_vocab=None):
@@ -102,8 +111,9 @@ def _train_and_refit(argv, save, targets):
             if dist.get_rank() in target.ranks:
                 torch.manual_seed(1000 + index)  # not the training model's initial weights
                 model = build_gpt_model(_inference_config(trainer.run.model, target), pg_collection=pg).eval()
+            groups = {"given": (trainer.pg_collection, pg), "none": (None, ProcessGroupCollection())}
             try:
-                refit_weights(model, trainer.model)
+                refit_weights(model, trainer.model, *groups.get(target.groups, ()))
             except ValueError as e:
                 out[index] = str(e)
                 continue
@@ -158,8 +168,8 @@ def _check_run(tmp_path, argv, targets, training_logits=True):
     training = [r["training"] for r in results if r["training"] is not None]
     assert training, "no rank computed the training logits"
     for index, target in enumerate(targets):
-        if target.num_layers is not None:
-            continue  # a refused target: the test checks the message
+        if target.refused:
+            continue  # the test checks the message
         for rank, result in enumerate(results):
             if rank not in target.ranks:
                 assert index not in result
@@ -185,8 +195,10 @@ def _check_run(tmp_path, argv, targets, training_logits=True):
 def test_refit_from_tp2_pp2_vpp_into_tp1_and_tp2(tmp_path):
     """Tied embeddings (the last stage's copy is not a source), GQA, SwiGLU's strided fc1,
     interleaved stages; vocabulary 64 rows in training, 48 at TP 1. Targets on every rank, on one
-    rank only, at TP 2 (the same padding), and one of another depth, which every rank refuses."""
-    targets = (Target(tp=1), Target(tp=2), Target(tp=1, ranks=(3,)), Target(tp=1, num_layers=2))
+    rank only, at TP 2 (the same padding; its groups given explicitly), and two that every rank
+    refuses: another depth, and a TP 2 model described by groups of one."""
+    targets = (Target(tp=1), Target(tp=2, groups="given"), Target(tp=1, ranks=(3,)), Target(tp=1, num_layers=2),
+               Target(tp=2, groups="none"))
     argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--num-layers-per-virtual-pipeline-stage", "1"]
     results = _check_run(tmp_path, argv, targets)
@@ -195,6 +207,9 @@ def test_refit_from_tp2_pp2_vpp_into_tp1_and_tp2(tmp_path):
         assert re.match(r"refit: the inference model does not match the training model \(\d+ tensors missing from "
                         r"the inference model: decoder\.layers\.2\.", message), message
         assert "\n" not in message
+        assert re.match(r"refit: the inference model does not match the training model \(\d+ tensors with other "
+                        r"shapes: decoder\.layers\.0\.mlp\.linear_fc1\.bias: training \(96,\), inference "
+                        r"\(48,\);", result[4]), result[4]
 
 
 def test_refit_from_distributed_optimizer_bf16_untied(tmp_path):
@@ -244,3 +259,11 @@ def test_refit_in_one_process():
                                          r"tensors with other shapes: decoder\.") as error:
         refit_weights(other, training)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_refit_over_nccl():
+    script = os.path.join(os.path.dirname(__file__), "refit_gpu_check.py")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], check=True,
+                   timeout=600)
