@@ -81,12 +81,13 @@ def _expert_params(model) -> dict:
     return out
 
 
-def param_layouts(model_chunks) -> dict:
-    """tensor (parameter or persistent buffer) -> ParamLayout, over all model chunks."""
+def param_layouts(model_chunks, pg_collection=None) -> dict:
+    """tensor (parameter or persistent buffer) -> ParamLayout, over all model chunks, placed by
+    `pg_collection` (default: each chunk's own `pg_collection`)."""
     layouts = {}
     for chunk in model_chunks:
         model = unwrap(chunk)
-        pg = getattr(model, "pg_collection", None)  # None: a plain module, one process
+        pg = pg_collection or getattr(model, "pg_collection", None)  # None: a plain module, one process
         offset = _layer_offset(model, pg)
         experts = _expert_params(model)
         for name, tensor in model.state_dict(keep_vars=True).items():
@@ -102,9 +103,9 @@ def param_layouts(model_chunks) -> dict:
     return layouts
 
 
-def model_sharded_items(model_chunks) -> list:
+def model_sharded_items(model_chunks, pg_collection=None) -> list:
     """ShardedTensors of every model tensor (views: loading writes into the model)."""
-    return [item for tensor, layout in param_layouts(model_chunks).items()
+    return [item for tensor, layout in param_layouts(model_chunks, pg_collection).items()
             for item in layout.items(layout.key, tensor.detach())]
 
 
