@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -109,10 +110,11 @@ def parse_args(argv):
 
 def build_model(tiny: bool, device: torch.device) -> torch.nn.Module:
     """The model `teratron bench` trains (its shape flags read by train's parser): random weights,
-    bf16 on a GPU, fp32 on the CPU, eval mode."""
+    bf16 on a GPU, fp32 on the CPU, eval mode. Built without train's CUDA defaults (compiled
+    layers, gradient-accumulation fusion): training levers, off in the model the engine serves."""
     argv = (TINY_SHAPE if tiny else BENCHMARK_SHAPE) + TRAINING + ["--train-iters", "1"]
     args = parse_train_args(argv)
-    config = run_config_from_args(args, 1, args.vocab_size, cuda=device.type == "cuda").model
+    config = run_config_from_args(args, 1, args.vocab_size, cuda=False).model
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformer = replace(config.transformer, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                           use_cpu_initialization=device.type == "cpu")
@@ -436,37 +438,53 @@ def write_entry(path: str, args, model, device, lines: list) -> None:
         f.write(results_entry(command, hardware, describe(args, model, device), table))
 
 
+class Report(list):
+    """The RESULT lines so far, each printed as it comes."""
+
+    def add(self, line: str) -> None:
+        print(line, flush=True)
+        self.append(line)
+
+
+def run_workloads(args, model, device, report: Report) -> bool:
+    """Each workload's RESULT line (a failure's too: one GPU job measures all it can), then the
+    anchor's lines and ratios. Returns whether every workload ran."""
+    tokenizer = NullTokenizer(model.unpadded_vocab_size or model.vocab_size)
+    generator = torch.Generator().manual_seed(args.seed)
+    if device.type == "cuda":
+        report.add(copy_bandwidth(device, args.bandwidth_tbs))
+    ran = True
+    for workload in args.workloads:
+        try:
+            report.add(RUNS[workload](model, tokenizer, args, generator))
+        except Exception as e:  # noqa: BLE001 - reported, and the next workload runs
+            ran = False
+            report.add(f"RESULT teratron ({workload}) {RUNS[workload].__name__} failed: "
+                       f"{type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc()
+    if args.hf_results:
+        with open(args.hf_results) as f:
+            hf = hf_results(f.read())
+        for line in [f"RESULT hf {label}: {value:.0f} tok/s" for label, value in hf.items()] + anchor_ratios(report, hf):
+            report.add(line)
+    return ran
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.manual_seed(args.seed)
     model = build_model(args.tiny, device)
-    tokenizer = NullTokenizer(model.unpadded_vocab_size or model.vocab_size)
-    generator = torch.Generator().manual_seed(args.seed)
-
-    def report(line):
-        print(line, flush=True)
-        lines.append(line)
-
-    lines = []
-    if device.type == "cuda":
-        report(copy_bandwidth(device, args.bandwidth_tbs))
-    failed = False
-    for workload in args.workloads:
-        try:
-            report(RUNS[workload](model, tokenizer, args, generator))
-        except Exception as e:  # noqa: BLE001 - one GPU job measures every workload it can
-            failed = True
-            report(f"RESULT teratron ({workload}) {RUNS[workload].__name__} failed: {type(e).__name__}: {str(e)[:300]}")
-            traceback.print_exc()
-    if args.hf_results:
-        with open(args.hf_results) as f:
-            hf = hf_results(f.read())
-        for line in [f"RESULT hf {label}: {value:.0f} tok/s" for label, value in hf.items()] + anchor_ratios(lines, hf):
-            report(line)
-    if args.results_md:
-        write_entry(args.results_md, args, model, device, lines)
-    return 1 if failed else 0
+    report = Report()
+    # `timeout` ends a job that runs long with SIGTERM: leave through `finally`, keeping what was measured.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        ran = run_workloads(args, model, device, report)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if args.results_md:
+            write_entry(args.results_md, args, model, device, report)
+    return 0 if ran else 1
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ Hugging Face anchor's lines)."""
 
 import importlib.util
 import math
+import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,34 @@ def test_poisson_through_the_step_loop_without_the_async_engine(monkeypatch, cap
     assert inference.main(["--tiny", "--workloads", "c", "--poisson-requests", "3"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "(3 requests 16/8, engine step loop): TTFT p50 " in line
+
+
+def test_a_failed_workload_is_reported_and_the_next_runs(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise ValueError("no such thing")
+
+    monkeypatch.setitem(inference.RUNS, "a", broken)
+    results = tmp_path / "RESULTS.md"
+    assert inference.main(["--tiny", "--workloads", "a,b", "--results-md", str(results)]) == 1
+    out = capsys.readouterr().out
+    assert "RESULT teratron (a) broken failed: ValueError: no such thing" in out
+    assert "RESULT teratron batch-1 decode: " in out and "| teratron (a) broken failed | ValueError" in results.read_text()
+
+
+def test_sigterm_keeps_what_was_measured(tmp_path, monkeypatch):
+    def killed(*args):  # what `timeout` does to a job that runs long
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the workload")
+
+    monkeypatch.setitem(inference.RUNS, "c", killed)
+    results = tmp_path / "RESULTS.md"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        inference.main(["--tiny", "--workloads", "b,c,d", "--results-md", str(results)])
+    assert exit_info.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == before
+    entry = results.read_text()
+    assert "| teratron batch-1 decode | " in entry and "shared prefix" not in entry
 
 
 def test_roofline_matches_a_step_by_step_count():
