@@ -7,9 +7,10 @@
 # on the GPU machine, from the repository root (the copy sent there has no .git: name the commit).
 # Logs go under $OUT (default bench-out): env.txt, hf.log, inference.log, and entry.md, the
 # RESULTS.md entry to copy into bench/RESULTS.md. PARTS=hf or PARTS=teratron runs one half;
-# HF_TIMEOUT and TERATRON_TIMEOUT (seconds) keep the whole inside one 10-minute device command,
-# and a part cut short keeps the RESULT lines it printed (inference.py writes its entry even then). HF_N and HF_B: the anchor's requests and
-# static batch (issue 19 measured continuous batching on 128 requests).
+# HF_TIMEOUT and TERATRON_TIMEOUT (seconds) keep the whole inside one 10-minute device command;
+# a part cut short keeps the RESULT lines it printed (and inference.py still writes its entry).
+# HF_N and HF_B: the anchor's requests and static batch (issue 19 measured continuous batching on
+# 128 requests).
 set -uo pipefail
 export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
