@@ -470,16 +470,26 @@ def run_workloads(args, model, device, report: Report) -> bool:
     return ran
 
 
+class Stopped(SystemExit):
+    """SIGTERM arrived: `timeout` ends a job that runs long so; what was measured is kept."""
+
+
+def _stop(signum, frame):
+    raise Stopped(128 + signum)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.manual_seed(args.seed)
     model = build_model(args.tiny, device)
     report = Report()
-    # `timeout` ends a job that runs long with SIGTERM: leave through `finally`, keeping what was measured.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         ran = run_workloads(args, model, device, report)
+    except Stopped:
+        report.add("RESULT teratron stopped: SIGTERM (the job's timeout) before the workloads not listed above ended")
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         if args.results_md:

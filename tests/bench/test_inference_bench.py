@@ -94,6 +94,7 @@ def test_sigterm_keeps_what_was_measured(tmp_path, monkeypatch):
     assert exit_info.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == before
     entry = results.read_text()
     assert "| teratron batch-1 decode | " in entry and "shared prefix" not in entry
+    assert "| teratron stopped | SIGTERM (the job's timeout) before the workloads not listed above ended |" in entry
 
 
 def test_roofline_matches_a_step_by_step_count():
