@@ -136,7 +136,8 @@ def run(args) -> int:
         hardware = (f"{torch.cuda.get_device_name()} x {args.nproc_per_node}" if on_gpu
                     else f"CPU ({os.cpu_count()} cores)")
         with open(args.results_md, "a") as f:
-            f.write(results_entry("teratron bench " + shlex.join(args.argv), hardware, shown, table))
+            f.write(results_entry("teratron bench " + shlex.join(args.argv), hardware,
+                                  [f"teratron train flags: `{' '.join(shown)}`"], table))
     return 0
 
 

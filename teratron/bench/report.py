@@ -65,10 +65,11 @@ def git_commit() -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
-def results_entry(command: str, hardware: str, train_argv: list, table: list) -> str:
-    """A RESULTS.md entry: when, on what, which code and command, then the numbers."""
+def results_entry(command: str, hardware: str, details: list, table: list) -> str:
+    """A RESULTS.md entry: when, on what, which code and command, more `details` (one bullet
+    each: the `teratron train` flags of a training benchmark), then the numbers."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return "\n".join([f"## {stamp} — {hardware}", "",
                       f"- command: `{command}`",
                       f"- commit: {git_commit()}",
-                      f"- teratron train flags: `{' '.join(train_argv)}`", "", *table, "", ""])
+                      *(f"- {detail}" for detail in details), "", *table, "", ""])
