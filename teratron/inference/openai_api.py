@@ -257,6 +257,8 @@ def parse_chat(body: dict, served: ServedModel) -> GenerationRequest:
         prompt_ids = served.chat_template.tokenize(served.chat_template.render(messages))
     except ChatTemplateError as e:
         raise RequestError(str(e), param="messages") from None
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
+        raise RequestError("give 'max_completion_tokens' or 'max_tokens', not both", param="max_tokens")
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _request(body, served, True, prompt_ids, lambda room: room, (top or 0) if logprobs else None,
                     max_tokens_name)

@@ -109,6 +109,8 @@ def test_chat_completion_with_openai_client(server, client, tokenizer_dir):
     assert engine.prompts[-1] == HuggingFaceTokenizer(tokenizer_dir).tokenize(
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
     assert engine.params[-1].num_tokens_to_generate == MAX_SEQ - len(engine.prompts[-1])
+    result = client.chat.completions.create(model=MODEL_ID, messages=messages, max_completion_tokens=3)
+    assert engine.params[-1].num_tokens_to_generate == 3 and result.usage.completion_tokens == 3
 
 
 def test_streaming_with_openai_client(server, client):
@@ -223,6 +225,8 @@ def test_invalid_completion_parameters_are_400(server, body, param, words):
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10_000}, "max_completion_tokens",
      "too many"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "max_tokens": 2}, "max_tokens",
+     "not both"),
 ])
 def test_invalid_chat_parameters_are_400(server, body, param, words):
     url, _, _ = server
