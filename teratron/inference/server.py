@@ -6,7 +6,7 @@
     GET  /health                200 while the engine runs, else 503
 
     app = OpenAIServer(AsyncInferenceEngine(engine), served).build_app()
-    web.run_app(app, host="127.0.0.1", port=8000, **RUNNER_OPTIONS)
+    asyncio.run(serve(app, "127.0.0.1", 8000))           # until cancelled (Ctrl+C)
 
 Every error is a JSON body `{"error": {"message", "type", "param", "code"}}`: 400 for malformed
 JSON or invalid parameters (openai_api), 404 / 405 for unknown routes or methods, 413 for a body
@@ -16,6 +16,7 @@ the first event is sent as an event). A client that disconnects cancels its hand
 (`handler_cancellation`), which aborts its request and frees its KV-cache blocks.
 """
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,7 +29,6 @@ from teratron.inference.openai_api import (GenerationRequest, RequestError, Resp
                                            parse_chat, parse_completion)
 
 MAX_REQUEST_BYTES = 4 << 20  # a request body of at most 4 MiB: prompts of a few hundred thousand tokens
-RUNNER_OPTIONS = {"handler_cancellation": True}  # a client that disconnects cancels its handler
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,25 @@ async def _json_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
     return body
+
+
+async def serve(app: web.Application, host: str, port: int, on_listening=None) -> None:
+    """Serve `app` on host:port until cancelled, then shut it down (requests in flight are
+    cancelled, which aborts them, and the engine stops). `on_listening(addresses)` is called once
+    the socket listens (port 0: a free port, which the addresses show)."""
+    runner = web.AppRunner(app, handler_cancellation=True)  # a client that disconnects cancels its handler
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:  # taken, not this machine's address, a privileged port
+            raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose another "
+                          "--port or --host") from None
+        if on_listening is not None:
+            on_listening(runner.addresses)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
 
 
 def _sse(data) -> bytes:

@@ -2,6 +2,7 @@
 engine that honours DynamicInferenceEngine's API, and a server running on 127.0.0.1 in a thread."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from teratron.inference.server import RUNNER_OPTIONS
+from teratron.inference.server import serve
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BYTE_VOCAB = 256 + len(SPECIAL_TOKENS)
@@ -39,6 +40,25 @@ def write_byte_tokenizer(folder, chat_template=CHATML) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    _save(tokenizer, folder, chat_template)
+
+
+WORDS = 256  # t0 .. t255
+WORD_VOCAB = WORDS + len(SPECIAL_TOKENS) + 4  # and the chat roles and <unk>
+
+
+def write_word_tokenizer(folder, chat_template=CHATML) -> None:
+    """A tokenizer whose tokens are whole words "t0" .. "t255" (ids 0-255), SPECIAL_TOKENS
+    (256-258), the chat roles and <unk>, decoded joined by spaces: unlike bytes, every token
+    sequence has its own text, so comparing texts compares tokens."""
+    words = [f"t{i}" for i in range(WORDS)] + list(SPECIAL_TOKENS) + ["user", "assistant", "system", "<unk>"]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    _save(tokenizer, folder, chat_template)
+
+
+def _save(tokenizer, folder, chat_template) -> None:
     os.makedirs(folder, exist_ok=True)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
@@ -140,24 +160,27 @@ class FakeEngine:
 
 @contextlib.contextmanager
 def running_server(app: web.Application):
-    """Serve `app` on 127.0.0.1 at a free port from a thread of its own; yields the base URL and
-    stops the server (and the app's engine) on exit."""
+    """Serve `app` (server.serve) on 127.0.0.1 at a free port from a thread of its own; yields the
+    base URL and stops the server (and the app's engine) on exit."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server", daemon=True)
     thread.start()
+    listening = concurrent.futures.Future()
 
-    def run(coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=60)
+    async def start():
+        return asyncio.create_task(serve(app, "127.0.0.1", 0, listening.set_result))
 
-    runner = web.AppRunner(app, **RUNNER_OPTIONS)
-    run(runner.setup())
+    async def stop(task):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    serving = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        run(site.start())
-        host, port = runner.addresses[0][:2]
+        host, port = listening.result(timeout=60)[0][:2]
         yield f"http://{host}:{port}"
     finally:
-        run(runner.cleanup())
+        asyncio.run_coroutine_threadsafe(stop(serving), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=60)
         loop.close()
