@@ -1,5 +1,10 @@
-"""Inference. For now a minimal sampler (the demo's); the engine and server come later."""
+"""Inference: the dynamic-batching engine over a paged KV cache, and token sampling."""
 
+from teratron.inference.config import InferenceConfig
+from teratron.inference.contexts import DynamicInferenceContext
+from teratron.inference.engines import DynamicInferenceEngine, RequestOutput
 from teratron.inference.sampling import generate, sample_next_token
+from teratron.inference.sampling_params import SamplingParams
 
-__all__ = ["generate", "sample_next_token"]
+__all__ = ["DynamicInferenceContext", "DynamicInferenceEngine", "InferenceConfig", "RequestOutput", "SamplingParams",
+           "generate", "sample_next_token"]

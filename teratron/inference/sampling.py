@@ -1,5 +1,9 @@
-"""Sample text from a single-stage GPT model: temperature and top-k, the whole context
-recomputed for every new token (no KV cache; fine for a demo's few short lines).
+"""Token sampling.
+
+`Sampler` picks the next token of every request in an engine step at once: per request greedy,
+temperature, top-k and top-p, its own generator, and OpenAI-style log-probabilities.
+`sample_next_token` and `generate` are the demo's one-request path on top of it (no KV cache: the
+whole context is recomputed for every new token; fine for a demo's few short lines).
 
 Vocabulary padding is not a token: ids at or past the real vocabulary size are never returned,
 whatever their logits (a GPTModel built with `unpadded_vocab_size` already returns them as -inf;
@@ -10,28 +14,118 @@ from typing import Optional
 
 import torch
 
+from teratron.inference.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Samples one token per row of logits [r, V'] (V' >= vocab_size, the padded vocabulary).
+
+    A row draws `torch.multinomial`'s draw (the exponential race: argmax of probs / Exp(1) noise,
+    the noise from the row's generator), so a request with its own generator consumes the same
+    V random numbers every step and its tokens do not depend on the rest of the batch; rows
+    sharing a generator (or None: the default one) draw from it in row order. Nothing here waits
+    for the device.
+    """
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size} must be >= 1")
+        self.vocab_size = vocab_size
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[Optional[torch.Generator]]):
+        """-> tokens LongTensor [r]; log_probs FloatTensor [r] (log-softmax of the unmodified
+        logits at the chosen ids) or None when no request asked; top_n: per request a dict
+        {id: log-prob} of its top_n_logprobs most likely ids (None for a request that did not
+        ask), or None when no request asked."""
+        self._check(logits, params, generators)
+        logits = logits[:, : self.vocab_size].float()  # [r, V]
+        tokens = logits.argmax(-1)
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            tokens[rows] = self._draw(logits[rows], [params[i] for i in sampled],
+                                      [generators[i] for i in sampled])
+        return (tokens, *_log_probs(logits, tokens, params))
+
+    def _check(self, logits, params, generators):
+        if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
+            raise ValueError(f"Sampler.sample takes logits [r, V'] with r = len(params) = len(generators); "
+                             f"got {tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"vocab_size={self.vocab_size} is more than the logits' {logits.shape[1]} columns: "
+                             "pass the tokenizer's vocabulary size")
+
+    def _draw(self, logits, params, generators) -> torch.Tensor:
+        """One id per row of logits [n, V] from softmax(logits / T) over the top-k / top-p set."""
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        keep = _top_k_top_p_mask(logits, params)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return (probs / _exponential_noise(probs.shape, generators, probs.device)).argmax(-1)
+
+
+def _top_k_top_p_mask(logits, params) -> Optional[torch.Tensor]:
+    """Bool [n, V]: the ids each row may draw (None: all of them, for every row). Top-k keeps the
+    k largest logits; top-p then keeps the smallest set of those whose renormalised probability
+    reaches top_p (always the most likely id)."""
+    n, vocab = logits.shape
+    if all(p.top_k == 0 or p.top_k >= vocab for p in params) and all(p.top_p == 1.0 for p in params):
+        return None
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
+    keep = torch.arange(vocab, device=logits.device)[None] < top_k[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    # top_p = 1 keeps all: the rounded cumulative sum may reach 1 before the last id.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    return torch.empty_like(keep).scatter_(-1, order, keep)
+
+
+def _exponential_noise(shape, generators, device) -> torch.Tensor:
+    """Exp(1) noise [n, V]; row i from generators[i] (rows sharing one draw it in row order)."""
+    groups: dict[int, tuple[Optional[torch.Generator], list[int]]] = {}
+    for row, generator in enumerate(generators):
+        groups.setdefault(id(generator), (generator, []))[1].append(row)
+    noise = torch.empty(shape, device=device)
+    for generator, rows in groups.values():
+        block = torch.empty(len(rows), shape[1], device=device).exponential_(generator=generator)
+        noise[torch.tensor(rows, device=device)] = block
+    # Exp(1) is > 0 but a draw that rounds to 0 would make 0 / 0 = nan win the argmax.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def _log_probs(logits, tokens, params):
+    """(log_probs [r] or None, top_n list or None) from the log-softmax of logits [r, V]."""
+    want_log_probs = any(p.return_log_probs for p in params)
+    most = min(max(p.top_n_logprobs for p in params), logits.shape[1])
+    if not want_log_probs and not most:
+        return None, None
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(1, tokens[:, None])[:, 0] if want_log_probs else None
+    top_n = None
+    if most:
+        values, ids = (t.tolist() for t in log_softmax.topk(most, dim=-1))
+        top_n = [dict(zip(ids[i][: p.top_n_logprobs], values[i][: p.top_n_logprobs])) if p.top_n_logprobs
+                 else None for i, p in enumerate(params)]
+    return log_probs, top_n
+
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
                       generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None) -> int:
     """One token id from logits [V'] (V' >= vocab_size, the padded vocabulary): greedy at
     temperature 0, else softmax(logits / T) over the top_k largest logits (all of them when
     top_k is None). Only ids below `vocab_size` (None: all V') can come out."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1, or None for the whole vocabulary")
-    if vocab_size is not None:
-        if not 1 <= vocab_size <= logits.numel():
-            raise ValueError(f"vocab_size={vocab_size} must be in [1, {logits.numel()}] (the logits' length)")
-        logits = logits[:vocab_size]
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    params = SamplingParams(temperature=temperature, top_k=top_k or 0)
+    sampler = Sampler(logits.numel() if vocab_size is None else vocab_size)
+    tokens, _, _ = sampler.sample(logits[None], [params], [generator])
+    return int(tokens[0])
 
 
 @torch.no_grad()

@@ -1,0 +1,40 @@
+"""InferenceConfig: the dynamic engine's memory budget and scheduler limits (Megatron's
+`inference.config`, the `--inference-*` flags)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    buffer_size_gb: float = 1.0
+    """KV-cache memory of this stage in GiB (--inference-dynamic-batching-buffer-size-gb): the K and V
+    of every local layer for as many blocks as fit."""
+    block_size: int = 16
+    """Tokens per KV-cache block (--inference-dynamic-batching-block-size)."""
+    max_requests: int = 64
+    """The most requests holding KV blocks at once (--inference-max-requests); more wait."""
+    max_seq_length: Optional[int] = None
+    """The longest prompt plus generated tokens of one request (--inference-max-seq-length); None:
+    the model's max_sequence_length."""
+    max_tokens_per_step: int = 512
+    """Tokens one forward step computes, decode tokens and prefill chunks together: longer prompts
+    are prefilled in chunks across steps (chunked prefill)."""
+    prefix_caching: bool = False
+    """Share the KV blocks of identical prompt prefixes between requests, found by block hash;
+    unreferenced cached blocks are evicted least recently used first
+    (--inference-dynamic-batching-prefix-caching)."""
+
+    def __post_init__(self):
+        if not self.buffer_size_gb > 0:
+            raise ValueError(f"buffer_size_gb={self.buffer_size_gb} must be > 0 "
+                             "(--inference-dynamic-batching-buffer-size-gb)")
+        for name, flag in (("block_size", "--inference-dynamic-batching-block-size"),
+                           ("max_requests", "--inference-max-requests"),
+                           ("max_tokens_per_step", "max_tokens_per_step")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 ({flag})")
+        if self.max_seq_length is not None and (not isinstance(self.max_seq_length, int) or self.max_seq_length < 2):
+            raise ValueError(f"max_seq_length={self.max_seq_length!r} must be an integer >= 2, or None for "
+                             "the model's max_sequence_length (--inference-max-seq-length)")

@@ -1,0 +1,312 @@
+"""DynamicInferenceEngine: continuous batching over a paged KV cache (Megatron's
+`inference.engines.dynamic_engine`).
+
+Each `step()` is one forward of the model over up to `max_tokens_per_step` new tokens: first one
+token (decode) or the next prefill chunk of every running request, oldest first, then the first
+chunks of waiting requests, first come first served, while tokens, request slots and KV blocks
+last. A request whose prefill reaches its last token samples its next token in the same step.
+Finished requests free their blocks at once; new requests join between steps.
+
+Memory: a request takes the blocks of its next chunk only (and shares cached prefix blocks with
+prefix caching). When a running request needs a block and none is left, the newest running
+request is preempted: it gives its blocks back and waits at the head of the queue, keeping its
+tokens, which it recomputes when readmitted. The oldest request alone always fits (add_request
+refuses any request that could not), so every step makes progress.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from teratron.inference.config import InferenceConfig
+from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
+from teratron.inference.detokenizer import IncrementalDetokenizer
+from teratron.inference.sampling import Sampler
+from teratron.inference.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Every generated token so far (a stop or end-of-document token included)."""
+    new_token_ids: list[int]
+    """The tokens this step added."""
+    text: str
+    """The generated text so far (a stop string and what follows it trimmed)."""
+    new_text: str
+    """What this step added to text (for streaming)."""
+    finished: bool
+    finish_reason: Optional[str]
+    """One of "stop" (end of document, a stop token or stop string), "length", "abort"."""
+    log_probs: Optional[list[float]] = None
+    top_n_logprobs: Optional[list[dict[int, float]]] = None
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int]
+    """Prompt and generated tokens."""
+    num_computed: int = 0
+    """Tokens whose keys and values are in the cache."""
+    text: str = ""
+    log_probs: Optional[list[float]] = None
+    top_n_logprobs: Optional[list[dict[int, float]]] = None
+    finish_reason: Optional[str] = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), self.generated, self.new_token_ids,
+                             self.text, self.new_text, self.finish_reason is not None, self.finish_reason,
+                             None if self.log_probs is None else list(self.log_probs),
+                             None if self.top_n_logprobs is None else list(self.top_n_logprobs))
+
+
+class DynamicInferenceEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: InferenceConfig, seed: int = 0):
+        """model: a GPTModel holding every layer (one pipeline stage), in eval mode from here on;
+        tokenizer: a teratron tokenizer (text in and out, the end-of-document id)."""
+        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+            raise ValueError("DynamicInferenceEngine runs a model of one pipeline stage; load it with "
+                             "--pipeline-model-parallel-size 1")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.context = DynamicInferenceContext.from_model(model, config)
+        self.max_seq_length = config.max_seq_length or model.max_sequence_length
+        self.vocab_size = model.unpadded_vocab_size or model.vocab_size
+        self.eod = _eod(tokenizer)
+        self.sampler = Sampler(self.vocab_size)
+        self.generator = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []  # holding KV blocks, oldest first
+        self.aborted: list[_Request] = []  # to report in the next step
+        self.next_request_id = 0
+        self.num_tokens_computed = 0
+        """Tokens run through the model so far (prefill and decode)."""
+
+    # Requests.
+
+    def add_request(self, prompt: Union[str, Sequence[int]], sampling_params: Optional[SamplingParams] = None) -> int:
+        """Queue a prompt (text or token ids); returns its request id. Raises ValueError when the
+        request could never run: no tokens, an id outside the vocabulary, or prompt plus
+        num_tokens_to_generate longer than max_seq_length or than the whole KV buffer."""
+        params = sampling_params or SamplingParams()
+        token_ids = self.tokenizer.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_fits(token_ids, params)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
+        request = _Request(self.next_request_id, token_ids, params,
+                           torch.Generator(device=self.context.device).manual_seed(seed),
+                           IncrementalDetokenizer(self.tokenizer, params.stop, token_ids), list(token_ids),
+                           log_probs=[] if params.return_log_probs else None,
+                           top_n_logprobs=[] if params.top_n_logprobs else None)
+        self.next_request_id += 1
+        self.waiting.append(request)
+        return request.request_id
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt has no tokens; give at least one")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        length = len(token_ids) + params.num_tokens_to_generate
+        if length > self.max_seq_length:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + num_tokens_to_generate "
+                             f"({params.num_tokens_to_generate}) exceeds max_seq_length {self.max_seq_length}; "
+                             "shorten the request or raise --inference-max-seq-length")
+        blocks = self.context.blocks_for(length - 1)  # the last token is never fed back
+        if blocks > self.context.num_blocks:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + num_tokens_to_generate "
+                             f"({params.num_tokens_to_generate}) needs {blocks} KV blocks, the buffer holds "
+                             f"{self.context.num_blocks}; shorten the request or raise "
+                             "--inference-dynamic-batching-buffer-size-gb")
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its blocks; its next output has finish_reason "abort". A request
+        that has finished (or is unknown) is left alone."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    if queue is self.running:
+                        self.context.release(request_id)
+                    queue.remove(request)
+                    request.finish_reason, request.new_token_ids, request.new_text = "abort", [], ""
+                    self.aborted.append(request)
+                    return
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.aborted)
+
+    # Steps.
+
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled tokens; the outputs of the requests that got tokens
+        this step or were aborted since the last one."""
+        outputs = [request.output() for request in self.aborted]
+        self.aborted = []
+        scheduled = self._schedule()
+        if not scheduled:
+            if self.waiting:  # add_request admits only requests that fit an empty cache
+                raise RuntimeError(f"no request could be scheduled with {len(self.waiting)} waiting")
+            return outputs
+        input_ids, position_ids = self.context.initialize_attention_state([chunk for _, chunk in scheduled])
+        with torch.no_grad():
+            logits = self.model(input_ids, position_ids, None, inference_context=self.context,
+                                runtime_gather_output=True)  # [1, t, V']
+        self.context.commit_step()
+        sampling, rows, end = [], [], 0
+        for request, chunk in scheduled:
+            request.num_computed = chunk.end
+            end += chunk.end - chunk.start
+            if chunk.end == len(request.token_ids):
+                sampling.append(request)
+                rows.append(end - 1)
+        self.num_tokens_computed += end
+        if sampling:  # none while every chunk is a prefill's middle
+            outputs += self._sample(sampling, logits[0, rows].float())
+        return outputs
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """logits [r, V']: the next token of each of `requests`."""
+        tokens, log_probs, top_n = self.sampler.sample(logits, [r.params for r in requests],
+                                                       [r.generator for r in requests])
+        tokens = tokens.tolist()  # one device sync for the step
+        log_probs = log_probs.tolist() if log_probs is not None else None
+        outputs = []
+        for i, request in enumerate(requests):
+            if request.log_probs is not None:
+                request.log_probs.append(log_probs[i])
+            if request.top_n_logprobs is not None:
+                request.top_n_logprobs.append(top_n[i])
+            self._append_token(request, tokens[i])
+            outputs.append(request.output())
+        return outputs
+
+    def _append_token(self, request: _Request, token: int) -> None:
+        request.token_ids.append(token)
+        request.new_token_ids, request.new_text = [token], ""
+        params = request.params
+        if token in params.stop_token_ids or (token == self.eod and not params.ignore_eod):
+            request.finish_reason = "stop"  # a stop token is not text
+        else:
+            request.new_text, stopped = request.detokenizer.add([token])
+            if stopped:
+                request.finish_reason = "stop"
+        if request.finish_reason is None and len(request.generated) >= params.num_tokens_to_generate:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            request.new_text += request.detokenizer.flush()
+            self.context.release(request.request_id)
+            self.running.remove(request)
+        request.text = request.detokenizer.text
+
+    # Scheduling.
+
+    def _schedule(self) -> list[tuple[_Request, StepChunk]]:
+        """This step's chunks: running requests first, then waiting ones (none after a preemption,
+        which would only bring back what was just given up)."""
+        budget = self.config.max_tokens_per_step
+        scheduled, preempted = [], False
+        index = 0
+        while index < len(self.running) and budget:
+            request = self.running[index]
+            count = self._fit(request, min(len(request.token_ids) - request.num_computed, budget))
+            if count == 0:
+                self._preempt(self.running[-1])
+                preempted = True
+                continue  # the same index again, or past the end if it was this request
+            scheduled.append((request, self._reserve(request, request.num_computed, count)))
+            budget -= count
+            index += 1
+        while not preempted and self.waiting and budget and len(self.running) < self.config.max_requests:
+            request = self.waiting[0]
+            chunk = self._admit(request, budget)
+            if chunk is None:
+                break
+            scheduled.append((request, chunk))
+            budget -= chunk.end - chunk.start
+        return scheduled
+
+    def _fit(self, request: _Request, count: int) -> int:
+        """The most of `count` next tokens of a running request its blocks and the free ones hold."""
+        table = self.context.block_tables[request.request_id]
+        room = (len(table) + self.context.num_allocatable_blocks()) * self.context.block_size - request.num_computed
+        return min(count, room)
+
+    def _admit(self, request: _Request, budget: int) -> Optional[StepChunk]:
+        """The first chunk of a waiting request, from the end of its cached prefix, or None when
+        no block is left for it."""
+        cached = self.context.cached_prefix(request.token_ids)
+        computed = len(cached) * self.context.block_size
+        room = (len(cached) + self.context.num_allocatable_blocks(retaining=cached)) * self.context.block_size
+        count = min(len(request.token_ids) - computed, budget, room - computed)
+        if count <= 0:
+            return None
+        self.waiting.popleft()
+        self.context.add_request(request.request_id, cached, request.token_ids)
+        request.num_computed = computed
+        self.running.append(request)
+        return self._reserve(request, computed, count)
+
+    def _reserve(self, request: _Request, start: int, count: int) -> StepChunk:
+        self.context.reserve(request.request_id, start + count)
+        return StepChunk(request.request_id, request.token_ids, start, start + count)
+
+    def _preempt(self, request: _Request) -> None:
+        """Give back a running request's blocks; it waits first in line and recomputes its tokens."""
+        self.context.release(request.request_id)
+        self.running.remove(request)
+        request.num_computed = 0
+        self.waiting.appendleft(request)
+
+    def update_weights(self, weights: Union[torch.nn.Module, dict]) -> None:
+        """Load new weights (a state dict of this model's layout, or a model of the same layout and
+        parameter names, e.g. the one being trained) between requests; cached prefixes are dropped,
+        their keys and values having been computed with the old weights."""
+        if self.waiting or self.running:
+            raise ValueError(f"update_weights with {len(self.waiting) + len(self.running)} requests unfinished; "
+                             "let them finish or abort them first")
+        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        self.model.load_state_dict(state, strict=True)
+        self.context.allocator.forget_cached()
+
+    # Whole prompts.
+
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Run `prompts` (texts or token-id lists) to the end; their final outputs in order.
+        sampling_params: one for all, or one per prompt."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; give one, or one "
+                             "per prompt")
+        ids = [self.add_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        final = {}
+        while len(final) < len(ids) and self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+
+def _eod(tokenizer) -> Optional[int]:
+    """The tokenizer's end-of-document id, or None when it has none."""
+    try:
+        return tokenizer.eod
+    except (AttributeError, NotImplementedError):
+        return None
