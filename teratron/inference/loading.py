@@ -24,8 +24,9 @@ import os
 
 import torch
 
-from teratron.dist_checkpointing import load_checkpoint, storage
+from teratron.dist_checkpointing import load_checkpoint, serialization, storage
 from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.dist_checkpointing.model_state import TIED_KEY
 from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.inference.chat_template import ChatTemplate
 from teratron.models.gpt.builder import build_gpt_model
@@ -57,10 +58,7 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
 
 def saved_dtype(checkpoint_dir: str) -> torch.dtype:
     """The dtype the checkpoint's word embeddings were saved in."""
-    from teratron.dist_checkpointing.model_state import TIED_KEY
-    from teratron.dist_checkpointing.serialization import read_metadata
-
-    entry = read_metadata(checkpoint_dir).state_dict_metadata.get(TIED_KEY)
+    entry = serialization.read_metadata(checkpoint_dir).state_dict_metadata.get(TIED_KEY)
     return entry.properties.dtype if entry is not None else torch.float32
 
 
@@ -97,7 +95,7 @@ def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.de
     except KeyError as e:
         raise ValueError(f"--load {folder}: metadata.json's model_args lack {e}; the checkpoint is damaged or from "
                          "an older teratron: save it again with `teratron train`") from None
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # the layers allocate on the current device
         torch.cuda.set_device(device)
     return build_gpt_model(config, pg_collection=pg)
 

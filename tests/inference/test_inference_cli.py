@@ -198,3 +198,25 @@ def test_serve_command(imported):
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and "teratron: interrupted" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_served_on_gpu(imported):
+    """The server over an engine on the GPU (the engine thread drives CUDA): fp32 greedy texts of
+    concurrent requests equal transformers' on the CPU; bf16 answers too."""
+    ckpt, src = imported
+    prompts = {"t1 t2 t3": [1, 2, 3], "t9 t8 t7 t6 t5 t4 t3 t2 t1": [9, 8, 7, 6, 5, 4, 3, 2, 1], "t42 t42": [42, 42]}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, tokenizer = load_for_inference(ckpt, dtype=dtype, device="cuda")
+        assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", dtype)}
+        engine = DynamicInferenceEngine(model, tokenizer, ENGINE)
+        served_model = ServedModel(model_id(ckpt), tokenizer, engine.max_seq_length)
+        with running_server(OpenAIServer(AsyncInferenceEngine(engine), served_model).build_app()) as url:
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                answers = list(pool.map(lambda p: _post(url, "/v1/completions", {"prompt": p, "max_tokens": 10,
+                                                                                 "temperature": 0}), prompts))
+        for (prompt, prompt_ids), (status, body) in zip(prompts.items(), answers):
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, prompt
+            if dtype == torch.float32:
+                assert body["choices"][0]["text"] == expected_text(src, prompt_ids, hf_greedy(src, prompt_ids, 10))
