@@ -2,7 +2,7 @@
 
     teratron generate --load CKPT --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]
                       [--top-k K] [--seed S] [--stop STR ...]
-    teratron serve --load CKPT [--host 127.0.0.1] [--port 8000]
+    teratron serve --load CKPT [--host 127.0.0.1] [--port 8000]   (stops on Ctrl+C or SIGTERM)
 
 Both take the checkpoint of `teratron train` or `teratron convert import-hf` (`load_for_inference`:
 no tokenizer flags), `--bf16` / `--fp16` (default: the saved dtype), and Megatron's inference
@@ -15,6 +15,7 @@ flags for the engine (InferenceConfig; its defaults where not given):
 import asyncio
 import ipaddress
 import os
+import signal
 import sys
 
 import torch
@@ -139,7 +140,14 @@ def run_serve(args) -> int:
         print(f"teratron serve: model '{served.model_id}' (context {served.max_sequence_length} tokens, chat "
               f"{chat}) at http://{args.host}:{args.port}/v1; Ctrl+C stops", flush=True)
 
-    asyncio.run(serve(app, args.host, args.port, announce))
+    async def serve_until_terminated():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        await serve(app, args.host, args.port, announce)
+
+    try:
+        asyncio.run(serve_until_terminated())
+    except asyncio.CancelledError:  # SIGTERM (a service manager stopping it): shut down cleanly
+        print("teratron serve: stopped", flush=True)
     return 0
 
 

@@ -182,8 +182,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_command(imported):
-    """`teratron serve` in a process of its own: answers, then stops on Ctrl+C."""
+@pytest.mark.parametrize("stop, returncode, last_words", [(signal.SIGINT, 130, "teratron: interrupted"),
+                                                          (signal.SIGTERM, 0, "teratron serve: stopped")])
+def test_serve_command(imported, stop, returncode, last_words):
+    """`teratron serve` in a process of its own: answers, then stops on Ctrl+C or SIGTERM."""
     ckpt, _ = imported
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -195,9 +197,9 @@ def test_serve_command(imported):
         status, body = _post(f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "t3", "max_tokens": 3})
         assert status == 200 and body["model"] == "tiny-llama"
     finally:
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
-    assert process.returncode == 130 and "teratron: interrupted" in err, err
+        process.send_signal(stop)
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == returncode and last_words in out + err, (out, err)
 
 
 @pytest.mark.gpu
