@@ -222,3 +222,10 @@ def test_served_on_gpu(imported):
             assert status == 200 and body["usage"]["completion_tokens"] >= 1, prompt
             if dtype == torch.float32:
                 assert body["choices"][0]["text"] == expected_text(src, prompt_ids, hf_greedy(src, prompt_ids, 10))
+
+
+def test_only_loopback_hosts_are_private():
+    from teratron.inference.cli import _is_loopback
+
+    assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(_is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.org"))
