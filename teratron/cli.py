@@ -8,6 +8,10 @@
     teratron estimate [train flags] [--world-size N] [--json]
                                     peak memory per GPU and FLOPs of a `teratron train` command
     teratron bench [flags]          training throughput next to the Hugging Face baseline
+    teratron generate --load CKPT --prompt TEXT [flags]
+                                    continue a prompt with a checkpoint's model (streams the text)
+    teratron serve --load CKPT [--host 127.0.0.1] [--port 8000]
+                                    OpenAI-compatible HTTP server (completions, chat, streaming)
 
 Bad input (a flag, a config value, a file) ends the command with one line on stderr,
 `teratron: error: <message>`, and exit status 2; no traceback.
@@ -52,14 +56,15 @@ def _fitting_run(args):
     return run
 
 
-def _module_command(module_name: str, prog: str, description: str):
-    """A subcommand whose module provides `add_arguments(parser)` and `run(args) -> int`."""
+def _module_command(module_name: str, prog: str, description: str, add: str = "add_arguments", run: str = "run"):
+    """A subcommand whose module provides `add(parser)` and `run(args) -> int` (by default
+    `add_arguments` and `run`)."""
     def command(argv) -> int:
         from teratron.training.arguments import ArgumentParser
 
         module = importlib.import_module(module_name)
         parser = ArgumentParser(prog=prog, description=description, allow_abbrev=False)
-        return module.run(module.add_arguments(parser).parse_args(argv))
+        return getattr(module, run)(getattr(module, add)(parser).parse_args(argv))
     return command
 
 
@@ -80,6 +85,11 @@ COMMANDS = {
                              "Weighted average of checkpoints of one model."),
     "estimate": _main_command("teratron.estimate.cli"),
     "bench": _main_command("teratron.bench.cli"),
+    "generate": _module_command("teratron.inference.cli", "teratron generate",
+                                "Continue a prompt with a checkpoint's model.", "add_generate_arguments", "run_generate"),
+    "serve": _module_command("teratron.inference.cli", "teratron serve",
+                             "Serve a checkpoint's model over an OpenAI-compatible HTTP API.", "add_serve_arguments",
+                             "run_serve"),
 }
 
 
