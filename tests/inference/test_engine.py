@@ -277,6 +277,9 @@ def test_update_weights_drops_cached_prefixes(hf_model):
     assert new == engine_for(other).generate([prompt], GREEDY)[0].token_ids != old
     assert engine.num_tokens_computed == 2 * (len(prompt) + NEW_TOKENS - 1)  # nothing reused
     assert_all_blocks_free(engine)
+    # A live training run's chunks (a list; here one process, one chunk) go through refit_weights.
+    engine.update_weights([model])
+    assert engine.generate([prompt], GREEDY)[0].token_ids == old
 
 
 def _generate_in_layouts(checkpoint, layouts):

@@ -23,6 +23,7 @@ import torch
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.detokenizer import IncrementalDetokenizer
+from teratron.inference.refit import refit_weights
 from teratron.inference.sampling import Sampler
 from teratron.inference.sampling_params import SamplingParams
 
@@ -273,15 +274,21 @@ class DynamicInferenceEngine:
         request.num_computed = 0
         self.waiting.appendleft(request)
 
-    def update_weights(self, weights: Union[torch.nn.Module, dict]) -> None:
-        """Load new weights (a state dict of this model's layout, or a model of the same layout and
-        parameter names, e.g. the one being trained) between requests; cached prefixes are dropped,
-        their keys and values having been computed with the old weights."""
+    def update_weights(self, weights: Union[torch.nn.Module, dict, list], training_pg_collection=None,
+                       inference_pg_collection=None) -> None:
+        """Load new weights between requests: a state dict of this model's layout, a model of the
+        same layout and parameter names, or the model chunks of a live training run in any
+        TP/PP/EP layout (a list; every rank calls it, `refit_weights` moves the pieces with
+        collectives, nothing goes through disk). Cached prefixes are dropped, their keys and values
+        having been computed with the old weights."""
         if self.waiting or self.running:
             raise ValueError(f"update_weights with {len(self.waiting) + len(self.running)} requests unfinished; "
                              "let them finish or abort them first")
-        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-        self.model.load_state_dict(state, strict=True)
+        if isinstance(weights, (list, tuple)):
+            refit_weights(self.model, list(weights), training_pg_collection, inference_pg_collection)
+        else:
+            state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+            self.model.load_state_dict(state, strict=True)
         self.context.allocator.forget_cached()
 
     # Whole prompts.
