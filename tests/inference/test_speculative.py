@@ -64,9 +64,28 @@ def test_unrelated_draft_is_rejected_often_and_output_is_unchanged(models):
         assert engine.generate([prompt], GREEDY)[0].token_ids == tokens
         assert_both_caches_free(engine)
     engine = speculative_engine(model, draft, 3)
-    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        assert_blocks_hold_only_final_tokens(engine)
+    assert [final[i].token_ids for i in ids] == reference
+    assert 0 < engine.num_draft_tokens_proposed - engine.num_draft_tokens_accepted
     assert engine.num_draft_tokens_accepted < engine.num_draft_tokens_proposed / 2
     assert_both_caches_free(engine)
+
+
+def assert_blocks_hold_only_final_tokens(engine):
+    """After a step, each running request holds the blocks of its computed tokens, no more, in
+    both caches (the blocks of rejected draft tokens are free again)."""
+    for request in engine.running:
+        assert request.num_computed == len(request.token_ids) - 1
+        table = engine.context.block_tables[request.request_id]
+        assert len(table) == engine.context.blocks_for(request.num_computed)
+        if request.request_id in engine.draft.computed:
+            computed = engine.draft.computed[request.request_id]
+            assert computed <= request.num_computed
+            assert len(engine.draft.context.block_tables[request.request_id]) == engine.context.blocks_for(computed)
 
 
 @pytest.mark.parametrize("draft_is_target", [True, False])
@@ -124,3 +143,19 @@ def test_speculative_settings_are_refused_in_one_line(models):
         speculative_engine(model, draft, 0)
     with pytest.raises(ValueError, match="num_speculative_tokens=-1"):
         InferenceConfig(num_speculative_tokens=-1)
+
+
+def test_prefix_caching_registers_only_blocks_of_accepted_tokens(models):
+    model, draft = models
+    engine = speculative_engine(model, draft, 3, prefix_caching=True)
+    first = engine.generate([PROMPTS[0]], GREEDY)[0]
+    assert engine.num_draft_tokens_accepted < engine.num_draft_tokens_proposed  # drafts were rejected
+    # 11 + 10 tokens, the last never computed: 5 full blocks of 4, registered under their final
+    # tokens, so the whole sequence as a new prompt computes its last token only.
+    sequence = PROMPTS[0] + first.token_ids
+    one = SamplingParams(temperature=0, num_tokens_to_generate=1, ignore_eod=True)
+    computed = engine.num_tokens_computed
+    output = engine.generate([sequence], one)[0]
+    assert engine.num_tokens_computed - computed == 1
+    assert [output.token_ids] == plain_outputs(model, [sequence], one)
+    assert_both_caches_free(engine)

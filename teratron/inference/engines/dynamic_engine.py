@@ -237,8 +237,8 @@ class DynamicInferenceEngine:
             self.num_draft_tokens_accepted += accepted
             self.context.truncate(request.request_id, request.num_computed)
             self.draft.rollback(request.request_id, request.num_computed)
-        keep = slice(0, accepted + 1)
-        return tokens[keep], log_probs and log_probs[keep], top_n and top_n[keep]
+        keep = accepted + 1
+        return tokens[:keep], log_probs and log_probs[:keep], top_n and top_n[:keep]  # None stays None
 
     def _append_tokens(self, request: _Request, tokens: list[int], log_probs, top_n) -> RequestOutput:
         """Add a step's tokens one by one until the request finishes."""
