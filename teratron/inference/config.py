@@ -24,6 +24,9 @@ class InferenceConfig:
     """Share the KV blocks of identical prompt prefixes between requests, found by block hash;
     unreferenced cached blocks are evicted least recently used first
     (--inference-dynamic-batching-prefix-caching)."""
+    num_speculative_tokens: int = 0
+    """Draft tokens proposed per greedy request and decode step, verified in one target forward
+    (speculative decoding; needs the engine's draft_model); 0: off."""
 
     def __post_init__(self):
         if not self.buffer_size_gb > 0:
@@ -38,3 +41,6 @@ class InferenceConfig:
         if self.max_seq_length is not None and (not isinstance(self.max_seq_length, int) or self.max_seq_length < 2):
             raise ValueError(f"max_seq_length={self.max_seq_length!r} must be an integer >= 2, or None for "
                              "the model's max_sequence_length (--inference-max-seq-length)")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0 "
+                             "(0: no speculative decoding)")

@@ -119,6 +119,14 @@ class DynamicInferenceContext:
         """Allocate blocks until request `request_id` can hold `num_tokens` tokens."""
         self.block_tables[request_id] += self.allocator.allocate(self.blocks_needed(request_id, num_tokens))
 
+    def truncate(self, request_id: int, num_tokens: int) -> None:
+        """Keep the blocks holding the request's first `num_tokens` tokens and free the rest (rejected
+        speculative tokens); keys and values written past `num_tokens` are overwritten later."""
+        table = self.block_tables[request_id]
+        keep = self.blocks_for(num_tokens)
+        self.allocator.release(table[keep:][::-1])
+        del table[keep:]
+
     def release(self, request_id: int) -> None:
         """Free the request's blocks (cached ones stay cached while memory allows)."""
         self.allocator.release(self.block_tables.pop(request_id)[::-1])
@@ -200,15 +208,19 @@ class DynamicInferenceContext:
                                                  enable_gqa=heads != k.shape[1])
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
-    def commit_step(self) -> None:
-        """After the step's forward: with prefix caching, register the blocks it filled."""
-        if not self.config.prefix_caching:
-            return
-        for chunk in self.chunks:
+    def commit_step(self, chunks: Sequence[StepChunk] | None = None) -> None:
+        """After the step's forward: with prefix caching, register the blocks it filled. chunks:
+        the step's chunks cut to their final tokens (rejected speculative tokens left out);
+        default: the step's chunks."""
+        if self.config.prefix_caching:
+            self._register_full_blocks(self.chunks if chunks is None else chunks)
+        self.chunks = []
+
+    def _register_full_blocks(self, chunks: Sequence[StepChunk]) -> None:
+        for chunk in chunks:
             table, hashes = self.block_tables[chunk.request_id], self.block_hashes[chunk.request_id]
             full = chunk.end // self.block_size
             new = self._hashes(chunk.token_ids, len(hashes), full, parent=hashes[-1] if hashes else None)
             for block, hash_ in zip(table[len(hashes):full], new):
                 self.allocator.register(block, hash_)
             hashes += new
-        self.chunks = []

@@ -12,10 +12,17 @@ prefix caching). When a running request needs a block and none is left, the newe
 request is preempted: it gives its blocks back and waits at the head of the queue, keeping its
 tokens, which it recomputes when readmitted. The oldest request alone always fits (add_request
 refuses any request that could not), so every step makes progress.
+
+Speculative decoding (a draft model and `num_speculative_tokens` n): a greedy request in decode
+gets n draft tokens from the draft model (`DraftProposer`), and its chunk in the target's step is
+its last token plus the drafts. The target's greedy choice at each of those positions is compared
+with the next draft token: the longest matching prefix is accepted, plus the target's token at the
+first mismatch (or after the last draft). Both caches are cut back to the accepted tokens. Sampled
+requests (temperature > 0) decode one token a step as without a draft.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -23,6 +30,7 @@ import torch
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.detokenizer import IncrementalDetokenizer
+from teratron.inference.engines.speculative import DraftProposer
 from teratron.inference.refit import refit_weights
 from teratron.inference.sampling import Sampler
 from teratron.inference.sampling_params import SamplingParams
@@ -77,9 +85,15 @@ class _Request:
 
 
 class DynamicInferenceEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: InferenceConfig, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: InferenceConfig, seed: int = 0,
+                 draft_model: Optional[torch.nn.Module] = None):
         """model: a GPTModel holding every layer (one pipeline stage), in eval mode from here on;
-        tokenizer: a teratron tokenizer (text in and out, the end-of-document id)."""
+        tokenizer: a teratron tokenizer (text in and out, the end-of-document id); draft_model: a
+        smaller GPTModel with the same vocabulary proposing config.num_speculative_tokens tokens a
+        step (speculative decoding), or None."""
+        if (draft_model is None) != (config.num_speculative_tokens == 0):
+            raise ValueError("speculative decoding needs both a draft model and num_speculative_tokens >= 1; "
+                             "give both or neither")
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
             raise ValueError("DynamicInferenceEngine runs a model of one pipeline stage; load it with "
                              "--pipeline-model-parallel-size 1")
@@ -91,6 +105,7 @@ class DynamicInferenceEngine:
         self.vocab_size = model.unpadded_vocab_size or model.vocab_size
         self.eod = _eod(tokenizer)
         self.sampler = Sampler(self.vocab_size)
+        self.draft = None if draft_model is None else DraftProposer(draft_model, config, self.vocab_size)
         self.generator = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # holding KV blocks, oldest first
@@ -98,6 +113,10 @@ class DynamicInferenceEngine:
         self.next_request_id = 0
         self.num_tokens_computed = 0
         """Tokens run through the model so far (prefill and decode)."""
+        self.num_forwards = 0
+        """Forward passes of the (target) model so far."""
+        self.num_draft_tokens_proposed = 0
+        self.num_draft_tokens_accepted = 0
 
     # Requests.
 
@@ -143,7 +162,7 @@ class DynamicInferenceEngine:
             for request in queue:
                 if request.request_id == request_id:
                     if queue is self.running:
-                        self.context.release(request_id)
+                        self._release(request)
                     queue.remove(request)
                     request.finish_reason, request.new_token_ids, request.new_text = "abort", [], ""
                     self.aborted.append(request)
@@ -164,56 +183,99 @@ class DynamicInferenceEngine:
             if self.waiting:  # add_request admits only requests that fit an empty cache
                 raise RuntimeError(f"no request could be scheduled with {len(self.waiting)} waiting")
             return outputs
+        if self.draft is not None:
+            scheduled = self._add_draft_tokens(scheduled)
         input_ids, position_ids = self.context.initialize_attention_state([chunk for _, chunk in scheduled])
         with torch.no_grad():
             logits = self.model(input_ids, position_ids, None, inference_context=self.context,
                                 runtime_gather_output=True)  # [1, t, V']
-        self.context.commit_step()
+        self.num_forwards += 1
         sampling, rows, end = [], [], 0
         for request, chunk in scheduled:
-            request.num_computed = chunk.end
             end += chunk.end - chunk.start
-            if chunk.end == len(request.token_ids):
-                sampling.append(request)
-                rows.append(end - 1)
+            if chunk.end >= len(request.token_ids):  # its last token (and any drafts) ran
+                sampling.append((request, chunk))
+                rows += range(end - 1 - (chunk.end - len(request.token_ids)), end)
+            else:
+                request.num_computed = chunk.end
         self.num_tokens_computed += end
-        if sampling:  # none while every chunk is a prefill's middle
-            outputs += self._sample(sampling, logits[0, rows].float())
+        tokens = self._sample(sampling, logits[0, rows].float()) if sampling else []
+        accepted = [self._accept(request, chunk, new) for (request, chunk), new in zip(sampling, tokens)]
+        self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled])
+        for (request, _), (new, log_probs, top_n) in zip(sampling, accepted):
+            outputs.append(self._append_tokens(request, new, log_probs, top_n))
         return outputs
 
-    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
-        """logits [r, V']: the next token of each of `requests`."""
-        tokens, log_probs, top_n = self.sampler.sample(logits, [r.params for r in requests],
-                                                       [r.generator for r in requests])
+    def _sample(self, sampling: list[tuple[_Request, StepChunk]], logits: torch.Tensor) -> list[tuple]:
+        """logits [r, V']: the next token after each request's last token and after each of its draft
+        tokens. Per request: (tokens, their log-probs or None, their top-n or None)."""
+        per_row = [(request, 1 + chunk.end - len(request.token_ids)) for request, chunk in sampling]
+        params = [request.params for request, rows in per_row for _ in range(rows)]
+        generators = [request.generator for request, rows in per_row for _ in range(rows)]
+        tokens, log_probs, top_n = self.sampler.sample(logits, params, generators)
         tokens = tokens.tolist()  # one device sync for the step
         log_probs = log_probs.tolist() if log_probs is not None else None
-        outputs = []
-        for i, request in enumerate(requests):
+        result, first = [], 0
+        for request, rows in per_row:
+            rows_of = slice(first, first + rows)
+            result.append((tokens[rows_of], None if request.log_probs is None else log_probs[rows_of],
+                           None if request.top_n_logprobs is None else top_n[rows_of]))
+            first += rows
+        return result
+
+    def _accept(self, request: _Request, chunk: StepChunk, sampled: tuple) -> tuple:
+        """Keep the target's tokens up to its first disagreement with the draft tokens of `chunk`
+        (all of them without drafts); cut both caches back to the request's final tokens."""
+        tokens, log_probs, top_n = sampled
+        drafts = chunk.token_ids[len(request.token_ids):chunk.end]
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        request.num_computed = len(request.token_ids) + accepted
+        if self.draft is not None:  # blocks were reserved for every draft token asked for
+            self.num_draft_tokens_proposed += len(drafts)
+            self.num_draft_tokens_accepted += accepted
+            self.context.truncate(request.request_id, request.num_computed)
+            self.draft.rollback(request.request_id, request.num_computed)
+        keep = accepted + 1
+        return tokens[:keep], log_probs and log_probs[:keep], top_n and top_n[:keep]  # None stays None
+
+    def _append_tokens(self, request: _Request, tokens: list[int], log_probs, top_n) -> RequestOutput:
+        """Add a step's tokens one by one until the request finishes."""
+        request.new_token_ids, request.new_text = [], ""
+        for i, token in enumerate(tokens):
             if request.log_probs is not None:
                 request.log_probs.append(log_probs[i])
             if request.top_n_logprobs is not None:
                 request.top_n_logprobs.append(top_n[i])
-            self._append_token(request, tokens[i])
-            outputs.append(request.output())
-        return outputs
+            self._append_token(request, token)
+            if request.finish_reason is not None:
+                break
+        return request.output()
 
     def _append_token(self, request: _Request, token: int) -> None:
         request.token_ids.append(token)
-        request.new_token_ids, request.new_text = [token], ""
+        request.new_token_ids.append(token)
         params = request.params
         if token in params.stop_token_ids or (token == self.eod and not params.ignore_eod):
             request.finish_reason = "stop"  # a stop token is not text
         else:
-            request.new_text, stopped = request.detokenizer.add([token])
+            new_text, stopped = request.detokenizer.add([token])
+            request.new_text += new_text
             if stopped:
                 request.finish_reason = "stop"
         if request.finish_reason is None and len(request.generated) >= params.num_tokens_to_generate:
             request.finish_reason = "length"
         if request.finish_reason is not None:
             request.new_text += request.detokenizer.flush()
-            self.context.release(request.request_id)
+            self._release(request)
             self.running.remove(request)
         request.text = request.detokenizer.text
+
+    def _release(self, request: _Request) -> None:
+        self.context.release(request.request_id)
+        if self.draft is not None:
+            self.draft.release(request.request_id)
 
     # Scheduling.
 
@@ -225,7 +287,8 @@ class DynamicInferenceEngine:
         index = 0
         while index < len(self.running) and budget:
             request = self.running[index]
-            count = self._fit(request, min(len(request.token_ids) - request.num_computed, budget))
+            wanted = len(request.token_ids) - request.num_computed + self._num_drafts_wanted(request)
+            count = self._fit(request, min(wanted, budget))
             if count == 0:
                 self._preempt(self.running[-1])
                 preempted = True
@@ -241,6 +304,28 @@ class DynamicInferenceEngine:
             scheduled.append((request, chunk))
             budget -= chunk.end - chunk.start
         return scheduled
+
+    def _num_drafts_wanted(self, request: _Request) -> int:
+        """Draft tokens for a greedy request in decode; none past its last generated token."""
+        if self.draft is None or request.params.temperature > 0 or request.num_computed < len(request.token_ids) - 1:
+            return 0
+        left = request.params.num_tokens_to_generate - len(request.generated)
+        return min(self.config.num_speculative_tokens, left - 1)
+
+    def _add_draft_tokens(self, scheduled: list[tuple[_Request, StepChunk]]) -> list[tuple[_Request, StepChunk]]:
+        """Extend the decode chunks that have room for drafts with the draft model's proposals (the
+        chunks' blocks are reserved for all of them; fewer may come)."""
+        wanted = [(request.request_id, request.token_ids, chunk.end - len(request.token_ids))
+                  for request, chunk in scheduled if chunk.end > len(request.token_ids)]
+        proposals = self.draft.propose(wanted) if wanted else {}
+        extended = []
+        for request, chunk in scheduled:
+            if chunk.end > len(request.token_ids):
+                drafts = proposals.get(request.request_id, [])
+                chunk = StepChunk(request.request_id, request.token_ids + drafts, chunk.start,
+                                  len(request.token_ids) + len(drafts))
+            extended.append((request, chunk))
+        return extended
 
     def _fit(self, request: _Request, count: int) -> int:
         """The most of `count` next tokens of a running request its blocks and the free ones hold."""
@@ -269,7 +354,7 @@ class DynamicInferenceEngine:
 
     def _preempt(self, request: _Request) -> None:
         """Give back a running request's blocks; it waits first in line and recomputes its tokens."""
-        self.context.release(request.request_id)
+        self._release(request)
         self.running.remove(request)
         request.num_computed = 0
         self.waiting.appendleft(request)
