@@ -75,7 +75,10 @@ def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = F
     with _quiet_single_process():
         metadata = dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items),
                             process_group=process_group, no_dist=no_dist or not dist.is_initialized())
-    return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA_FILENAME})
+    # Older PyTorch (2.11) returns the plan's metadata without the storage layout the writer
+    # filled in: then read it back from the .metadata file the save just published.
+    storage = metadata.storage_data if metadata.storage_data is not None else read_metadata(checkpoint_dir).storage_data
+    return sorted({info.relative_path for info in storage.values()} | {DCP_METADATA_FILENAME})
 
 
 def read_metadata(checkpoint_dir: str):
