@@ -19,7 +19,7 @@ class InferenceConfig:
     the model's max_sequence_length."""
     max_tokens_per_step: int = 512
     """Tokens one forward step computes, decode tokens and prefill chunks together: longer prompts
-    are prefilled in chunks across steps (chunked prefill)."""
+    are prefilled in chunks across steps (chunked prefill) (--inference-dynamic-batching-max-tokens)."""
     prefix_caching: bool = False
     """Share the KV blocks of identical prompt prefixes between requests, found by block hash;
     unreferenced cached blocks are evicted least recently used first
@@ -28,19 +28,27 @@ class InferenceConfig:
     """Draft tokens proposed per greedy request and decode step, verified in one target forward
     (speculative decoding; needs the engine's draft_model); 0: off."""
 
+    num_cuda_graphs: int = 16
+    """Decode steps replay CUDA graphs captured for up to this many batch sizes between 1 and
+    max_requests (--inference-dynamic-batching-num-cuda-graphs); -1: one per batch size; 0: none.
+    On CUDA only, and not for MoE models (their routing has data-dependent shapes)."""
+
     def __post_init__(self):
         if not self.buffer_size_gb > 0:
             raise ValueError(f"buffer_size_gb={self.buffer_size_gb} must be > 0 "
                              "(--inference-dynamic-batching-buffer-size-gb)")
         for name, flag in (("block_size", "--inference-dynamic-batching-block-size"),
                            ("max_requests", "--inference-max-requests"),
-                           ("max_tokens_per_step", "max_tokens_per_step")):
+                           ("max_tokens_per_step", "--inference-dynamic-batching-max-tokens")):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1 ({flag})")
         if self.max_seq_length is not None and (not isinstance(self.max_seq_length, int) or self.max_seq_length < 2):
             raise ValueError(f"max_seq_length={self.max_seq_length!r} must be an integer >= 2, or None for "
                              "the model's max_sequence_length (--inference-max-seq-length)")
+        if not isinstance(self.num_cuda_graphs, int) or self.num_cuda_graphs < -1:
+            raise ValueError(f"num_cuda_graphs={self.num_cuda_graphs!r} must be -1 (every batch size), 0 (none) or a "
+                             "count >= 1 (--inference-dynamic-batching-num-cuda-graphs)")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0 "
                              "(0: no speculative decoding)")

@@ -54,13 +54,15 @@ def test_block_hash_covers_the_whole_prefix():
 
 def _context(buffer_size_gb=1e-4, prefix_caching=False, layers=(3, 5)):
     config = InferenceConfig(buffer_size_gb=buffer_size_gb, block_size=BLOCK, prefix_caching=prefix_caching)
-    return DynamicInferenceContext(config, layers, GROUPS, HEAD_DIM, torch.float32, "cpu")
+    return DynamicInferenceContext(config, layers, GROUPS, HEAD_DIM, torch.float32, "cpu", max_seq_length=64)
 
 
 def test_the_buffer_holds_as_many_blocks_as_the_budget_allows():
     context = _context(buffer_size_gb=1e-4)
     per_block = 2 * 2 * BLOCK * GROUPS * HEAD_DIM * 4  # K and V, 2 layers, fp32
-    assert context.num_blocks == int(1e-4 * 1024**3) // per_block == 104
+    # 104 blocks fit the budget; the last is the scratch block, where padding tokens write.
+    assert int(1e-4 * 1024**3) // per_block == 104
+    assert context.num_blocks == 103 and context.scratch_block == 103
     assert context.memory_buffer.shape == (2, 2, 104, BLOCK, GROUPS, HEAD_DIM)
     with pytest.raises(ValueError, match="buffer_size_gb=1e-09 holds no KV block") as error:
         _context(buffer_size_gb=1e-9)
@@ -84,9 +86,13 @@ def _reference(q, k, v):
     return out.transpose(0, 1)
 
 
-def test_attend_over_blocks_equals_causal_attention_of_each_whole_sequence():
+@pytest.mark.parametrize("paged_query_limit", [16, 2])
+def test_attend_over_blocks_equals_causal_attention_of_each_whole_sequence(paged_query_limit):
+    """Chunks of up to paged_query_limit tokens attend with the paged kernel, longer ones as SDPA
+    batches: 16, every chunk paged; 2, the prefill chunks of 4 and 5 tokens by SDPA."""
     torch.manual_seed(0)
     context = _context()
+    context.paged_query_limit = paged_query_limit
     lengths = {0: 11, 1: 3, 2: 7}
     q = {r: torch.randn(n, HEADS, HEAD_DIM) for r, n in lengths.items()}
     k = {r: torch.randn(n, GROUPS, HEAD_DIM) for r, n in lengths.items()}
@@ -116,11 +122,11 @@ def test_attend_over_blocks_equals_causal_attention_of_each_whole_sequence():
 
 
 def test_softmax_scale_and_padding_to_a_token_multiple():
-    """2 tokens padded to 4 (token_multiple, the TP size): the padding is neither stored nor
-    attended, and its output is zero."""
+    """2 tokens padded to 4 (token_multiple, the TP size): the padding is stored in the scratch
+    block only, attended by nothing, and its output is zero."""
     config = InferenceConfig(buffer_size_gb=1e-4, block_size=BLOCK)
     context = DynamicInferenceContext(config, [1], GROUPS, HEAD_DIM, torch.float32, "cpu", softmax_scale=0.3,
-                                      token_multiple=4)
+                                      token_multiple=4, max_seq_length=64)
     q = torch.randn(4, 1, HEADS, HEAD_DIM)
     k, v = torch.randn(4, 1, GROUPS, HEAD_DIM), torch.randn(4, 1, GROUPS, HEAD_DIM)
     context.add_request(0)
@@ -133,7 +139,8 @@ def test_softmax_scale_and_padding_to_a_token_multiple():
     assert_close(out[:2], expected.transpose(0, 1).reshape(2, 1, -1))
     assert torch.equal(out[2:], torch.zeros(2, 1, HEADS * HEAD_DIM))
     assert torch.equal(context.memory_buffer[0, 0, 0, :2], k[:2, 0])
-    assert context.memory_buffer.count_nonzero() == 2 * 2 * GROUPS * HEAD_DIM  # K and V of 2 tokens
+    real_blocks = context.memory_buffer[:, :, :context.scratch_block]
+    assert real_blocks.count_nonzero() == 2 * 2 * GROUPS * HEAD_DIM  # K and V of 2 tokens
 
 
 def test_prefix_caching_registers_full_blocks_and_finds_the_longest_cached_prefix():
@@ -154,3 +161,43 @@ def test_prefix_caching_registers_full_blocks_and_finds_the_longest_cached_prefi
     context.release(0)
     context.release(1)
     assert context.allocator.num_cached == 2 and context.allocator.num_allocatable() == context.num_blocks
+
+
+def test_a_padded_decode_step_equals_causal_attention_and_writes_padding_to_the_scratch_block():
+    """initialize_decode_state: 3 requests in 5 rows (the step a CUDA graph of 5 rows replays)."""
+    torch.manual_seed(0)
+    context = _context()
+    lengths = {0: 6, 1: 1, 2: 9}  # prompt lengths; each then decodes one token
+    q = {r: torch.randn(n + 1, HEADS, HEAD_DIM) for r, n in lengths.items()}
+    k = {r: torch.randn(n + 1, GROUPS, HEAD_DIM) for r, n in lengths.items()}
+    v = {r: torch.randn(n + 1, GROUPS, HEAD_DIM) for r, n in lengths.items()}
+    for r, n in lengths.items():
+        context.add_request(r)
+        context.reserve(r, n + 1)
+    prefill = [StepChunk(r, list(range(n + 1)), 0, n) for r, n in lengths.items()]
+    context.initialize_attention_state(prefill)
+    cat = lambda x, chunks: torch.cat([x[c.request_id][c.start:c.end] for c in chunks])[:, None]  # noqa: E731
+    context.attend(3, cat(q, prefill), cat(k, prefill), cat(v, prefill))
+    before = context.memory_buffer[:, :, :context.scratch_block].clone()
+    decode = [StepChunk(r, [100 + r] * (n + 1), n, n + 1) for r, n in lengths.items()]
+    input_ids, position_ids = context.initialize_decode_state(decode, 5)
+    assert input_ids.tolist() == [[100, 101, 102, 0, 0]] and position_ids.tolist() == [[6, 1, 9, 0, 0]]
+    pad = lambda x: torch.cat([cat(x, decode), torch.randn(2, 1, *x[0].shape[1:])])  # noqa: E731
+    out = context.attend(3, pad(q), pad(k), pad(v))
+    expected = torch.cat([_reference(q[r], k[r], v[r])[-1:] for r in lengths])
+    assert_close(out[:3], expected.reshape(3, 1, HEADS * HEAD_DIM), rtol=1e-5, atol=1e-5)
+    after = context.memory_buffer[:, :, :context.scratch_block]
+    written = (after != before).any(dim=(-2, -1))  # [2, layers, blocks, block_size]
+    assert written.sum() == 2 * 3  # K and V of the 3 decode tokens, in layer 3 only
+    with pytest.raises(ValueError, match="a decode step of 3 requests in 2 rows"):
+        context.initialize_decode_state(decode, 2)
+
+
+def test_cuda_graph_batch_sizes_cover_every_decode_step():
+    from teratron.inference.cuda_graphs import cuda_graph_batch_sizes
+    assert cuda_graph_batch_sizes(256, 16) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert cuda_graph_batch_sizes(6, -1) == [1, 2, 3, 4, 5, 6]
+    assert cuda_graph_batch_sizes(64, 1) == [64]
+    four = cuda_graph_batch_sizes(256, 4)
+    assert len(four) == 4 and four[-1] == 256 and four[0] == 1
+    assert cuda_graph_batch_sizes(10, 16) == [1, 2, 3, 4, 6, 8, 10]

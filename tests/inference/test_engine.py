@@ -96,12 +96,14 @@ def test_greedy_equals_transformers_alone_batched_chunked_and_waiting(hf_model):
     # decode tokens, then all at once in a buffer of 6 blocks (24 tokens; a request needs up to 5).
     alone = engine_for(model)
     assert [alone.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == reference
-    chunked = engine_for(model, max_tokens_per_step=3)
-    outputs, steps = run_steps(chunked, PROMPTS)
-    assert [o.token_ids for o in outputs] == reference
-    assert all(o.finished and o.finish_reason == "length" for o in outputs)
-    assert any(batches == 2 for batches, _, _ in steps)  # a step with decode and prefill tokens
-    tight = engine_for(model, buffer_size_gb=6 * tight_block_bytes(alone))
+    for paged_query_limit in (16, 1):  # prefill chunks with the paged kernel, or as SDPA batches
+        chunked = engine_for(model, max_tokens_per_step=3)
+        chunked.context.paged_query_limit = paged_query_limit
+        outputs, steps = run_steps(chunked, PROMPTS)
+        assert [o.token_ids for o in outputs] == reference
+        assert all(o.finished and o.finish_reason == "length" for o in outputs)
+        assert any(kinds == 2 for kinds, _, _ in steps)  # a step with decode and prefill tokens
+    tight = engine_for(model, buffer_size_gb=tight_buffer_gb(alone, 6))
     assert tight.context.num_blocks == 6
     outputs, steps = run_steps(tight, PROMPTS)
     assert [o.token_ids for o in outputs] == reference
@@ -112,21 +114,23 @@ def test_greedy_equals_transformers_alone_batched_chunked_and_waiting(hf_model):
 
 
 def run_steps(engine, prompts):
-    """Run `prompts` step by step: their final outputs, and per step the number of attention
-    batches (decode, prefill), of running requests, and whether a running request went back to
-    waiting (preempted)."""
+    """Run `prompts` step by step: their final outputs, and per step the number of kinds of chunks
+    (decode, prefill), of running requests, and whether a running request went back to waiting
+    (preempted)."""
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     final, steps = {}, []
     while engine.has_unfinished_requests():
         running = {r.request_id for r in engine.running}
         final.update({o.request_id: o for o in engine.step() if o.finished})
         preempted = bool(running & {r.request_id for r in engine.waiting})
-        steps.append((len(engine.context.attention_batches), max(len(running), len(engine.running)), preempted))
+        kinds = {c.end - c.start > 1 for c in engine.context.chunks}
+        steps.append((len(kinds), max(len(running), len(engine.running)), preempted))
     return [final[i] for i in ids], steps
 
 
-def tight_block_bytes(engine):
-    return engine.context.bytes_per_block / 1024**3
+def tight_buffer_gb(engine, num_blocks):
+    """A KV budget of `num_blocks` blocks of `engine`'s model (and the scratch block)."""
+    return (num_blocks + 1) * engine.context.bytes_per_block / 1024**3
 
 
 def test_prefix_caching_computes_fewer_tokens_with_the_same_output(hf_model):
@@ -154,7 +158,7 @@ def test_prefix_caching_in_a_tight_buffer_evicts_and_gives_the_same_output(hf_mo
     _, path, model = hf_model
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 20], [70, 71, 72, 73, 74, 75]] * 2
     engine = engine_for(model, prefix_caching=True, max_tokens_per_step=5,
-                        buffer_size_gb=7 * tight_block_bytes(engine_for(model)))
+                        buffer_size_gb=tight_buffer_gb(engine_for(model), 7))
     outputs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_greedy(path, prompts)
     assert_all_blocks_free(engine)
@@ -240,7 +244,7 @@ def test_abort_frees_blocks_and_reports_once(hf_model):
 
 def test_requests_that_can_never_run_are_refused_in_one_line(hf_model):
     _, _, model = hf_model
-    engine = engine_for(model, buffer_size_gb=3 * tight_block_bytes(engine_for(model)))  # 12 tokens
+    engine = engine_for(model, buffer_size_gb=tight_buffer_gb(engine_for(model), 3))  # 12 tokens
     refusals = [
         ([1] * 10, SamplingParams(num_tokens_to_generate=4), "needs 4 KV blocks, the buffer holds 3"),
         ([1] * 60, SamplingParams(num_tokens_to_generate=5), "exceeds max_seq_length 64"),

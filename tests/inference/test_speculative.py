@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inference.test_engine import GREEDY, NEW_TOKENS, PROMPTS, VOCAB, assert_all_blocks_free, engine_for, \
-    save_hf_model, tight_block_bytes
+    save_hf_model, tight_buffer_gb
 from teratron.convert.hf import from_hf
 from teratron.inference.config import InferenceConfig
 from teratron.inference.engines import DynamicInferenceEngine
@@ -95,7 +95,7 @@ def test_concurrent_requests_chunked_prefill_tight_buffer_and_prefix_caching(mod
     reference = plain_outputs(model, PROMPTS)
     chunked = speculative_engine(model, draft, 2, max_tokens_per_step=5)
     assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY)] == reference
-    tight = speculative_engine(model, draft, 4, buffer_size_gb=6 * tight_block_bytes(engine_for(model)))
+    tight = speculative_engine(model, draft, 4, buffer_size_gb=tight_buffer_gb(engine_for(model), 6))
     assert tight.context.num_blocks == 6
     assert [o.token_ids for o in tight.generate(PROMPTS, GREEDY)] == reference
     prefix = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12]

@@ -1,28 +1,39 @@
 """DynamicInferenceContext: the paged KV cache of one pipeline stage and the metadata of the step
 being run (Megatron's `inference.contexts.dynamic_context`).
 
-Memory: one buffer [2 (K, V), local layers, num_blocks, block_size, ng, hn] in the model's dtype,
-sized from `InferenceConfig.buffer_size_gb`. A request owns a block table, the ids of the blocks
+Memory: one buffer [2 (K, V), local layers, num_blocks + 1, block_size, ng, hn] in the model's
+dtype, sized from `InferenceConfig.buffer_size_gb`; the last block is the scratch block, where
+padding tokens write their keys and values. A request owns a block table, the ids of the blocks
 holding its tokens' keys and values in order (token p is in block table[p // block_size] at
 offset p % block_size). With prefix caching, full blocks are registered under the hash of the
 tokens up to their end, and a new request shares the blocks of its longest cached prefix.
 
 A step is a list of chunks, each some consecutive new tokens of one request
 (`initialize_attention_state`); the model then calls `attend` once per layer with the step's
-tokens back to back.
+tokens back to back. `attend` writes the step's keys and values with one indexed copy, then
+attends: short chunks (decode, speculative verification) with the paged-attention kernel, which
+reads each query's keys in place through its block table, prefill chunks as padded SDPA batches.
+A decode step (`initialize_decode_state`) keeps its metadata in buffers at fixed addresses, so
+that a CUDA graph captured for its row count replays it (`inference.cuda_graphs`).
 """
 
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
+from teratron.inference.kernels.paged_attention import paged_attention
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
+
+PAGED_QUERY_LIMIT = 16
+"""Chunks of up to this many tokens (decode, speculative verification) attend with the paged
+kernel, which reads each query's keys in place; longer ones are prefill and run as SDPA batches."""
 
 
 @dataclass(frozen=True)
@@ -37,21 +48,31 @@ class StepChunk:
 
 @dataclass
 class _AttentionBatch:
-    """Requests whose queries attend as one padded batch: R requests, up to Q queries each,
+    """Prefill chunks whose queries attend as one padded batch: R chunks, up to Q queries each,
     keys from up to B blocks each."""
     token_index: torch.Tensor   # [n] the step tokens of this batch (index into t)
     padded_index: torch.Tensor  # [n] where each sits in the padded queries [R * Q]
-    block_table: torch.Tensor   # [R, B] (padding: block 0, masked out)
+    block_table: torch.Tensor   # [R, B] (padding: the scratch block, masked out)
     mask: torch.Tensor          # bool [R, 1, Q, B * block_size], True = attend
     shape: tuple                # (R, Q)
+
+
+@dataclass
+class _PagedQueries:
+    """Queries that attend with the paged-attention kernel (decode tokens and short chunks such as
+    speculative verification): one block-table row and key count per query."""
+    token_index: torch.Tensor | None  # [p] the step tokens concerned (index into t); None: all t, in order
+    block_table: torch.Tensor         # int32 [p, max_blocks_per_request]
+    kv_lengths: torch.Tensor          # int32 [p]: query i attends its request's keys 0 .. kv_lengths[i]-1
 
 
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, layer_numbers: Sequence[int], num_query_groups: int,
                  head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None,
-                 token_multiple: int = 1):
+                 token_multiple: int = 1, max_seq_length: int | None = None):
         """token_multiple: a step's tokens are padded to a multiple of it (the tensor-parallel size:
-        an MoE layer under TP splits them over the ranks)."""
+        an MoE layer under TP splits them over the ranks). max_seq_length: the longest request
+        (config.max_seq_length when None; one of them must be given)."""
         if not layer_numbers:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         self.config = config
@@ -61,18 +82,34 @@ class DynamicInferenceContext:
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         element_size = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_block = 2 * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
-        self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block
+        # One block of the budget is the scratch block: padding tokens write their keys there.
+        self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1
         if self.num_blocks < 1:
             raise ValueError(f"buffer_size_gb={config.buffer_size_gb} holds no KV block of {self.bytes_per_block} "
-                             "bytes; raise --inference-dynamic-batching-buffer-size-gb")
+                             "bytes besides the scratch block; raise --inference-dynamic-batching-buffer-size-gb")
+        self.scratch_block = self.num_blocks
         # Zeros, not empty: masked keys of padding blocks get weight 0, and 0 * NaN would be NaN.
-        self.memory_buffer = torch.zeros(2, len(layer_numbers), self.num_blocks, self.block_size, num_query_groups,
-                                         head_dim, dtype=dtype, device=device)
+        self.memory_buffer = torch.zeros(2, len(layer_numbers), self.num_blocks + 1, self.block_size,
+                                         num_query_groups, head_dim, dtype=dtype, device=device)
         self.device = self.memory_buffer.device
         self.allocator = KVBlockAllocator(self.num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.block_hashes: dict[int, list[bytes]] = {}  # per request, the hashes of its full computed blocks
         self.chunks: list[StepChunk] = []
+        max_seq_length = max_seq_length or config.max_seq_length
+        if max_seq_length is None:
+            raise ValueError("DynamicInferenceContext needs max_seq_length (or config.max_seq_length)")
+        self.max_blocks_per_request = self.blocks_for(max_seq_length)
+        # The rows of a decode step live in these buffers, at fixed addresses (a CUDA graph replays
+        # reading them): token ids, positions and cache slots [3, R]; key counts [R]; block tables.
+        rows = -(-config.max_requests // token_multiple) * token_multiple
+        self.num_decode_rows = rows
+        self.decode_ids = torch.zeros(3, rows, dtype=torch.long, device=self.device)
+        self.decode_kv_lengths = torch.ones(rows, dtype=torch.int32, device=self.device)
+        self.decode_block_table = torch.full((rows, self.max_blocks_per_request), self.scratch_block,
+                                             dtype=torch.int32, device=self.device)
+        self.output_token_index: torch.Tensor | None = None
+        self.paged_query_limit = PAGED_QUERY_LIMIT
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
@@ -83,7 +120,8 @@ class DynamicInferenceContext:
         first = attentions[0]
         weight = next(first.parameters())
         return cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp))
+                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
+                   max_seq_length=config.max_seq_length or model.max_sequence_length)
 
     # Requests' memory.
 
@@ -141,56 +179,119 @@ class DynamicInferenceContext:
 
     # The step.
 
-    def initialize_attention_state(self, chunks: Sequence[StepChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def initialize_attention_state(self, chunks: Sequence[StepChunk],
+                                   output_token_index: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a step computing `chunks` (whose blocks are reserved); returns the model's
         input_ids and position_ids [1, t], the chunks' tokens back to back, then padding (token 0
-        at position 0, neither stored nor attended) up to a multiple of token_multiple."""
+        at position 0, stored in the scratch block, attended by nothing) up to a multiple of
+        token_multiple. output_token_index: the step tokens whose next token is sampled (only
+        they reach the output layer), None for all. Chunks of up to paged_query_limit tokens
+        attend with the paged-attention kernel, longer ones (prefill) as padded SDPA batches."""
         self.chunks = list(chunks)
-        positions = [p for c in chunks for p in range(c.start, c.end)]
-        tokens = [t for c in chunks for t in c.token_ids[c.start:c.end]]
+        lengths = np.array([c.end - c.start for c in chunks], dtype=np.int64)
+        positions = np.concatenate([np.arange(c.start, c.end) for c in chunks])
+        tokens = np.concatenate([np.asarray(c.token_ids[c.start:c.end], dtype=np.int64) for c in chunks])
+        tables = self._block_table_rows(chunks)  # [C, max_blocks]
+        chunk_of_token = np.repeat(np.arange(len(chunks)), lengths)
+        slots = tables[chunk_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
         padding = -len(tokens) % self.token_multiple
-        blocks = [self.block_tables[c.request_id][p // self.block_size] for c in chunks for p in range(c.start, c.end)]
-        self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [t]
-        self.write_offsets = torch.tensor(positions, dtype=torch.long, device=self.device) % self.block_size  # [t]
-        first_token = [0]
-        for c in chunks:
-            first_token.append(first_token[-1] + c.end - c.start)
-        decode = [i for i, c in enumerate(chunks) if c.end - c.start == 1]
-        prefill = [i for i, c in enumerate(chunks) if c.end - c.start > 1]
-        self.attention_batches = [self._attention_batch([chunks[i] for i in rows], [first_token[i] for i in rows])
-                                  for rows in (decode, prefill) if rows]
-        ids = torch.tensor([tokens + [0] * padding, positions + [0] * padding], dtype=torch.long, device=self.device)
-        return ids[:1], ids[1:]
+        ids = np.zeros((3, len(tokens) + padding), dtype=np.int64)
+        ids[2] = self.scratch_block * self.block_size
+        ids[:, :len(tokens)] = tokens, positions, slots
+        ids = torch.from_numpy(ids).to(self.device)
+        self.write_slots = ids[2]
+        short = lengths <= self.paged_query_limit
+        self.paged = self._paged_queries(tables, chunk_of_token, positions, short, padding) if short.any() else None
+        first_token = np.concatenate([[0], np.cumsum(lengths)])
+        prefill = np.flatnonzero(~short)
+        self.attention_batches = [self._attention_batch([chunks[i] for i in prefill], first_token[prefill],
+                                                        tables[prefill])] if len(prefill) else []
+        self.output_token_index = None if output_token_index is None else torch.tensor(
+            output_token_index, dtype=torch.long, device=self.device)
+        return ids[:1], ids[1:2]
 
-    def _attention_batch(self, chunks: Sequence[StepChunk], first_token: Sequence[int]) -> _AttentionBatch:
+    def initialize_decode_state(self, chunks: Sequence[StepChunk], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a decode step (one new token per chunk) padded to `num_rows` rows in the
+        fixed decode buffers (num_rows <= num_decode_rows: max_requests rounded up to
+        token_multiple): the step a CUDA graph captured for `num_rows` rows replays. Every row's
+        next token is sampled. Returns input_ids, position_ids [1, num_rows]; padding rows are token 0 at position 0 in the scratch block."""
+        if not len(chunks) <= num_rows <= self.num_decode_rows:
+            raise ValueError(f"a decode step of {len(chunks)} requests in {num_rows} rows; "
+                             f"at most {self.num_decode_rows} rows (max_requests)")
+        self.chunks = list(chunks)
+        count = len(chunks)
+        positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=count)
+        tables = np.full((num_rows, self.max_blocks_per_request), self.scratch_block, dtype=np.int32)
+        tables[:count] = self._block_table_rows(chunks)
+        ids = np.zeros((3, num_rows), dtype=np.int64)
+        ids[2] = self.scratch_block * self.block_size
+        ids[0, :count] = [c.token_ids[c.start] for c in chunks]
+        ids[1, :count] = positions
+        ids[2, :count] = tables[np.arange(count), positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        kv_lengths = np.ones(num_rows, dtype=np.int32)
+        kv_lengths[:count] = positions + 1
+        self.decode_ids[:, :num_rows].copy_(torch.from_numpy(ids))
+        self.decode_kv_lengths[:num_rows].copy_(torch.from_numpy(kv_lengths))
+        self.decode_block_table[:num_rows].copy_(torch.from_numpy(tables))
+        self.write_slots = self.decode_ids[2, :num_rows]
+        self.paged = _PagedQueries(None, self.decode_block_table[:num_rows], self.decode_kv_lengths[:num_rows])
+        self.attention_batches = []
+        self.output_token_index = None
+        return self.decode_ids[0, :num_rows][None], self.decode_ids[1, :num_rows][None]
+
+    def _block_table_rows(self, chunks: Sequence[StepChunk]) -> np.ndarray:
+        """int32 [C, max_blocks_per_request]: each chunk's request's blocks, then the scratch block."""
+        rows = np.full((len(chunks), self.max_blocks_per_request), self.scratch_block, dtype=np.int32)
+        for row, chunk in enumerate(chunks):
+            table = self.block_tables[chunk.request_id]
+            rows[row, :len(table)] = table
+        return rows
+
+    def _paged_queries(self, tables, chunk_of_token, positions, short, padding) -> _PagedQueries:
+        """The tokens of the short chunks: their rows of the block tables and key counts."""
+        tokens = np.flatnonzero(short[chunk_of_token])
+        to_device = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # noqa: E731
+        index = None if len(tokens) == len(positions) and not padding else to_device(tokens)
+        return _PagedQueries(index, to_device(tables[chunk_of_token[tokens]]),
+                             to_device((positions[tokens] + 1).astype(np.int32)))
+
+    def _attention_batch(self, chunks: Sequence[StepChunk], first_token: Sequence[int],
+                         tables: np.ndarray) -> _AttentionBatch:
         num_queries = max(c.end - c.start for c in chunks)
         num_blocks = max(self.blocks_for(c.end) for c in chunks)
         token_index, padded_index = [], []
-        table = torch.zeros(len(chunks), num_blocks, dtype=torch.long)
         query_positions = torch.zeros(len(chunks), num_queries, dtype=torch.long)  # padding: position 0
         for row, (chunk, first) in enumerate(zip(chunks, first_token)):
             count = chunk.end - chunk.start
             token_index += range(first, first + count)
             padded_index += range(row * num_queries, row * num_queries + count)
-            used = self.blocks_for(chunk.end)
-            table[row, :used] = torch.tensor(self.block_tables[chunk.request_id][:used])
             query_positions[row, :count] = torch.arange(chunk.start, chunk.end)
         key_positions = torch.arange(num_blocks * self.block_size)
         mask = key_positions[None, None, None, :] <= query_positions[:, None, :, None]  # [R, 1, Q, B * bs]
         index = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        return _AttentionBatch(index(token_index), index(padded_index), table.to(self.device), mask.to(self.device),
+        table = torch.from_numpy(tables[:, :num_blocks].astype(np.int64)).to(self.device)
+        return _AttentionBatch(index(token_index), index(padded_index), table, mask.to(self.device),
                                (len(chunks), num_queries))
 
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Store this step's keys and values of layer `layer_number` and attend: q [t, 1, np, hn],
         k and v [t, 1, ng, hn] -> [t, 1, np * hn]; each query sees its request's keys up to its
         own position (causal), cached and new."""
-        keys, values = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks, bs, ng, hn] each
-        real = len(self.write_blocks)
-        keys[self.write_blocks, self.write_offsets] = key[:real, 0]
-        values[self.write_blocks, self.write_offsets] = value[:real, 0]
+        keys, values = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks + 1, bs, ng, hn] each
         t, _, heads, head_dim = query.shape
+        groups = key.shape[2]
+        keys.view(-1, groups, head_dim).index_copy_(0, self.write_slots, key[:, 0])
+        values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
+        paged = self.paged
+        if paged is not None and paged.token_index is None:  # every token (a decode step)
+            context = paged_attention(query[:, 0], keys, values, paged.block_table, paged.kv_lengths,
+                                      self.softmax_scale)
+            return context.view(t, 1, heads * head_dim)
         output = query.new_zeros(t, heads, head_dim)  # padding tokens keep zeros
+        if paged is not None:
+            output[paged.token_index] = paged_attention(query[paged.token_index, 0], keys, values, paged.block_table,
+                                                        paged.kv_lengths, self.softmax_scale)
         for batch in self.attention_batches:
             output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values)
         return output.view(t, 1, heads * head_dim)
@@ -208,13 +309,18 @@ class DynamicInferenceContext:
                                                  enable_gqa=heads != k.shape[1])
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
+    def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[t, 1, h] -> the tokens whose next token the step samples [r, 1, h]."""
+        if self.output_token_index is None:
+            return hidden_states
+        return hidden_states.index_select(0, self.output_token_index)
+
     def commit_step(self, chunks: Sequence[StepChunk] | None = None) -> None:
         """After the step's forward: with prefix caching, register the blocks it filled. chunks:
         the step's chunks cut to their final tokens (rejected speculative tokens left out);
         default: the step's chunks."""
         if self.config.prefix_caching:
             self._register_full_blocks(self.chunks if chunks is None else chunks)
-        self.chunks = []
 
     def _register_full_blocks(self, chunks: Sequence[StepChunk]) -> None:
         for chunk in chunks:

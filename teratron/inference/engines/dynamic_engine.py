@@ -29,6 +29,7 @@ import torch
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
+from teratron.inference.cuda_graphs import DecodeCudaGraphs, cuda_graph_batch_sizes
 from teratron.inference.detokenizer import IncrementalDetokenizer
 from teratron.inference.engines.speculative import DraftProposer
 from teratron.inference.refit import refit_weights
@@ -105,6 +106,7 @@ class DynamicInferenceEngine:
         self.vocab_size = model.unpadded_vocab_size or model.vocab_size
         self.eod = _eod(tokenizer)
         self.sampler = Sampler(self.vocab_size)
+        self.cuda_graphs = self._capture_cuda_graphs()
         self.draft = None if draft_model is None else DraftProposer(draft_model, config, self.vocab_size)
         self.generator = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.waiting: deque[_Request] = deque()
@@ -117,6 +119,15 @@ class DynamicInferenceEngine:
         """Forward passes of the (target) model so far."""
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
+
+    def _capture_cuda_graphs(self) -> Optional[DecodeCudaGraphs]:
+        """Decode CUDA graphs on a CUDA device, unless config.num_cuda_graphs is 0 or the model
+        has MoE layers (data-dependent shapes)."""
+        if (self.context.device.type != "cuda" or self.config.num_cuda_graphs == 0
+                or getattr(self.model.config, "num_moe_experts", None)):
+            return None
+        sizes = cuda_graph_batch_sizes(self.config.max_requests, self.config.num_cuda_graphs)
+        return DecodeCudaGraphs(self.model, self.context, sizes)
 
     # Requests.
 
@@ -185,26 +196,50 @@ class DynamicInferenceEngine:
             return outputs
         if self.draft is not None:
             scheduled = self._add_draft_tokens(scheduled)
-        input_ids, position_ids = self.context.initialize_attention_state([chunk for _, chunk in scheduled])
-        with torch.no_grad():
-            logits = self.model(input_ids, position_ids, None, inference_context=self.context,
-                                runtime_gather_output=True)  # [1, t, V']
-        self.num_forwards += 1
         sampling, rows, end = [], [], 0
         for request, chunk in scheduled:
             end += chunk.end - chunk.start
-            if chunk.end >= len(request.token_ids):  # its last token (and any drafts) ran
+            if chunk.end >= len(request.token_ids):  # its last token (and any drafts) run
                 sampling.append((request, chunk))
                 rows += range(end - 1 - (chunk.end - len(request.token_ids)), end)
             else:
                 request.num_computed = chunk.end
+        logits = self._forward([chunk for _, chunk in scheduled], rows)  # [len(rows), V']
+        self.num_forwards += 1
         self.num_tokens_computed += end
-        tokens = self._sample(sampling, logits[0, rows].float()) if sampling else []
+        tokens = self._sample(sampling, logits.float()) if sampling else []
         accepted = [self._accept(request, chunk, new) for (request, chunk), new in zip(sampling, tokens)]
         self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled])
         for (request, _), (new, log_probs, top_n) in zip(sampling, accepted):
             outputs.append(self._append_tokens(request, new, log_probs, top_n))
         return outputs
+
+    def _forward(self, chunks: list[StepChunk], output_rows: list[int]) -> torch.Tensor:
+        """Run the step's chunks through the model; the logits [len(output_rows), V'] of the step
+        tokens `output_rows`. A decode step (every chunk one token, sampled) replays a CUDA graph
+        when one is that big, else runs its padded rows eagerly; other steps run eagerly."""
+        decode = len(output_rows) == len(chunks) and all(c.end - c.start == 1 for c in chunks)
+        rows = self._decode_rows(len(chunks)) if decode else None
+        with torch.no_grad():
+            if rows is None:
+                input_ids, position_ids = self.context.initialize_attention_state(chunks, output_rows)
+                return self.model(input_ids, position_ids, None, inference_context=self.context,
+                                  runtime_gather_output=True)[0]
+            input_ids, position_ids = self.context.initialize_decode_state(chunks, rows)
+            if self.cuda_graphs is not None:
+                logits = self.cuda_graphs.replay(rows)
+            else:
+                logits = self.model(input_ids, position_ids, None, inference_context=self.context,
+                                    runtime_gather_output=True)[0]
+            return logits[:len(chunks)]
+
+    def _decode_rows(self, num_requests: int) -> Optional[int]:
+        """The padded row count of a decode step of `num_requests` requests (the CUDA graph's),
+        or None when it runs as a general step."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs.rows_for(num_requests)
+        rows = -(-num_requests // self.context.token_multiple) * self.context.token_multiple
+        return rows if rows <= self.context.num_decode_rows else None
 
     def _sample(self, sampling: list[tuple[_Request, StepChunk]], logits: torch.Tensor) -> list[tuple]:
         """logits [r, V']: the next token after each request's last token and after each of its draft

@@ -67,14 +67,14 @@ class DraftProposer:
 
     def _next_tokens(self, chunks: list[StepChunk]) -> list[int]:
         """The draft's greedy token after the last token of each chunk."""
-        input_ids, position_ids = self.context.initialize_attention_state(chunks)
+        last_tokens = torch.tensor([c.end - c.start for c in chunks]).cumsum(0) - 1
+        input_ids, position_ids = self.context.initialize_attention_state(chunks, last_tokens.tolist())
         with torch.no_grad():
             logits = self.model(input_ids, position_ids, None, inference_context=self.context,
-                                runtime_gather_output=True)  # [1, t, V']
+                                runtime_gather_output=True)  # [1, len(chunks), V']
         self.context.commit_step()
         self.num_forwards += 1
-        last_rows = torch.tensor([c.end - c.start for c in chunks]).cumsum(0) - 1
-        return logits[0, last_rows.to(logits.device), :self.vocab_size].argmax(-1).tolist()
+        return logits[0, :, :self.vocab_size].argmax(-1).tolist()
 
     def rollback(self, request_id: int, num_tokens: int) -> None:
         """Only the request's first `num_tokens` tokens are final: forget what the draft computed past them."""

@@ -126,7 +126,8 @@ class GPTModel(torch.nn.Module):
         With `inference_context` (teratron.inference: the KV cache and this step's requests) the
         batch is the step's new tokens of every request back to back, input_ids and position_ids
         [1, t]; each attention layer stores its keys and values in the context and attends over
-        what the context holds for each token's request (`inference_context.attend`)."""
+        what the context holds for each token's request (`inference_context.attend`); the logits
+        are those of the tokens the context samples after (`output_hidden_states`), [1, r, V]."""
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
@@ -136,6 +137,8 @@ class GPTModel(torch.nn.Module):
                                      inference_context=inference_context)
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:
+            hidden_states = inference_context.output_hidden_states(hidden_states)  # the tokens it samples after
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if labels is not None and self.config.cross_entropy_loss_fusion:
             return self._fused_language_model_loss(labels, hidden_states, weight)
