@@ -78,7 +78,9 @@ def parse_args(argv):
     sized("--max-requests", "--inference-max-requests")
     sized("--buffer-size-gb", "--inference-dynamic-batching-buffer-size-gb", float)
     sized("--block-size", "--inference-dynamic-batching-block-size")
-    sized("--max-tokens-per-step", "tokens one engine step computes")
+    sized("--max-tokens-per-step", "--inference-dynamic-batching-max-tokens: tokens one engine step computes")
+    p.add_argument("--num-cuda-graphs", type=int, default=16,
+                   help="--inference-dynamic-batching-num-cuda-graphs (default 16; 0: decode eagerly)")
     sized("--repeats", "(b) runs, the median reported")
     sized("--rate", "(c) mean arrivals per second", float)
     sized("--poisson-requests", "(c) requests")
@@ -206,7 +208,8 @@ def on_fresh_engine(model, tokenizer, args, generator, work, **config):
     """work(engine) on a new engine warmed up on other prompts; its KV buffer is given back before
     this returns, so the next workload can allocate its own. config: InferenceConfig overrides."""
     settings = dict(buffer_size_gb=args.buffer_size_gb, block_size=args.block_size, max_requests=args.max_requests,
-                    max_tokens_per_step=args.max_tokens_per_step, prefix_caching=False)
+                    max_tokens_per_step=args.max_tokens_per_step, prefix_caching=False,
+                    num_cuda_graphs=args.num_cuda_graphs)
     engine = DynamicInferenceEngine(model, tokenizer, InferenceConfig(**{**settings, **config}), seed=args.seed)
     engine.generate(random_prompts(min(4, args.max_requests), args.prompt_tokens, tokenizer.vocab_size, generator),
                     greedy(4))  # kernels chosen, workspaces allocated
@@ -237,6 +240,11 @@ def run_to_end(engine: DynamicInferenceEngine, prompts: list, params: SamplingPa
     return time.perf_counter() - start, steps
 
 
+def graph_replays(engine: DynamicInferenceEngine) -> int:
+    """Decode steps the engine has run as CUDA-graph replays so far."""
+    return 0 if engine.cuda_graphs is None else engine.cuda_graphs.num_replays
+
+
 # ------------------------------------------------------------------ the workloads
 
 def offline_throughput(model, tokenizer, args, generator) -> str:
@@ -246,17 +254,19 @@ def offline_throughput(model, tokenizer, args, generator) -> str:
     def work(engine):
         if device_of(model).type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        replays = graph_replays(engine)
         seconds, steps = run_to_end(engine, prompts, greedy(args.output_tokens))
         # The most requests decoding at once: the engine's limit, or as many as its KV buffer holds whole.
         batch = min(args.max_requests, args.requests, engine.context.num_blocks // blocks_per_request)
-        return seconds, steps, batch, peak_memory(device_of(model))
+        return seconds, steps, graph_replays(engine) - replays, batch, peak_memory(device_of(model))
 
-    seconds, steps, batch, peak = on_fresh_engine(model, tokenizer, args, generator, work)
+    seconds, steps, replays, batch, peak = on_fresh_engine(model, tokenizer, args, generator, work)
     tokens = args.requests * args.output_tokens
     roof = roofline_tokens_per_s(weight_bytes(model), kv_bytes_per_token(model), args.prompt_tokens,
                                  args.output_tokens, batch, args.bandwidth_tbs * 1e12)
     return (f"RESULT teratron offline throughput: {tokens / seconds:.0f} output tok/s ({args.requests} requests "
-            f"{args.prompt_tokens}/{args.output_tokens}, {seconds:.2f} s, {steps} steps, "
+            f"{args.prompt_tokens}/{args.output_tokens}, {seconds:.2f} s, {steps} steps ({replays} CUDA-graph "
+            f"decode steps), "
             f"{tokens / steps:.1f} output tokens a step, peak {peak}); HBM roofline at batch {batch} "
             f"(weights + KV) {roof:.0f} tok/s; ratio {tokens / seconds / roof:.2f}")
 

@@ -314,3 +314,35 @@ def test_tensor_and_expert_parallel_engines_give_the_same_output(hf_model, tmp_p
     reference = hf_greedy(path, PROMPTS)
     for per_rank in run_distributed(_generate_in_layouts, 2, str(tmp_path / "ckpt"), layouts):
         assert per_rank == [reference] * len(layouts)
+
+
+class _EagerDecodeGraphs:
+    """Stands in for DecodeCudaGraphs on the CPU: the same decode steps (padded rows in the
+    context's fixed decode buffers), run eagerly instead of replayed."""
+
+    def __init__(self, engine, batch_sizes):
+        self.engine, self.batch_sizes, self.num_replays = engine, batch_sizes, 0
+
+    def rows_for(self, num_requests):
+        return min((rows for rows in self.batch_sizes if rows >= num_requests), default=None)
+
+    def replay(self, rows):
+        self.num_replays += 1
+        ids = self.engine.context.decode_ids
+        with torch.no_grad():
+            return self.engine.model(ids[0, :rows][None], ids[1, :rows][None], None,
+                                     inference_context=self.engine.context, runtime_gather_output=True)[0]
+
+
+def test_decode_steps_in_padded_graph_rows_give_the_same_output(hf_model):
+    """The engine's CUDA-graph path (decode steps padded to a graph's row count, the paged kernel
+    over the fixed buffers), run eagerly: transformers' greedy output, prefill steps mixed in."""
+    family, path, model = hf_model
+    if family == "mixtral":
+        return  # MoE models decode without graphs (see DynamicInferenceEngine._capture_cuda_graphs)
+    reference = hf_greedy(path, PROMPTS)
+    engine = engine_for(model, max_tokens_per_step=6)
+    engine.cuda_graphs = _EagerDecodeGraphs(engine, [1, 3, 64])
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.cuda_graphs.num_replays >= NEW_TOKENS - 1
+    assert_all_blocks_free(engine)

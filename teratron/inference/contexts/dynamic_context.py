@@ -192,6 +192,7 @@ class DynamicInferenceContext:
         positions = np.concatenate([np.arange(c.start, c.end) for c in chunks])
         tokens = np.concatenate([np.asarray(c.token_ids[c.start:c.end], dtype=np.int64) for c in chunks])
         tables = self._block_table_rows(chunks)  # [C, max_blocks]
+        tables = tables[:, :max(self.blocks_for(c.end) for c in chunks)]  # the paged kernel reads no further
         chunk_of_token = np.repeat(np.arange(len(chunks)), lengths)
         slots = tables[chunk_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
         padding = -len(tokens) % self.token_multiple

@@ -41,6 +41,7 @@ from teratron.inference.sampling_params import SamplingParams
 class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
+    """The request's own list (never changed): not to be modified."""
     token_ids: list[int]
     """Every generated token so far (a stop or end-of-document token included)."""
     new_token_ids: list[int]
@@ -79,7 +80,7 @@ class _Request:
         return self.token_ids[len(self.prompt_token_ids):]
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, list(self.prompt_token_ids), self.generated, self.new_token_ids,
+        return RequestOutput(self.request_id, self.prompt_token_ids, self.generated, self.new_token_ids,
                              self.text, self.new_text, self.finish_reason is not None, self.finish_reason,
                              None if self.log_probs is None else list(self.log_probs),
                              None if self.top_n_logprobs is None else list(self.top_n_logprobs))
@@ -209,37 +210,25 @@ class DynamicInferenceEngine:
         self.num_tokens_computed += end
         tokens = self._sample(sampling, logits.float()) if sampling else []
         accepted = [self._accept(request, chunk, new) for (request, chunk), new in zip(sampling, tokens)]
-        self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled])
+        if self.config.prefix_caching:  # register the blocks filled by final tokens
+            self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled])
         for (request, _), (new, log_probs, top_n) in zip(sampling, accepted):
             outputs.append(self._append_tokens(request, new, log_probs, top_n))
         return outputs
 
     def _forward(self, chunks: list[StepChunk], output_rows: list[int]) -> torch.Tensor:
         """Run the step's chunks through the model; the logits [len(output_rows), V'] of the step
-        tokens `output_rows`. A decode step (every chunk one token, sampled) replays a CUDA graph
-        when one is that big, else runs its padded rows eagerly; other steps run eagerly."""
+        tokens `output_rows`. A decode step (every chunk one token, sampled) replays the smallest
+        CUDA graph that holds it; other steps run eagerly."""
         decode = len(output_rows) == len(chunks) and all(c.end - c.start == 1 for c in chunks)
-        rows = self._decode_rows(len(chunks)) if decode else None
+        rows = self.cuda_graphs.rows_for(len(chunks)) if decode and self.cuda_graphs is not None else None
+        if rows is not None:
+            self.context.initialize_decode_state(chunks, rows)
+            return self.cuda_graphs.replay(rows)[:len(chunks)]
+        input_ids, position_ids = self.context.initialize_attention_state(chunks, output_rows)
         with torch.no_grad():
-            if rows is None:
-                input_ids, position_ids = self.context.initialize_attention_state(chunks, output_rows)
-                return self.model(input_ids, position_ids, None, inference_context=self.context,
-                                  runtime_gather_output=True)[0]
-            input_ids, position_ids = self.context.initialize_decode_state(chunks, rows)
-            if self.cuda_graphs is not None:
-                logits = self.cuda_graphs.replay(rows)
-            else:
-                logits = self.model(input_ids, position_ids, None, inference_context=self.context,
-                                    runtime_gather_output=True)[0]
-            return logits[:len(chunks)]
-
-    def _decode_rows(self, num_requests: int) -> Optional[int]:
-        """The padded row count of a decode step of `num_requests` requests (the CUDA graph's),
-        or None when it runs as a general step."""
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs.rows_for(num_requests)
-        rows = -(-num_requests // self.context.token_multiple) * self.context.token_multiple
-        return rows if rows <= self.context.num_decode_rows else None
+            return self.model(input_ids, position_ids, None, inference_context=self.context,
+                              runtime_gather_output=True)[0]
 
     def _sample(self, sampling: list[tuple[_Request, StepChunk]], logits: torch.Tensor) -> list[tuple]:
         """logits [r, V']: the next token after each request's last token and after each of its draft
