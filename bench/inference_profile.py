@@ -1,8 +1,10 @@
-"""Where a batch-1 decode step of the inference engine spends its time (issue 19's gap): the
-benchmark-shape model in bf16, one request with a 512-token prompt, 64 decode steps under
-torch.profiler; prints the ops by device time and by host time, and the step's wall time.
+"""Where a decode step of the inference engine spends its time: the benchmark-shape model in
+bf16, B requests with 512-token prompts, decoding. For each batch size B: the device time of one
+replay of the decode CUDA graph (CUDA events, the mean of 50), the wall time of a whole engine
+step (scheduling, metadata, replay, sampling, detokenizing), and the host time of a step (wall
+minus device). Then the kernels of one eager decode step at the largest B under torch.profiler.
 
-    PYTHONPATH=. python bench/inference_profile.py [--tiny]
+    PYTHONPATH=. python bench/inference_profile.py [--tiny] [--batch-sizes 1,64,256]
 """
 
 import argparse
@@ -15,32 +17,57 @@ from teratron.inference import DynamicInferenceEngine, InferenceConfig, Sampling
 from teratron.tokenizers import NullTokenizer
 
 
+def decode_engine(model, batch: int, prompt_tokens: int, steps: int, num_cuda_graphs: int):
+    """An engine with `batch` requests past their prefill, each with `steps` + 8 tokens to go."""
+    config = InferenceConfig(buffer_size_gb=48.0 if torch.cuda.is_available() else 0.05, max_requests=batch,
+                             max_tokens_per_step=8192, num_cuda_graphs=num_cuda_graphs, max_seq_length=2048)
+    engine = DynamicInferenceEngine(model, NullTokenizer(model.vocab_size), config)
+    params = SamplingParams(temperature=0, num_tokens_to_generate=steps + 16, ignore_eod=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 100, (prompt_tokens,)).tolist(), params)
+    while any(r.num_computed < len(r.prompt_token_ids) for r in engine.running) or engine.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(args.tiny, device)
-    engine = DynamicInferenceEngine(model, NullTokenizer(model.vocab_size), InferenceConfig(buffer_size_gb=4.0))
-    prompt = torch.randint(0, 100, (8 if args.tiny else 512,)).tolist()
-    params = SamplingParams(temperature=0, num_tokens_to_generate=args.steps + 8, ignore_eod=True)
-    engine.add_request(prompt, params)
-    for _ in range(4):  # the prefill and warm-up decode steps
-        engine.step()
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    model = build_model(args.tiny, torch.device("cuda" if cuda else "cpu"))
+    prompt_tokens = 8 if args.tiny else 512
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    for batch in batches:
+        engine = decode_engine(model, batch, prompt_tokens, args.steps, 1 if cuda else 0)
+        device_ms = float("nan")
+        if engine.cuda_graphs is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):  # replays of the last prepared step (same inputs)
+                engine.cuda_graphs.replay(batch)
+            end.record()
+            torch.cuda.synchronize()
+            device_ms = start.elapsed_time(end) / args.steps
+        begin = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / args.steps
-    print(f"RESULT decode step wall time {wall * 1e3:.2f} ms ({1 / wall:.0f} tok/s at batch 1)")
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        wall_ms = (time.perf_counter() - begin) * 1e3 / args.steps
+        print(f"RESULT decode batch {batch}: graph replay {device_ms:.3f} ms device; engine step {wall_ms:.3f} ms "
+              f"wall ({batch / wall_ms * 1e3:.0f} tok/s); host {wall_ms - device_ms:.3f} ms a step")
+        del engine
+    engine = decode_engine(model, batches[-1], prompt_tokens, 8, 0)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(4):
+            engine.step()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"eager decode steps at batch {batches[-1]} (4 steps):")
+    print(prof.key_averages().table(sort_by=key, row_limit=20))
 
 
 if __name__ == "__main__":
