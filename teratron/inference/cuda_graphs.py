@@ -56,14 +56,16 @@ class DecodeCudaGraphs:
         return self.logits[rows]
 
     def _forward(self, rows: int) -> torch.Tensor:
-        input_ids, position_ids = self.context.initialize_decode_state([], rows)
-        logits = self.model(input_ids, position_ids, None, inference_context=self.context,
+        ids = self.context.decode_ids  # [3, R]: token ids, positions, cache slots
+        logits = self.model(ids[0, :rows][None], ids[1, :rows][None], None, inference_context=self.context,
                             runtime_gather_output=True)  # [1, rows, V']
         return logits[0]
 
     @torch.no_grad()
     def _capture(self, rows: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (lazy initialisation, autotuning), then capture."""
+        """Warm up on a side stream (lazy initialisation, autotuning), then capture, over a step
+        of padding rows only (their keys go to the scratch block)."""
+        self.context.initialize_decode_state([], rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
