@@ -11,7 +11,9 @@
     teratron generate --load CKPT --prompt TEXT [flags]
                                     continue a prompt with a checkpoint's model (streams the text)
     teratron serve --load CKPT [--host 127.0.0.1] [--port 8000]
-                                    OpenAI-compatible HTTP server (completions, chat, streaming)
+                                    OpenAI-compatible HTTP server (completions, chat, streaming);
+                                    both take --tensor-model-parallel-size (under torchrun) and
+                                    --draft-load / --num-speculative-tokens
 
 Bad input (a flag, a config value, a file) ends the command with one line on stderr,
 `teratron: error: <message>`, and exit status 2; no traceback.

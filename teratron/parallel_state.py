@@ -3,14 +3,17 @@
 `initialize_model_parallel(...)` builds the topology (every process group of the dense and the
 expert grid; see teratron/topology.py for the layout) and makes it current;
 `destroy_model_parallel()` goes back to the all-ones topology. Every other function only reads
-the current topology: this module keeps no state of its own.
+the current topology: this module keeps no state of its own. `initialize_distributed()` starts
+torch.distributed from torchrun's environment (`teratron train`, `generate` and `serve` use it).
 
 When nothing is initialised every world-size getter returns 1, every rank getter 0 and every
 group getter None (a group of one), so one process runs any model without torch.distributed.
 """
 
+import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from teratron.topology import (  # noqa: F401  RankGenerator and the defaults: Megatron's names here
@@ -21,6 +24,33 @@ from teratron.topology import (  # noqa: F401  RankGenerator and the defaults: M
     default_position_embedding_ranks,
     set_current_topology,
 )
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun), known before any rendezvous."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
+def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10) -> int:
+    """Start torch.distributed when torchrun launched us (NCCL with CUDA, else gloo, unless
+    `backend` says); returns the world size. Under torchrun each process takes the GPU of its
+    LOCAL_RANK.
+
+    A process without torchrun runs without torch.distributed: every group is a group of one
+    (this module's contract), so nothing needs a rendezvous.
+    """
+    if not launched_by_torchrun():
+        return 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                                timeout=timedelta(minutes=timeout_minutes))
+    return dist.get_world_size()
 
 
 def initialize_model_parallel(

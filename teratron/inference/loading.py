@@ -38,22 +38,23 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1, dtype: torch.dtype | None = None,
-                       device=None):
+                       device=None, flag: str = "--load"):
     """(GPTModel in eval mode, tokenizer) of the checkpoint in `checkpoint_dir` (a save directory,
     whose latest iteration loads, or an iteration folder). `dtype`: the parameters' (default: the
-    saved weights'); `device`: where they live (default: CUDA when available, else the CPU).
+    saved weights'); `device`: where they live (default: CUDA when available, else the CPU);
+    `flag`: the option the path came from, for error messages.
     Tensor parallelism needs torch.distributed initialised with that many ranks per group."""
-    folder = storage.resolve_checkpoint_dir(checkpoint_dir)
+    folder = storage.resolve_checkpoint_dir(checkpoint_dir, flag)
     metadata = storage.read_metadata(folder)
     model_args = metadata.get("model_args")
     if not model_args:
-        raise ValueError(f"--load {folder}: metadata.json records no model_args, so the model cannot be rebuilt; "
+        raise ValueError(f"{flag} {folder}: metadata.json records no model_args, so the model cannot be rebuilt; "
                          "load a checkpoint saved by `teratron train`, import-hf or merge")
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or saved_dtype(folder)
-    model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder)
+    model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder, flag)
     _, common = load_checkpoint(folder, [model], optimizer=None, load_optimizer=False, load_rng=False)
-    return model.to(device).eval(), _load_tokenizer(folder, metadata, common)
+    return model.to(device).eval(), _load_tokenizer(folder, metadata, common, flag)
 
 
 def saved_dtype(checkpoint_dir: str) -> torch.dtype:
@@ -82,7 +83,7 @@ def _pg_collection(tp: int, folder: str) -> ProcessGroupCollection:
     return pg
 
 
-def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.device, folder: str):
+def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.device, folder: str, flag: str):
     pg = _pg_collection(tp, folder)
     padded = model_args.get("padded_vocab_size")
     if not padded or padded % tp:  # the vocabulary rows are resharded on load: any padding loads
@@ -93,7 +94,7 @@ def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.de
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, perform_initialization=False,
             use_cpu_initialization=device.type == "cpu")
     except KeyError as e:
-        raise ValueError(f"--load {folder}: metadata.json's model_args lack {e}; the checkpoint is damaged or from "
+        raise ValueError(f"{flag} {folder}: metadata.json's model_args lack {e}; the checkpoint is damaged or from "
                          "an older teratron: save it again with `teratron train`") from None
     if device.type == "cuda" and device.index is not None:  # the layers allocate on the current device
         torch.cuda.set_device(device)
@@ -117,28 +118,29 @@ def _run_tokenizer_flags(common: dict):
     return argparse.Namespace(**args)
 
 
-def _load_tokenizer(folder: str, metadata: dict, common: dict):
-    flags = _run_tokenizer_flags(common)
+def _load_tokenizer(folder: str, metadata: dict, common: dict, flag: str):
+    run_flags = _run_tokenizer_flags(common)
     hf_tokenizer = None
     if os.path.isfile(os.path.join(hf_dir(folder), "tokenizer.json")):
-        include_special = flags is None or bool(getattr(flags, "tokenizer_hf_include_special_tokens", False))
+        include_special = run_flags is None or bool(getattr(run_flags, "tokenizer_hf_include_special_tokens", False))
         hf_tokenizer = HuggingFaceTokenizer(hf_dir(folder), include_special_tokens=include_special)
         trained_with = metadata.get("tokenizer")
-        if flags is None or not trained_with or _same_vocabulary(trained_with, hf_tokenizer.fingerprint()):
+        if run_flags is None or not trained_with or same_vocabulary(trained_with, hf_tokenizer.fingerprint()):
             return hf_tokenizer
-    if flags is None:
-        raise ValueError(f"--load {folder}: the checkpoint has no tokenizer (no {storage.HF_DIRNAME}/tokenizer.json "
+    if run_flags is None:
+        raise ValueError(f"{flag} {folder}: the checkpoint has no tokenizer (no {storage.HF_DIRNAME}/tokenizer.json "
                          "beside it and no run description in common.pt); import the model with `teratron convert "
                          "import-hf`, or load a checkpoint that `teratron train` saved")
     try:
-        return build_tokenizer(flags)
+        return build_tokenizer(run_flags)
     except (ValueError, OSError) as e:
-        raise ValueError(f"--load {folder}: the tokenizer the model was trained with (--tokenizer-type "
-                         f"{flags.tokenizer_type}) cannot be built: {e}; put its files back where the run "
+        raise ValueError(f"{flag} {folder}: the tokenizer the model was trained with (--tokenizer-type "
+                         f"{run_flags.tokenizer_type}) cannot be built: {e}; put its files back where the run "
                          "read them") from None
 
 
-def _same_vocabulary(a: dict, b: dict) -> bool:
+def same_vocabulary(a: dict, b: dict) -> bool:
+    """Whether two tokenizer fingerprints (MegatronTokenizer.fingerprint) make the same ids."""
     return (a.get("class"), a.get("sha256")) == (b.get("class"), b.get("sha256"))
 
 

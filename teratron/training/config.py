@@ -413,7 +413,7 @@ def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
     """The run description of parsed flags for this launch: the world size torchrun started
     (unless given), the vocabulary of the tokenizer the flags name."""
     from teratron.tokenizers import build_tokenizer
-    from teratron.training.initialize import world_size_from_env
+    from teratron.parallel_state import world_size_from_env
 
     world_size = world_size_from_env() if world_size is None else world_size
     return run_config_from_args(args, world_size, build_tokenizer(args).vocab_size)

@@ -1,40 +1,14 @@
-"""Process start-up: torch.distributed (under torchrun), the parallel grid, the device, seeds."""
+"""Process start-up: the parallel grid, the device, seeds (torch.distributed itself:
+`parallel_state.initialize_distributed`)."""
 
 import os
 import random
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from teratron import parallel_state
-
-
-def launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def world_size_from_env() -> int:
-    """The number of processes torchrun started (1 without torchrun), known before any rendezvous."""
-    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
-
-
-def initialize_distributed(config) -> int:
-    """Start torch.distributed when torchrun launched us (`config` a DistributedConfig); returns
-    the world size.
-
-    A plain `teratron train` runs as one process without torch.distributed: every group is a
-    group of one (parallel_state's contract), so nothing needs a rendezvous.
-    """
-    if not launched_by_torchrun():
-        return 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = config.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=config.distributed_timeout_minutes))
-    return dist.get_world_size()
 
 
 def initialize_model_parallel(config, distributed) -> None:

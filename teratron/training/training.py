@@ -10,7 +10,8 @@ from typing import Callable, Optional
 from teratron.dist_checkpointing import release_save_dir
 from teratron.tokenizers import build_tokenizer
 from teratron.training.config import RunConfig
-from teratron.training.initialize import initialize_distributed, initialize_model_parallel, shutdown
+from teratron.parallel_state import initialize_distributed
+from teratron.training.initialize import initialize_model_parallel, shutdown
 from teratron.training.trainer import NonFiniteLossError, Trainer, TrainState
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer", "pretrain"]
@@ -20,7 +21,8 @@ def pretrain(run: RunConfig, tokenizer=None,
              after_training: Optional[Callable[[Trainer], None]] = None) -> TrainState:
     """Train `run` (its tokenizer built from run.tokenizer unless given); `after_training` gets
     the finished Trainer (the demo samples from it)."""
-    world_size = initialize_distributed(run.distributed)
+    world_size = initialize_distributed(run.distributed.distributed_backend,
+                                        run.distributed.distributed_timeout_minutes)
     try:
         if world_size != run.distributed.world_size:
             raise ValueError(f"the run was described for {run.distributed.world_size} processes but "

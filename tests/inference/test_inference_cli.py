@@ -1,11 +1,13 @@
 """`teratron generate` and `teratron serve` end to end on an imported tiny Llama (a word-level
 tokenizer, so texts compare tokens; a chat template): greedy text equals transformers' greedy generate; the served API over the real
-engine (concurrent requests, chat, streaming, a disconnecting client); bad input is one line."""
+engine (concurrent requests, chat, streaming, a disconnecting client); a draft model
+(--draft-load) leaves greedy text unchanged; bad input is one line."""
 
 import concurrent.futures
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,20 +19,24 @@ import torch
 import transformers
 
 from convert.hf_testing import save_random_hf_model
-from inference.server_testing import WORD_VOCAB, running_server, write_word_tokenizer
+from inference.server_testing import WORD_VOCAB, running_server, write_byte_tokenizer, write_word_tokenizer
 from teratron import cli
+from teratron.inference import cli as inference_cli
 from teratron.inference.async_engine import AsyncInferenceEngine
 from teratron.inference.cli import model_id
 from teratron.inference.config import InferenceConfig
 from teratron.inference.engines.dynamic_engine import DynamicInferenceEngine
 from teratron.inference.loading import generation_stop_token_ids, load_chat_template, load_for_inference
 from teratron.inference.openai_api import ServedModel
+from teratron.inference.sampling_params import SamplingParams
 from teratron.inference.server import OpenAIServer
 from teratron.tokenizers import HuggingFaceTokenizer
+from teratron.training.arguments import ArgumentParser
 
 HF_CONFIG = dict(vocab_size=WORD_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
                  eos_token_id=[256, 258])
+DRAFT_CONFIG = dict(HF_CONFIG, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
 ENGINE = InferenceConfig(buffer_size_gb=0.001, block_size=4, max_requests=4, max_tokens_per_step=32)
 
 
@@ -43,6 +49,19 @@ def imported(tmp_path_factory):
     write_word_tokenizer(src)
     assert cli.main(["convert", "import-hf", "--hf-path", str(src), "--save", str(ckpt)]) == 0
     return str(ckpt), str(src)
+
+
+@pytest.fixture(scope="module")
+def drafts(imported, tmp_path_factory):
+    """(a smaller random Llama with the same tokenizer, a copy of it with a byte tokenizer)."""
+    root = tmp_path_factory.mktemp("drafts")
+    src, ckpt, other_tokenizer = root / "hf", root / "draft", root / "draft-bytes"
+    save_random_hf_model("LlamaConfig", "LlamaForCausalLM", DRAFT_CONFIG, src, "10MB")
+    write_word_tokenizer(src)
+    assert cli.main(["convert", "import-hf", "--hf-path", str(src), "--save", str(ckpt)]) == 0
+    shutil.copytree(ckpt, other_tokenizer)
+    write_byte_tokenizer(other_tokenizer / "hf")
+    return str(ckpt), str(other_tokenizer)
 
 
 def hf_greedy(src, prompt_ids, max_new_tokens):
@@ -81,15 +100,51 @@ def test_generate_greedy_equals_transformers(imported, capsys):
     (["serve", "--load", "CKPT", "--port", "70000"], "--port 70000"),
     (["serve", "--load", "CKPT", "--port", "BUSY"], "cannot listen"),
     (["serve", "--load", "CKPT", "--bf16", "--fp16"], "not allowed with"),
+    (["generate", "--load", "CKPT", "--prompt", "x", "--draft-load", "CKPT"], "--num-speculative-tokens N >= 1"),
+    (["serve", "--load", "CKPT", "--draft-load", "CKPT", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens N >= 1"),
+    (["generate", "--load", "CKPT", "--prompt", "x", "--num-speculative-tokens", "2"], "--draft-load"),
+    (["serve", "--load", "CKPT", "--num-speculative-tokens", "-1"], "--draft-load"),
+    (["generate", "--load", "CKPT", "--prompt", "x", "--draft-load", "MISSING", "--num-speculative-tokens", "2"],
+     "--draft-load"),
+    (["generate", "--load", "CKPT", "--prompt", "x", "--draft-load", "BYTES", "--num-speculative-tokens", "2"],
+     "its tokenizer differs from --load's"),
+    (["serve", "--load", "CKPT", "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0 must be"),
+    (["generate", "--load", "CKPT", "--prompt", "x", "--tensor-model-parallel-size", "2"],
+     "torchrun --nproc-per-node 2"),
 ])
-def test_bad_input_is_one_line(imported, tmp_path, capsys, argv, words):
+def test_bad_input_is_one_line(imported, drafts, tmp_path, capsys, argv, words):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        values = {"MISSING": str(tmp_path / "missing"), "CKPT": imported[0], "BUSY": str(busy.getsockname()[1])}
+        values = {"MISSING": str(tmp_path / "missing"), "CKPT": imported[0], "BUSY": str(busy.getsockname()[1]),
+                  "BYTES": drafts[1]}
         assert cli.main([values.get(a, a) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("teratron: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_generate_with_a_draft_model_gives_the_same_greedy_text(imported, drafts, capsys):
+    """The target as its own draft (every draft token accepted) and a smaller random draft (some
+    rejected): `generate`'s text equals plain decoding's; the engine really decodes speculatively."""
+    ckpt, _ = imported
+    argv = ["generate", "--load", ckpt, "--prompt", "t5 t6 t7", "--max-tokens", "12", "--temperature", "0",
+            "--inference-dynamic-batching-buffer-size-gb", "0.001", "--inference-dynamic-batching-block-size", "4"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert len(plain.split()) == 12
+    for draft, accepted_all in ((ckpt, True), (drafts[0], False)):
+        speculative = argv + ["--draft-load", draft, "--num-speculative-tokens", "3"]
+        assert cli.main(speculative) == 0
+        assert capsys.readouterr().out == plain, draft
+        args = inference_cli.add_generate_arguments(ArgumentParser()).parse_args(speculative[1:])
+        engine, tokenizer = inference_cli._engine(args)
+        assert engine.config.num_speculative_tokens == 3 and engine.draft is not None
+        output = engine.generate([tokenizer.tokenize("t5 t6 t7")], SamplingParams(temperature=0,
+                                                                                 num_tokens_to_generate=12))[0]
+        assert output.text + "\n" == plain
+        assert engine.num_draft_tokens_proposed > 0
+        assert (engine.num_draft_tokens_accepted == engine.num_draft_tokens_proposed) == accepted_all
 
 
 def test_model_id_is_the_checkpoint_folder(imported):
