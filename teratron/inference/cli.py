@@ -11,7 +11,9 @@ no tokenizer flags), `--bf16` / `--fp16` (default: the saved dtype), and Megatro
 flags for the engine (InferenceConfig; its defaults where not given):
 `--inference-dynamic-batching-buffer-size-gb`, `--inference-dynamic-batching-block-size`,
 `--inference-max-requests`, `--inference-max-seq-length`,
-`--inference-dynamic-batching-prefix-caching`. Sampling defaults are SamplingParams'.
+`--inference-dynamic-batching-prefix-caching`, `--inference-dynamic-batching-max-tokens` (tokens a
+step computes: chunked prefill), `--inference-dynamic-batching-num-cuda-graphs` (decode CUDA graphs;
+0 for none). Sampling defaults are SamplingParams'.
 
 Speculative decoding: `--draft-load` loads a draft model the same way as `--load` (its tokenizer
 must be the target's) and `--num-speculative-tokens` (>= 1, only with a draft) sets the draft
@@ -41,6 +43,8 @@ ENGINE_FLAGS = {
     "inference_max_requests": "max_requests",
     "inference_max_seq_length": "max_seq_length",
     "inference_dynamic_batching_prefix_caching": "prefix_caching",
+    "inference_dynamic_batching_max_tokens": "max_tokens_per_step",
+    "inference_dynamic_batching_num_cuda_graphs": "num_cuda_graphs",
     "num_speculative_tokens": "num_speculative_tokens",
 }
 # Flag dest -> SamplingParams field.
@@ -68,6 +72,11 @@ def _add_model_arguments(parser):
                         help="Longest prompt plus generated tokens of one request (default: the model's).")
     engine.add_argument("--inference-dynamic-batching-prefix-caching", action="store_true", default=None,
                         help="Share the KV cache of identical prompt prefixes between requests.")
+    engine.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
+                        help="Tokens one engine step computes, decode and prefill chunks together (chunked prefill).")
+    engine.add_argument("--inference-dynamic-batching-num-cuda-graphs", type=int, default=None,
+                        help="Decode steps replay CUDA graphs captured for up to this many batch sizes (-1: every "
+                             "size up to --inference-max-requests; 0: none). CUDA only; not for MoE models.")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-load", default=None,
                              help="Checkpoint of a draft model with the same tokenizer, loaded as --load is.")
