@@ -25,7 +25,7 @@ class InferenceConfig:
     unreferenced cached blocks are evicted least recently used first
     (--inference-dynamic-batching-prefix-caching)."""
     num_speculative_tokens: int = 0
-    """Draft tokens proposed per greedy request and decode step, verified in one target forward
+    """Draft tokens proposed per request and decode step, verified in one target forward
     (speculative decoding; needs the engine's draft_model); 0: off."""
 
     num_cuda_graphs: int = 16

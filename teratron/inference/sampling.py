@@ -1,7 +1,9 @@
 """Token sampling.
 
 `Sampler` picks the next token of every request in an engine step at once: per request greedy,
-temperature, top-k and top-p, its own generator, and OpenAI-style log-probabilities.
+temperature, top-k and top-p, its own generator, and OpenAI-style log-probabilities; for
+speculative decoding it also draws a draft model's tokens with their distributions (`propose`) and
+verifies sampled draft tokens against the target's distributions (`speculative_sampling`).
 `sample_next_token` and `generate` are the demo's one-request path on top of it (no KV cache: the
 whole context is recomputed for every new token; fine for a demo's few short lines).
 
@@ -15,6 +17,7 @@ from typing import Optional
 import torch
 
 from teratron.inference.sampling_params import SamplingParams
+from teratron.inference.speculative_sampling import residual_distribution, verify_draft_tokens
 
 
 class Sampler:
@@ -22,9 +25,9 @@ class Sampler:
 
     A row draws `torch.multinomial`'s draw (the exponential race: argmax of probs / Exp(1) noise,
     the noise from the row's generator), so a request with its own generator consumes the same
-    V random numbers every step and its tokens do not depend on the rest of the batch; rows
-    sharing a generator (or None: the default one) draw from it in row order. Nothing here waits
-    for the device.
+    V random numbers per row every step (and one uniform per row verifying a draft token) and its
+    tokens do not depend on the rest of the batch; rows sharing a generator (or None: the default
+    one) draw from it in row order. Nothing here waits for the device.
     """
 
     def __init__(self, vocab_size: int):
@@ -34,20 +37,29 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[Optional[torch.Generator]]):
+               generators: list[Optional[torch.Generator]],
+               drafts: Optional[list[Optional[tuple[int, torch.Tensor]]]] = None):
         """-> tokens LongTensor [r]; log_probs FloatTensor [r] (log-softmax of the unmodified
         logits at the chosen ids) or None when no request asked; top_n: per request a dict
         {id: log-prob} of its top_n_logprobs most likely ids (None for a request that did not
-        ask), or None when no request asked."""
+        ask), or None when no request asked.
+
+        drafts: per row None, or (a draft token x, the draft's distribution q [V] it was drawn
+        from, as `propose` returns it) for a sampled row to verify by speculative sampling: the
+        row's token is x with probability min(1, p(x) / q(x)), else a token from
+        norm(max(0, p - q)), which is never x (`speculative_sampling`). Greedy rows ignore it."""
         self._check(logits, params, generators)
         logits = logits[:, : self.vocab_size].float()  # [r, V]
-        tokens = logits.argmax(-1)
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            tokens[rows] = self._draw(logits[rows], [params[i] for i in sampled],
-                                      [generators[i] for i in sampled])
+        tokens, _ = self._choose(logits, params, generators, drafts or [None] * len(params))
         return (tokens, *_log_probs(logits, tokens, params))
+
+    @torch.no_grad()
+    def propose(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[Optional[torch.Generator]]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """A draft model's tokens [r], chosen as `sample` chooses them, and per row the
+        distribution q [V] a sampled row's token was drawn from (None for a greedy row)."""
+        self._check(logits, params, generators)
+        return self._choose(logits[:, : self.vocab_size].float(), params, generators, [None] * len(params))
 
     def _check(self, logits, params, generators):
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
@@ -57,15 +69,56 @@ class Sampler:
             raise ValueError(f"vocab_size={self.vocab_size} is more than the logits' {logits.shape[1]} columns: "
                              "pass the tokenizer's vocabulary size")
 
-    def _draw(self, logits, params, generators) -> torch.Tensor:
-        """One id per row of logits [n, V] from softmax(logits / T) over the top-k / top-p set."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature[:, None]
-        keep = _top_k_top_p_mask(logits, params)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return (probs / _exponential_noise(probs.shape, generators, probs.device)).argmax(-1)
+    def _choose(self, logits, params, generators, drafts) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """Tokens [r] from logits [r, V]: greedy rows' argmax, sampled rows' draw (verifying the
+        row's draft when it has one); and per row the sampled row's distribution [V] (None for a
+        greedy row)."""
+        tokens = logits.argmax(-1)
+        distributions = [None] * len(params)
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            probs = sampling_probs(logits[rows], [params[i] for i in sampled])
+            tokens[rows] = _draw(probs, [generators[i] for i in sampled], [drafts[i] for i in sampled])
+            for i, row in zip(sampled, probs):
+                distributions[i] = row
+        return tokens, distributions
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of logits [n, V] is sampled from [n, V]: softmax(logits / T)
+    over its top-k / top-p set (every row's temperature > 0)."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperature[:, None]
+    keep = _top_k_top_p_mask(logits, params)
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _draw(probs, generators, drafts) -> torch.Tensor:
+    """One id per row of probs [n, V]; a row with a draft (x, q) verifies x against it
+    (speculative sampling) and draws its replacement from the residual."""
+    drafted = [i for i, draft in enumerate(drafts) if draft is not None]
+    if not drafted:
+        return _race(probs, generators)
+    rows = torch.tensor(drafted, device=probs.device)
+    draft_tokens = torch.tensor([drafts[i][0] for i in drafted], device=probs.device)
+    draft_probs = torch.stack([drafts[i][1] for i in drafted]).to(probs)  # [d, V]
+    target_probs = probs[rows]
+    tokens = _race(probs.index_copy(0, rows, residual_distribution(target_probs, draft_probs)), generators)
+    uniforms = _random_rows(len(drafted), 1, [generators[i] for i in drafted], probs.device,
+                            lambda block, generator: block.uniform_(generator=generator))[:, 0]
+    tokens[rows] = verify_draft_tokens(target_probs, draft_probs, draft_tokens, uniforms, tokens[rows])
+    return tokens
+
+
+def _race(probs, generators) -> torch.Tensor:
+    """One id per row of probs [n, V], row i drawn with generators[i]: argmax of probs / Exp(1)."""
+    noise = _random_rows(probs.shape[0], probs.shape[1], generators, probs.device,
+                         lambda block, generator: block.exponential_(generator=generator))
+    # Exp(1) is > 0 but a draw that rounds to 0 would make 0 / 0 = nan win the argmax.
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
 def _top_k_top_p_mask(logits, params) -> Optional[torch.Tensor]:
@@ -86,17 +139,18 @@ def _top_k_top_p_mask(logits, params) -> Optional[torch.Tensor]:
     return torch.empty_like(keep).scatter_(-1, order, keep)
 
 
-def _exponential_noise(shape, generators, device) -> torch.Tensor:
-    """Exp(1) noise [n, V]; row i from generators[i] (rows sharing one draw it in row order)."""
+def _random_rows(num_rows, width, generators, device, fill) -> torch.Tensor:
+    """Random numbers [num_rows, width]; row i from generators[i] (rows sharing one draw it in
+    row order); fill(block, generator) draws a block in place."""
     groups: dict[int, tuple[Optional[torch.Generator], list[int]]] = {}
     for row, generator in enumerate(generators):
         groups.setdefault(id(generator), (generator, []))[1].append(row)
-    noise = torch.empty(shape, device=device)
+    numbers = torch.empty(num_rows, width, device=device)
     for generator, rows in groups.values():
-        block = torch.empty(len(rows), shape[1], device=device).exponential_(generator=generator)
-        noise[torch.tensor(rows, device=device)] = block
-    # Exp(1) is > 0 but a draw that rounds to 0 would make 0 / 0 = nan win the argmax.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        block = torch.empty(len(rows), width, device=device)
+        fill(block, generator)
+        numbers[torch.tensor(rows, device=device)] = block
+    return numbers
 
 
 def _log_probs(logits, tokens, params):

@@ -13,12 +13,15 @@ request is preempted: it gives its blocks back and waits at the head of the queu
 tokens, which it recomputes when readmitted. The oldest request alone always fits (add_request
 refuses any request that could not), so every step makes progress.
 
-Speculative decoding (a draft model and `num_speculative_tokens` n): a greedy request in decode
-gets n draft tokens from the draft model (`DraftProposer`), and its chunk in the target's step is
-its last token plus the drafts. The target's greedy choice at each of those positions is compared
-with the next draft token: the longest matching prefix is accepted, plus the target's token at the
-first mismatch (or after the last draft). Both caches are cut back to the accepted tokens. Sampled
-requests (temperature > 0) decode one token a step as without a draft.
+Speculative decoding (a draft model and `num_speculative_tokens` n): a request in decode gets n
+draft tokens from the draft model (`DraftProposer`), and its chunk in the target's step is its
+last token plus the drafts. At each of those positions the target chooses a token: a greedy
+request's argmax; a sampled request's is the draft token with probability min(1, p/q) (p the
+target's and q the draft's distribution, both after the request's temperature, top-k and top-p),
+else a token from norm(max(0, p - q)), never the draft token (speculative sampling, which makes
+the output distributed exactly as the target's sampling). The longest prefix where the target's
+tokens equal the drafts is accepted, plus the target's token at the first mismatch (or after the
+last draft). Both caches are cut back to the accepted tokens.
 """
 
 from collections import deque
@@ -31,7 +34,7 @@ from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.cuda_graphs import DecodeCudaGraphs, cuda_graph_batch_sizes
 from teratron.inference.detokenizer import IncrementalDetokenizer
-from teratron.inference.engines.speculative import DraftProposer
+from teratron.inference.engines.speculative import DraftProposer, DraftRequest, Proposal
 from teratron.inference.refit import refit_weights
 from teratron.inference.sampling import Sampler
 from teratron.inference.sampling_params import SamplingParams
@@ -74,6 +77,9 @@ class _Request:
     finish_reason: Optional[str] = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    draft_probs: Optional[torch.Tensor] = None
+    """[drafts, V]: the draft's distribution each of this step's draft tokens was drawn from (a
+    sampled request; None for a greedy one)."""
 
     @property
     def generated(self) -> list[int]:
@@ -236,7 +242,8 @@ class DynamicInferenceEngine:
         per_row = [(request, 1 + chunk.end - len(request.token_ids)) for request, chunk in sampling]
         params = [request.params for request, rows in per_row for _ in range(rows)]
         generators = [request.generator for request, rows in per_row for _ in range(rows)]
-        tokens, log_probs, top_n = self.sampler.sample(logits, params, generators)
+        drafts = [draft for request, chunk in sampling for draft in self._drafts_to_verify(request, chunk)]
+        tokens, log_probs, top_n = self.sampler.sample(logits, params, generators, drafts)
         tokens = tokens.tolist()  # one device sync for the step
         log_probs = log_probs.tolist() if log_probs is not None else None
         result, first = [], 0
@@ -247,11 +254,22 @@ class DynamicInferenceEngine:
             first += rows
         return result
 
+    def _drafts_to_verify(self, request: _Request, chunk: StepChunk) -> list[Optional[tuple[int, torch.Tensor]]]:
+        """Per row of the request in `_sample`: (draft token, the draft's distribution it was drawn
+        from) for a sampled request's draft token, else None (greedy drafts are compared as they are)."""
+        drafts = chunk.token_ids[len(request.token_ids):chunk.end]
+        if not drafts or request.draft_probs is None:
+            return [None] * (1 + len(drafts))
+        return [*zip(drafts, request.draft_probs), None]
+
     def _accept(self, request: _Request, chunk: StepChunk, sampled: tuple) -> tuple:
         """Keep the target's tokens up to its first disagreement with the draft tokens of `chunk`
-        (all of them without drafts); cut both caches back to the request's final tokens."""
+        (all of them without drafts): for a sampled request the target's token at a draft's position
+        is the draft token if speculative sampling kept it, else a different one. Cut both caches
+        back to the request's final tokens."""
         tokens, log_probs, top_n = sampled
         drafts = chunk.token_ids[len(request.token_ids):chunk.end]
+        request.draft_probs = None  # verified
         accepted = 0
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
             accepted += 1
@@ -330,8 +348,8 @@ class DynamicInferenceEngine:
         return scheduled
 
     def _num_drafts_wanted(self, request: _Request) -> int:
-        """Draft tokens for a greedy request in decode; none past its last generated token."""
-        if self.draft is None or request.params.temperature > 0 or request.num_computed < len(request.token_ids) - 1:
+        """Draft tokens for a request in decode; none past its last generated token."""
+        if self.draft is None or request.num_computed < len(request.token_ids) - 1:
             return 0
         left = request.params.num_tokens_to_generate - len(request.generated)
         return min(self.config.num_speculative_tokens, left - 1)
@@ -339,15 +357,17 @@ class DynamicInferenceEngine:
     def _add_draft_tokens(self, scheduled: list[tuple[_Request, StepChunk]]) -> list[tuple[_Request, StepChunk]]:
         """Extend the decode chunks that have room for drafts with the draft model's proposals (the
         chunks' blocks are reserved for all of them; fewer may come)."""
-        wanted = [(request.request_id, request.token_ids, chunk.end - len(request.token_ids))
+        wanted = [DraftRequest(request.request_id, request.token_ids, chunk.end - len(request.token_ids),
+                               request.params, request.generator)
                   for request, chunk in scheduled if chunk.end > len(request.token_ids)]
         proposals = self.draft.propose(wanted) if wanted else {}
         extended = []
         for request, chunk in scheduled:
             if chunk.end > len(request.token_ids):
-                drafts = proposals.get(request.request_id, [])
-                chunk = StepChunk(request.request_id, request.token_ids + drafts, chunk.start,
-                                  len(request.token_ids) + len(drafts))
+                proposal = proposals.get(request.request_id, Proposal([], None))
+                request.draft_probs = proposal.probs
+                chunk = StepChunk(request.request_id, request.token_ids + proposal.token_ids, chunk.start,
+                                  len(request.token_ids) + len(proposal.token_ids))
             extended.append((request, chunk))
         return extended
 

@@ -2,17 +2,43 @@
 
 The draft keeps, per request, how many of the request's tokens it has computed; at each
 speculative step it first catches up on the tokens it has not seen (the whole prompt the first
-time, then the tokens accepted since), which gives its first proposal, then feeds its own greedy
-proposals one at a time. The engine verifies them with the target and rolls the draft back to
-the tokens that stayed.
+time, then the tokens accepted since), which gives its first proposal, then feeds its own
+proposals back one at a time. A greedy request's proposals are the draft's argmax; a sampled
+request's are drawn with the request's generator from the draft's distribution q (the request's
+temperature, top-k and top-p applied to the draft's logits), returned with q for the target's
+verification (speculative sampling). The engine verifies the proposals with the target and rolls
+the draft back to the tokens that stayed.
 """
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
+from teratron.inference.sampling import Sampler
+from teratron.inference.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class DraftRequest:
+    request_id: int
+    token_ids: list[int]
+    """The request's tokens so far (prompt and generated)."""
+    count: int
+    """How many tokens to propose after them."""
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    """The request's generator: a sampled request's proposals are drawn with it."""
+
+
+@dataclasses.dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: Optional[torch.Tensor]
+    """[len(token_ids), V]: the draft's distribution q each token was drawn from (a sampled
+    request), or None (a greedy request: the tokens are the draft's argmax)."""
 
 
 class DraftProposer:
@@ -27,29 +53,34 @@ class DraftProposer:
                              "use a draft model with the target's tokenizer")
         self.model = model.eval()
         self.vocab_size = vocab_size
+        self.sampler = Sampler(vocab_size)
         # The draft's blocks are private: its speculative writes must never land in a shared block.
         self.context = DynamicInferenceContext.from_model(model, dataclasses.replace(config, prefix_caching=False))
         self.computed: dict[int, int] = {}  # request id -> tokens whose keys and values the draft holds
         self.num_forwards = 0
 
-    def propose(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
-        """requests: (request id, its tokens, how many to propose). Returns each request's greedy draft
-        tokens following its tokens: as many as asked, or fewer (maybe none) when the draft's cache
-        has no room."""
+    def propose(self, requests: list[DraftRequest]) -> dict[int, Proposal]:
+        """Each request's draft tokens following its tokens: as many as asked, or fewer (maybe
+        none) when the draft's cache has no room."""
         plan = {}
-        for request_id, token_ids, count in requests:
-            count = self._reserve(request_id, len(token_ids), count)
+        for request in requests:
+            count = self._reserve(request.request_id, len(request.token_ids), request.count)
             if count:
-                plan[request_id] = (token_ids, count)
-        proposals = {request_id: [] for request_id in plan}
-        for j in range(max((count for _, count in plan.values()), default=0)):
-            active = [(request_id, tokens) for request_id, (tokens, count) in plan.items() if count > j]
-            chunks = [StepChunk(request_id, tokens + proposals[request_id], self.computed[request_id], len(tokens) + j)
-                      for request_id, tokens in active]
-            for (request_id, _), chunk, token in zip(active, chunks, self._next_tokens(chunks)):
-                self.computed[request_id] = chunk.end
-                proposals[request_id].append(token)
-        return proposals
+                plan[request.request_id] = dataclasses.replace(request, count=count)
+        tokens = {request_id: [] for request_id in plan}
+        probs = {request_id: [] for request_id in plan}
+        for j in range(max((request.count for request in plan.values()), default=0)):
+            active = [request for request in plan.values() if request.count > j]
+            chunks = [StepChunk(r.request_id, r.token_ids + tokens[r.request_id], self.computed[r.request_id],
+                                len(r.token_ids) + j) for r in active]
+            next_tokens, next_probs = self._next_tokens(chunks, active)
+            for request, chunk, token, q in zip(active, chunks, next_tokens, next_probs):
+                self.computed[request.request_id] = chunk.end
+                tokens[request.request_id].append(token)
+                probs[request.request_id].append(q)
+        return {request_id: Proposal(tokens[request_id], torch.stack(probs[request_id])
+                                     if request.params.temperature > 0 else None)
+                for request_id, request in plan.items()}
 
     def _reserve(self, request_id: int, num_tokens: int, count: int) -> int:
         """Blocks for proposing up to `count` tokens after the first `num_tokens` (the last proposal is
@@ -65,8 +96,9 @@ class DraftProposer:
         self.context.reserve(request_id, num_tokens + count - 1)
         return count
 
-    def _next_tokens(self, chunks: list[StepChunk]) -> list[int]:
-        """The draft's greedy token after the last token of each chunk."""
+    def _next_tokens(self, chunks: list[StepChunk], requests: list[DraftRequest]):
+        """The draft's token after the last token of each chunk, and the distribution [V] it was
+        drawn from (None for a greedy request)."""
         last_tokens = torch.tensor([c.end - c.start for c in chunks]).cumsum(0) - 1
         input_ids, position_ids = self.context.initialize_attention_state(chunks, last_tokens.tolist())
         with torch.no_grad():
@@ -74,7 +106,9 @@ class DraftProposer:
                                 runtime_gather_output=True)  # [1, len(chunks), V']
         self.context.commit_step()
         self.num_forwards += 1
-        return logits[0, :, :self.vocab_size].argmax(-1).tolist()
+        tokens, probs = self.sampler.propose(logits[0], [r.params for r in requests],
+                                             [r.generator for r in requests])
+        return tokens.tolist(), probs
 
     def rollback(self, request_id: int, num_tokens: int) -> None:
         """Only the request's first `num_tokens` tokens are final: forget what the draft computed past them."""
