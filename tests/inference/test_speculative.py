@@ -198,7 +198,7 @@ def test_sampled_requests_with_an_unrelated_draft_depend_on_their_seed_only(mode
     reseeded = [replace(p, seed=p.seed + 100) for p in params]
     assert [o.token_ids for o in speculative_engine(model, draft, 3).generate(PROMPTS, reseeded)] != batched
     # A buffer of 6 blocks: requests wait and are preempted, fewer drafts when a cache is short.
-    tight = speculative_engine(model, draft, 4, buffer_size_gb=6 * tight_block_bytes(engine_for(model)))
+    tight = speculative_engine(model, draft, 4, buffer_size_gb=tight_buffer_gb(engine_for(model), 6))
     ids = [tight.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
     final = {}
     while tight.has_unfinished_requests():
