@@ -214,6 +214,26 @@ def test_stop_token_end_of_document_and_text(hf_model):
     assert ignored.token_ids == tokens and ignored.text == continuation(PROMPTS[0], tokens)
 
 
+def test_a_stop_string_ends_its_request_at_its_token_among_others(hf_model):
+    """Text (and stop strings) come one step after the tokens (async scheduling): the request has a
+    token in flight when its stop string is found, which is dropped; the others run on unchanged."""
+    _, path, model = hf_model
+    reference = hf_greedy(path, PROMPTS)
+    tokens = reference[0]
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    stop = continuation(PROMPTS[0], tokens[:stop_at + 1])[len(continuation(PROMPTS[0], tokens[:stop_at])):]
+    # Independently: the first token whose text completes the stop string, and the text before it.
+    end = next(j for j in range(len(tokens)) if stop in continuation(PROMPTS[0], tokens[:j + 1]))
+    full = continuation(PROMPTS[0], tokens[:end + 1])
+    stopped = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, stop=(stop,), ignore_eod=True)
+    engine = engine_for(model, max_tokens_per_step=6)
+    outputs = engine.generate(PROMPTS, [stopped] + [GREEDY] * (len(PROMPTS) - 1))
+    assert (outputs[0].token_ids, outputs[0].finish_reason) == (tokens[:end + 1], "stop")
+    assert outputs[0].text == full[:full.index(stop)]
+    assert [o.token_ids for o in outputs[1:]] == reference[1:]
+    assert_all_blocks_free(engine)
+
+
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(hf_model):
     _, _, model = hf_model
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=7, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)

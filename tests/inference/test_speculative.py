@@ -269,7 +269,8 @@ def test_sampled_tokens_follow_the_targets_distribution(models):
                                 buffer_size_gb=0.05)
     ids = [engine.add_request(prompt, replace(params, seed=seed)) for seed in range(draws)]
     engine.step()  # every prompt: its first token
-    decode = engine.step()  # every request: 2 drafts verified
+    engine.step()  # every request: 2 drafts verified (the first tokens reported)
+    decode = engine.step()  # the verified drafts reported (outputs come one step after their tokens)
     kept = torch.bincount(torch.tensor([len(o.new_token_ids) - 1 for o in decode]), minlength=3)
     final = {o.request_id: o for o in decode}
     while engine.has_unfinished_requests():

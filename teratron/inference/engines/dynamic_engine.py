@@ -5,7 +5,15 @@ Each `step()` is one forward of the model over up to `max_tokens_per_step` new t
 token (decode) or the next prefill chunk of every running request, oldest first, then the first
 chunks of waiting requests, first come first served, while tokens, request slots and KV blocks
 last. A request whose prefill reaches its last token samples its next token in the same step.
-Finished requests free their blocks at once; new requests join between steps.
+Finished requests free their blocks at once; new requests join between steps. Decode steps replay
+CUDA graphs (`inference.cuda_graphs`); other steps run eagerly.
+
+Async scheduling: `step()` launches step n's forward and sampling, then, while the device runs
+them, turns step n-1's tokens into outputs (detokenizing, stop strings), and only then waits for
+step n's tokens. Outputs therefore come one `step()` after their tokens. A request whose stop
+string is found this way has a token in flight in step n: it is dropped, as are any tokens after
+the stop string's in step n-1 (speculative steps make several). Stop tokens, the end of document
+and the length limit are checked as tokens arrive, so those requests free their blocks at once.
 
 Memory: a request takes the blocks of its next chunk only (and shares cached prefix blocks with
 prefix caching). When a running request needs a block and none is left, the newest running
@@ -76,6 +84,7 @@ class _Request:
     top_n_logprobs: Optional[list[dict[int, float]]] = None
     finish_reason: Optional[str] = None
     new_token_ids: list[int] = field(default_factory=list)
+    """The tokens the last step added, reported by the next `step` (see `_emit`)."""
     new_text: str = ""
     draft_probs: Optional[torch.Tensor] = None
     """[drafts, V]: the draft's distribution each of this step's draft tokens was drawn from (a
@@ -119,6 +128,7 @@ class DynamicInferenceEngine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # holding KV blocks, oldest first
         self.aborted: list[_Request] = []  # to report in the next step
+        self.unemitted: dict[int, _Request] = {}  # requests with tokens the next step reports
         self.next_request_id = 0
         self.num_tokens_computed = 0
         """Tokens run through the model so far (prefill and decode)."""
@@ -187,22 +197,32 @@ class DynamicInferenceEngine:
                     return
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.aborted)
+        return bool(self.waiting or self.running or self.aborted or self.unemitted)
 
     # Steps.
 
     def step(self) -> list[RequestOutput]:
-        """One forward over the scheduled tokens; the outputs of the requests that got tokens
-        this step or were aborted since the last one."""
+        """One engine step n: schedule it, launch its forward and sampling, and while the device
+        runs them turn the tokens of step n-1 into outputs (text, stop strings: `_emit`); then wait
+        for step n's tokens and apply them (`_apply_tokens`). Returns the outputs of the requests
+        that got tokens in step n-1 or were aborted since the last call: a request's tokens are
+        reported one step after they are made (async scheduling: the host's output work overlaps
+        the device's next step)."""
         outputs = [request.output() for request in self.aborted]
         self.aborted = []
         scheduled = self._schedule()
-        if not scheduled:
-            if self.waiting:  # add_request admits only requests that fit an empty cache
-                raise RuntimeError(f"no request could be scheduled with {len(self.waiting)} waiting")
-            return outputs
-        if self.draft is not None:
+        if not scheduled and self.waiting and not self.unemitted:  # add_request admits only what fits
+            raise RuntimeError(f"no request could be scheduled with {len(self.waiting)} waiting")
+        if self.draft is not None and scheduled:
             scheduled = self._add_draft_tokens(scheduled)
+        launched = self._launch(scheduled) if scheduled else None
+        outputs += self._emit()
+        if launched is not None:
+            self._take(*launched)
+        return outputs
+
+    def _launch(self, scheduled: list[tuple[_Request, StepChunk]]) -> tuple:
+        """Start the step's forward and sampling on the device; what `_take` needs to finish it."""
         sampling, rows, end = [], [], 0
         for request, chunk in scheduled:
             end += chunk.end - chunk.start
@@ -214,13 +234,21 @@ class DynamicInferenceEngine:
         logits = self._forward([chunk for _, chunk in scheduled], rows)  # [len(rows), V']
         self.num_forwards += 1
         self.num_tokens_computed += end
-        tokens = self._sample(sampling, logits.float()) if sampling else []
-        accepted = [self._accept(request, chunk, new) for (request, chunk), new in zip(sampling, tokens)]
+        samples = self._sample(sampling, logits.float()) if sampling else None
+        return scheduled, sampling, samples
+
+    def _take(self, scheduled, sampling, samples) -> None:
+        """Wait for the step's tokens; accept (drafts), register cached blocks, and append them to
+        their requests, leaving out the requests that finished meanwhile (a stop string found by
+        `_emit` while the device ran this step: its token here is dropped)."""
+        tokens = self._split_samples(sampling, *samples) if sampling else []
+        live = [(request, chunk, new) for (request, chunk), new in zip(sampling, tokens) if request.finish_reason is None]
+        accepted = [self._accept(request, chunk, new) for request, chunk, new in live]
         if self.config.prefix_caching:  # register the blocks filled by final tokens
-            self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled])
-        for (request, _), (new, log_probs, top_n) in zip(sampling, accepted):
-            outputs.append(self._append_tokens(request, new, log_probs, top_n))
-        return outputs
+            self.context.commit_step([replace(chunk, end=request.num_computed) for request, chunk in scheduled
+                                      if request.finish_reason is None])
+        for (request, _, _), (new, log_probs, top_n) in zip(live, accepted):
+            self._apply_tokens(request, new, log_probs, top_n)
 
     def _forward(self, chunks: list[StepChunk], output_rows: list[int]) -> torch.Tensor:
         """Run the step's chunks through the model; the logits [len(output_rows), V'] of the step
@@ -236,22 +264,25 @@ class DynamicInferenceEngine:
             return self.model(input_ids, position_ids, None, inference_context=self.context,
                               runtime_gather_output=True)[0]
 
-    def _sample(self, sampling: list[tuple[_Request, StepChunk]], logits: torch.Tensor) -> list[tuple]:
+    def _sample(self, sampling: list[tuple[_Request, StepChunk]], logits: torch.Tensor) -> tuple:
         """logits [r, V']: the next token after each request's last token and after each of its draft
-        tokens. Per request: (tokens, their log-probs or None, their top-n or None)."""
-        per_row = [(request, 1 + chunk.end - len(request.token_ids)) for request, chunk in sampling]
-        params = [request.params for request, rows in per_row for _ in range(rows)]
-        generators = [request.generator for request, rows in per_row for _ in range(rows)]
+        tokens. Launches the sampling; returns (tokens [r], log-probs [r] or None, top-n or None)."""
+        per_row = [1 + chunk.end - len(request.token_ids) for request, chunk in sampling]
+        params = [request.params for (request, _), rows in zip(sampling, per_row) for _ in range(rows)]
+        generators = [request.generator for (request, _), rows in zip(sampling, per_row) for _ in range(rows)]
         drafts = [draft for request, chunk in sampling for draft in self._drafts_to_verify(request, chunk)]
-        tokens, log_probs, top_n = self.sampler.sample(logits, params, generators, drafts)
-        tokens = tokens.tolist()  # one device sync for the step
+        return self.sampler.sample(logits, params, generators, drafts)
+
+    def _split_samples(self, sampling: list[tuple[_Request, StepChunk]], tokens, log_probs, top_n) -> list[tuple]:
+        """Per request of `sampling`: (tokens, their log-probs or None, their top-n or None)."""
+        tokens = tokens.tolist()  # the step's one wait for the device
         log_probs = log_probs.tolist() if log_probs is not None else None
         result, first = [], 0
-        for request, rows in per_row:
-            rows_of = slice(first, first + rows)
+        for request, chunk in sampling:
+            rows_of = slice(first, first + 1 + chunk.end - len(request.token_ids))
             result.append((tokens[rows_of], None if request.log_probs is None else log_probs[rows_of],
                            None if request.top_n_logprobs is None else top_n[rows_of]))
-            first += rows
+            first = rows_of.stop
         return result
 
     def _drafts_to_verify(self, request: _Request, chunk: StepChunk) -> list[Optional[tuple[int, torch.Tensor]]]:
@@ -282,37 +313,72 @@ class DynamicInferenceEngine:
         keep = accepted + 1
         return tokens[:keep], log_probs and log_probs[:keep], top_n and top_n[:keep]  # None stays None
 
-    def _append_tokens(self, request: _Request, tokens: list[int], log_probs, top_n) -> RequestOutput:
-        """Add a step's tokens one by one until the request finishes."""
-        request.new_token_ids, request.new_text = [], ""
+    def _apply_tokens(self, request: _Request, tokens: list[int], log_probs, top_n) -> None:
+        """Append a step's tokens one by one until one finishes the request (a stop token, the end
+        of document, its length); a finished request gives its blocks back at once. Their text
+        (and stop strings) comes in the next step's `_emit`."""
         for i, token in enumerate(tokens):
+            request.token_ids.append(token)
+            request.new_token_ids.append(token)
             if request.log_probs is not None:
                 request.log_probs.append(log_probs[i])
             if request.top_n_logprobs is not None:
                 request.top_n_logprobs.append(top_n[i])
-            self._append_token(request, token)
-            if request.finish_reason is not None:
-                break
-        return request.output()
-
-    def _append_token(self, request: _Request, token: int) -> None:
-        request.token_ids.append(token)
-        request.new_token_ids.append(token)
-        params = request.params
-        if token in params.stop_token_ids or (token == self.eod and not params.ignore_eod):
-            request.finish_reason = "stop"  # a stop token is not text
-        else:
-            new_text, stopped = request.detokenizer.add([token])
-            request.new_text += new_text
-            if stopped:
+            if self._is_stop_token(request, token):
                 request.finish_reason = "stop"
-        if request.finish_reason is None and len(request.generated) >= params.num_tokens_to_generate:
-            request.finish_reason = "length"
-        if request.finish_reason is not None:
-            request.new_text += request.detokenizer.flush()
+            elif len(request.generated) >= request.params.num_tokens_to_generate:
+                request.finish_reason = "length"
+            if request.finish_reason is not None:
+                self._finish(request)
+                break
+        self.unemitted[request.request_id] = request
+
+    def _emit(self) -> list[RequestOutput]:
+        """The outputs of the tokens the last step applied: their text, detokenized one token at a
+        time so that a stop string ends its request at its token (the tokens after it are dropped,
+        and so is the token the request gets in the step running now)."""
+        outputs = []
+        for request in self.unemitted.values():
+            if request.finish_reason == "abort":
+                continue  # reported by abort
+            new_ids = text_ids = request.new_token_ids
+            if new_ids and self._is_stop_token(request, new_ids[-1]):
+                text_ids = new_ids[:-1]  # a stop token is not text
+            request.new_text = ""
+            for i, token in enumerate(text_ids):
+                new_text, stopped = request.detokenizer.add([token])
+                request.new_text += new_text
+                if stopped:
+                    self._drop_tokens_after(request, len(new_ids) - i - 1)
+                    request.finish_reason = "stop"
+                    self._finish(request)
+                    break
+            if request.finish_reason is not None:
+                request.new_text += request.detokenizer.flush()
+            request.text = request.detokenizer.text
+            outputs.append(request.output())
+            request.new_token_ids = []
+        self.unemitted = {}
+        return outputs
+
+    def _drop_tokens_after(self, request: _Request, count: int) -> None:
+        """Forget the request's last `count` tokens (those after the token that completed a stop string)."""
+        if count:
+            del request.token_ids[-count:], request.new_token_ids[-count:]
+            for values in (request.log_probs, request.top_n_logprobs):
+                if values is not None:
+                    del values[-count:]
+
+    def _is_stop_token(self, request: _Request, token: int) -> bool:
+        return token in request.params.stop_token_ids or (token == self.eod and not request.params.ignore_eod)
+
+    def _finish(self, request: _Request) -> None:
+        """A request that has just finished gives its blocks back and leaves the queues."""
+        if request in self.running:
             self._release(request)
             self.running.remove(request)
-        request.text = request.detokenizer.text
+        elif request in self.waiting:  # preempted in the step being scheduled
+            self.waiting.remove(request)
 
     def _release(self, request: _Request) -> None:
         self.context.release(request.request_id)
