@@ -24,12 +24,17 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
 from teratron.inference.kernels.paged_attention import paged_attention
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
+
+# Not cuDNN: its host-side setup for each new shape (a prefill batch's shape changes from step to
+# step) took 3.5 ms per layer on an H200, seven times the kernel (bench/RESULTS.md, 2026-12-01).
+PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 PAGED_QUERY_LIMIT = 16
 """Chunks of up to this many tokens (decode, speculative verification) attend with the paged
@@ -306,8 +311,9 @@ class DynamicInferenceContext:
         q = padded.view(rows, num_queries, heads, head_dim).transpose(1, 2)  # [R, np, Q, hn]
         # [R, B, bs, ng, hn] -> [R, ng, B * bs, hn]
         k, v = (cache[batch.block_table].flatten(1, 2).transpose(1, 2) for cache in (keys, values))
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.softmax_scale,
-                                                 enable_gqa=heads != k.shape[1])
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.softmax_scale,
+                                                     enable_gqa=heads != k.shape[1])
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
