@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from teratron import tensor_parallel
+from teratron import fusions, tensor_parallel
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import shard_tensor
@@ -97,12 +97,17 @@ def allowed_keys(q_idx, kv_idx, causal: bool, window):
     return allowed
 
 
+def _create_block_mask(mask_mod, batch, sq: int, sk: int, device):
+    # Compiled on CUDA, so the mask is evaluated block by block instead of as one s x s tensor.
+    create = fusions.fused(create_block_mask) if torch.device(device).type == "cuda" else create_block_mask
+    return create(mask_mod, batch, None, sq, sk, device=device)
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_block_mask(sq: int, sk: int, causal: bool, window, device: str):
     def mask_mod(b, h, q_idx, kv_idx):
         return allowed_keys(q_idx, kv_idx, causal, window)
-    on_cuda = torch.device(device).type == "cuda"
-    return create_block_mask(mask_mod, None, None, sq, sk, device=device, _compile=on_cuda)
+    return _create_block_mask(mask_mod, None, sq, sk, device)
 
 
 @torch.compiler.disable
@@ -117,20 +122,14 @@ def block_mask_for(sq: int, sk: int, causal: bool, window, device, attention_mas
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ~masked[b, 0, q_idx, kv_idx] & allowed_keys(q_idx, kv_idx, causal, window)
-    return create_block_mask(mask_mod, masked.shape[0], None, sq, sk, device=device,
-                             _compile=masked.is_cuda)
-
-
-@functools.cache
-def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False)
+    return _create_block_mask(mask_mod, masked.shape[0], sq, sk, device)
 
 
 def flex_attention_with_sink(q, k, v, block_mask, scale: float, sink=None):
     """q [b, np, sq, hn], k and v [b, ng, sk, hn] -> [b, np, sq, hn]: attention over the keys
     `block_mask` allows, with the extra softmax logit sink [np] per head when given (see the
     module docstring). Compiled on CUDA; eager elsewhere (CPU: forward only)."""
-    flex = _compiled_flex_attention() if q.is_cuda else flex_attention
+    flex = fusions.fused(flex_attention) if q.is_cuda else flex_attention
     gqa = q.shape[1] != k.shape[1]
     if sink is None:
         return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
