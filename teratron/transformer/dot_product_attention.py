@@ -135,7 +135,9 @@ def flex_attention_with_sink(q, k, v, block_mask, scale: float, sink=None):
         return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     kept = torch.sigmoid(aux.lse.float() - sink.float().view(1, -1, 1))  # [b, np, sq]: 1 - the sink's share
-    return (out.float() * kept.unsqueeze(-1)).to(out.dtype)
+    # In out's dtype: the product's backward then keeps out (which FlexAttention keeps anyway) and
+    # the small `kept`, not an fp32 copy of the output.
+    return out * kept.unsqueeze(-1).to(out.dtype)
 
 
 class DotProductAttention(torch.nn.Module):
