@@ -13,7 +13,7 @@ import warnings
 
 from teratron.convert.hf_moe import (MOE_FAMILIES, REFUSED, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
-from teratron.dist_checkpointing.model_args import MOE_DEFAULTS
+from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULTS
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -129,6 +129,10 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
             or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
         raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
                          "rotate-half RoPE); it has no Hugging Face counterpart to export to")
+    variants = [name for name, default in VARIANT_DEFAULTS.items() if a.get(name, default) != default]
+    if variants:
+        raise ValueError(f"the checkpoint's model sets {', '.join(variants)}; the Hugging Face export does not "
+                         "write these yet")
     hf = dict(base or {})
     family = export_family(a, hf.get("model_type"))
     for stale in ("rope_parameters", "num_local_experts", "num_experts"):

@@ -22,12 +22,18 @@ MOE_DEFAULTS = {
     "moe_router_enable_expert_bias": False,
 }
 
+# Attention and MLP variants (TransformerConfig fields) and their meaning when absent: none.
+VARIANT_DEFAULTS = {
+    "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "no_rope_freq": None,
+    "activation_func_clamp_value": None,
+}
+
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    *MOE_DEFAULTS,
+    *MOE_DEFAULTS, *VARIANT_DEFAULTS,
 )
 
 
@@ -45,12 +51,18 @@ def model_args_from_config(model) -> dict:
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size, **MOE_DEFAULTS,
+        **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
     )
     if c.num_moe_experts:
         out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
                    num_experts=c.num_moe_experts,
                    moe_layer_freq=canonical_moe_layer_freq(c.num_layers, c.moe_layer_freq))
     return out
+
+
+def _jsonable(value):
+    """Tuples as lists, as the record reads back from JSON."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def canonical_moe_layer_freq(num_layers: int, moe_layer_freq):
@@ -83,7 +95,7 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         gated_linear_unit=a["swiglu"], activation_func=F.silu if a["swiglu"] else F.gelu,
         add_bias_linear=a["add_bias_linear"], add_qkv_bias=a["add_qkv_bias"], qk_layernorm=a["qk_layernorm"],
         rotary_interleaved=a["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=torch.float32, **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
     )
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},

@@ -160,6 +160,35 @@ def _add_network_args(parser):
                    help="Fused cross entropy implementation; only 'native' is available.")
 
     _add_moe_args(parser)
+    _add_attention_variant_args(parser)
+
+
+def window_size_type(text: str) -> tuple:
+    """--window-size as Megatron reads it: two ints "LEFT,RIGHT", optionally in () or []."""
+    parts = str(text).strip().strip("()[]").split(",")
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two ints such as '4096,0'") from None
+
+
+def _add_attention_variant_args(parser):
+    g = parser.add_argument_group("attention and MLP variants")
+    g.add_argument("--window-size", type=window_size_type, default=None, metavar="LEFT,RIGHT",
+                   help="Sliding-window attention: a query sees LEFT keys before it (and RIGHT after it, "
+                        "hidden anyway by the causal mask); -1 is unbounded.")
+    g.add_argument("--window-attn-skip-freq", type=moe_freq_type, default=None,
+                   help="Layers with full attention besides the windowed ones: N makes every N-th layer full, "
+                        "or a 0/1 list per layer (1 = windowed) such as '([1]*3+[0])*2'.")
+    g.add_argument("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+                   help="Attention softmax: plain, with an extra zero logit, or with a learned logit per head "
+                        "(an attention sink).")
+    g.add_argument("--no-rope-freq", type=moe_freq_type, default=None,
+                   help="NoPE layers (RoPE skipped): N skips it in every N-th layer, or a 0/1 list per layer "
+                        "(1 = skip) such as '[0,0,0,1]*2'.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="Gated MLPs: clamp the gate to at most this and the linear half to [-this, this] "
+                        "(gpt-oss's clamped SwiGLU).")
 
 
 def _add_moe_args(parser):

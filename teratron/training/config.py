@@ -420,7 +420,8 @@ def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
 
 
 # Flags whose list value is a field's list (a per-layer pattern, one coefficient per type).
-_LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "offload_modules")
+_LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "offload_modules",
+                "window_attn_skip_freq", "no_rope_freq")
 
 
 def _section_kwargs(section: str, values: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Self-attention: fused QKV projection, optional qk-norm and RoPE, core attention, output projection.
+"""Self-attention: fused QKV projection, optional qk-norm and RoPE (not on the NoPE layers that
+`no_rope_freq` marks), core attention, output projection.
 
 linear_qkv is column-parallel and its output rows are interleaved per query group,
 [ng, (np/ng + 2) * hn] = per group its np/ng query heads, then one key and one value head, so a
@@ -86,6 +87,17 @@ class SelfAttention(torch.nn.Module):
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
         )
+        # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
+        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
+
+    def _check_served_by(self, inference_context):
+        """The inference context's `attend` knows plain causal attention only (see
+        teratron/inference/windowed_attention.py for what windows and sinks need)."""
+        core = self.core_attention
+        if getattr(core, "window_size", None) is not None or getattr(core, "softmax_offset", None) is not None:
+            raise NotImplementedError(
+                f"layer {self.layer_number} uses a sliding window (window_size) or an attention sink (softmax_type); "
+                "the inference engine does not serve such layers yet")
 
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
@@ -104,12 +116,13 @@ class SelfAttention(torch.nn.Module):
         over the cache (`inference_context.attend(layer_number, q, k, v)`, Megatron's
         inference_context), instead of core_attention over this call's tokens."""
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and self.apply_rope:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
             query = rope(query, rotary_pos_emb, interleaved)
             key = rope(key, rotary_pos_emb, interleaved)
         if inference_context is not None:
+            self._check_served_by(inference_context)
             context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
         elif self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
