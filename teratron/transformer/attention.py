@@ -90,15 +90,6 @@ class SelfAttention(torch.nn.Module):
         # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
         self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
 
-    def _check_served_by(self, inference_context):
-        """The inference context's `attend` knows plain causal attention only (see
-        teratron/inference/windowed_attention.py for what windows and sinks need)."""
-        core = self.core_attention
-        if getattr(core, "window_size", None) is not None or getattr(core, "softmax_offset", None) is not None:
-            raise NotImplementedError(
-                f"layer {self.layer_number} uses a sliding window (window_size) or an attention sink (softmax_type); "
-                "the inference engine does not serve such layers yet")
-
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
         with activation_offload.offload("qkv_linear"):
@@ -122,7 +113,6 @@ class SelfAttention(torch.nn.Module):
             query = rope(query, rotary_pos_emb, interleaved)
             key = rope(key, rotary_pos_emb, interleaved)
         if inference_context is not None:
-            self._check_served_by(inference_context)
             context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
         elif self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)

@@ -18,7 +18,7 @@ that a CUDA graph captured for its row count replays it (`inference.cuda_graphs`
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
 from teratron.inference.kernels.paged_attention import paged_attention
+from teratron.inference.windowed_attention import attend as attend_padded, window_mask
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
 
@@ -55,11 +56,20 @@ class StepChunk:
 class _AttentionBatch:
     """Prefill chunks whose queries attend as one padded batch: R chunks, up to Q queries each,
     keys from up to B blocks each."""
-    token_index: torch.Tensor   # [n] the step tokens of this batch (index into t)
-    padded_index: torch.Tensor  # [n] where each sits in the padded queries [R * Q]
-    block_table: torch.Tensor   # [R, B] (padding: the scratch block, masked out)
-    mask: torch.Tensor          # bool [R, 1, Q, B * block_size], True = attend
-    shape: tuple                # (R, Q)
+    token_index: torch.Tensor      # [n] the step tokens of this batch (index into t)
+    padded_index: torch.Tensor     # [n] where each sits in the padded queries [R * Q]
+    block_table: torch.Tensor      # [R, B] (padding: the scratch block, masked out)
+    query_positions: torch.Tensor  # [R, Q] (padding queries: position 0)
+    num_keys: int                  # B * block_size
+    shape: tuple                   # (R, Q)
+    masks: dict = field(default_factory=dict)  # window -> bool [R, 1, Q, B * block_size], True = attend
+
+    def mask(self, window: tuple | None) -> torch.Tensor:
+        """Causal, within `window` (left, right) when given; built once per window a step."""
+        if window not in self.masks:
+            key_positions = torch.arange(self.num_keys, device=self.query_positions.device)
+            self.masks[window] = window_mask(self.query_positions[:, None, :], key_positions, window)
+        return self.masks[window]
 
 
 @dataclass
@@ -115,6 +125,10 @@ class DynamicInferenceContext:
                                              dtype=torch.int32, device=self.device)
         self.output_token_index: torch.Tensor | None = None
         self.paged_query_limit = PAGED_QUERY_LIMIT
+        self.layer_windows: dict[int, tuple] = {}
+        """Sliding windows (left, right) of the layers that have one (from_model)."""
+        self.layer_sinks: dict[int, torch.Tensor] = {}
+        """Attention-sink logits [np] of the layers that have them (from_model)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
@@ -124,9 +138,16 @@ class DynamicInferenceContext:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
         weight = next(first.parameters())
-        return cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
-                   max_seq_length=config.max_seq_length or model.max_sequence_length)
+        context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
+                      first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
+                      max_seq_length=config.max_seq_length or model.max_sequence_length)
+        for attention in attentions:
+            core = attention.core_attention
+            if getattr(core, "window_size", None) is not None:
+                context.layer_windows[attention.layer_number] = tuple(core.window_size)
+            if getattr(core, "softmax_offset", None) is not None:  # read at each step: refits update it
+                context.layer_sinks[attention.layer_number] = core.softmax_offset
+        return context
 
     # Requests' memory.
 
@@ -273,12 +294,10 @@ class DynamicInferenceContext:
             token_index += range(first, first + count)
             padded_index += range(row * num_queries, row * num_queries + count)
             query_positions[row, :count] = torch.arange(chunk.start, chunk.end)
-        key_positions = torch.arange(num_blocks * self.block_size)
-        mask = key_positions[None, None, None, :] <= query_positions[:, None, :, None]  # [R, 1, Q, B * bs]
         index = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         table = torch.from_numpy(tables[:, :num_blocks].astype(np.int64)).to(self.device)
-        return _AttentionBatch(index(token_index), index(padded_index), table, mask.to(self.device),
-                               (len(chunks), num_queries))
+        return _AttentionBatch(index(token_index), index(padded_index), table, query_positions.to(self.device),
+                               num_blocks * self.block_size, (len(chunks), num_queries))
 
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Store this step's keys and values of layer `layer_number` and attend: q [t, 1, np, hn],
@@ -289,21 +308,24 @@ class DynamicInferenceContext:
         groups = key.shape[2]
         keys.view(-1, groups, head_dim).index_copy_(0, self.write_slots, key[:, 0])
         values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
+        window, sinks = self.layer_windows.get(layer_number), self.layer_sinks.get(layer_number)
+        options = dict(window_left=-1 if window is None else window[0], sinks=sinks)
         paged = self.paged
         if paged is not None and paged.token_index is None:  # every token (a decode step)
             context = paged_attention(query[:, 0], keys, values, paged.block_table, paged.kv_lengths,
-                                      self.softmax_scale)
+                                      self.softmax_scale, **options)
             return context.view(t, 1, heads * head_dim)
         output = query.new_zeros(t, heads, head_dim)  # padding tokens keep zeros
         if paged is not None:
             output[paged.token_index] = paged_attention(query[paged.token_index, 0], keys, values, paged.block_table,
-                                                        paged.kv_lengths, self.softmax_scale)
+                                                        paged.kv_lengths, self.softmax_scale, **options)
         for batch in self.attention_batches:
-            output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values)
+            output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values, window, sinks)
         return output.view(t, 1, heads * head_dim)
 
-    def _attend_batch(self, batch: _AttentionBatch, query, keys, values) -> torch.Tensor:
-        """query [t, np, hn] -> the context of the batch's tokens [n, np, hn]."""
+    def _attend_batch(self, batch: _AttentionBatch, query, keys, values, window=None, sinks=None) -> torch.Tensor:
+        """query [t, np, hn] -> the context of the batch's tokens [n, np, hn] (causal, within the
+        layer's `window`, with its attention `sinks` [np])."""
         rows, num_queries = batch.shape
         heads, head_dim = query.shape[1:]
         padded = query.new_zeros(rows * num_queries, heads, head_dim)
@@ -312,8 +334,7 @@ class DynamicInferenceContext:
         # [R, B, bs, ng, hn] -> [R, ng, B * bs, hn]
         k, v = (cache[batch.block_table].flatten(1, 2).transpose(1, 2) for cache in (keys, values))
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.softmax_scale,
-                                                     enable_gqa=heads != k.shape[1])
+            context = attend_padded(q, k, v, batch.mask(window), self.softmax_scale, sinks)
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
