@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from teratron.distributed import DistributedDataParallelConfig
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.optimizer import OptimizerConfig
-from teratron.training.arguments import flag, flags_by_dest, inverted_dests
+from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, inverted_dests
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
-from teratron.transformer.transformer_config import TransformerConfig
+from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def _at_least(section, minimum, names) -> None:
@@ -330,6 +330,9 @@ RENAMED = {
     "ddp_bucket_size": ("ddp", "bucket_size", None),
     "ddp_average_in_collective": ("ddp", "average_in_collective", None),
     "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
+    "yarn_original_max_position_embeddings": ("transformer", "original_max_position_embeddings", None),
+    "yarn_beta_fast": ("transformer", "beta_fast", None),
+    "yarn_beta_slow": ("transformer", "beta_slow", None),
 }
 
 # Values filled in from others (see `_derived`): field -> what it defaults to.
@@ -364,8 +367,8 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 def _field_flags() -> dict:
     """Config field name -> the flag that sets it."""
     by_dest = flags_by_dest()
-    names = {f.name: by_dest[f.name] for section in SECTIONS.values() for f in fields(section)
-             if f.name in by_dest}
+    names = {f.name: by_dest[f.name] for section in (*SECTIONS.values(), MLATransformerConfig)
+             for f in fields(section) if f.name in by_dest}
     names.update({fld: by_dest[dest] for dest, (_, fld, _) in RENAMED.items()})
     return names
 
@@ -423,17 +426,30 @@ def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
 _LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "offload_modules")
 
 
-def _section_kwargs(section: str, values: dict) -> dict:
-    cls = SECTIONS[section]
-    kwargs = {f.name: values[f.name] for f in fields(cls) if f.init and f.name in values}
+def _section_kwargs(section: str, values: dict, cls=None) -> dict:
+    cls = cls or SECTIONS[section]
+    names = {f.name for f in fields(cls) if f.init}
+    kwargs = {name: values[name] for name in names if name in values}
     for dest, (target, fld, convert) in RENAMED.items():
-        if target == section and dest in values:
+        if target == section and dest in values and fld in names:
             kwargs[fld] = convert(values[dest]) if convert else values[dest]
     return kwargs
 
 
+def _transformer_config(values: dict) -> TransformerConfig:
+    """MLATransformerConfig with --multi-latent-attention (its YaRN flags left None keep the
+    config's defaults, as in Megatron), else TransformerConfig."""
+    if not values.get("multi_latent_attention"):
+        return TransformerConfig(**_section_kwargs("transformer", values))
+    kwargs = _section_kwargs("transformer", values, MLATransformerConfig)
+    for name in ("rope_type", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)
+    return MLATransformerConfig(**kwargs)
+
+
 def _build(values: dict, vocab_size: int) -> RunConfig:
-    transformer = TransformerConfig(**_section_kwargs("transformer", values))
+    transformer = _transformer_config(values)
     model_kwargs = _section_kwargs("model", values)
     model_kwargs.pop("vocab_size", None)  # the flag is the NullTokenizer's; the model takes the tokenizer's
     model = GPTModelConfig(transformer=transformer, vocab_size=vocab_size, **model_kwargs)
@@ -471,6 +487,7 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         if out["ffn_hidden_size"] < 1:
             raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
                              "set --ffn-hidden-size")
+    _check_mla_flags(args)
     if args.sequence_parallel and tp == 1:
         print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled", flush=True)
         out["sequence_parallel"] = False
@@ -493,6 +510,17 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     for name in ("torch_compile", "gradient_accumulation_fusion"):
         out[name] = fast if getattr(args, name) is None else getattr(args, name)
     return out
+
+
+def _check_mla_flags(args) -> None:
+    if args.multi_latent_attention:
+        if args.group_query_attention:
+            raise ValueError("--group-query-attention does not apply to --multi-latent-attention (its keys and "
+                             "values come from one latent); drop one")
+        return
+    changed = [flag(name) for name, default in MLA_FLAG_DEFAULTS.items() if getattr(args, name) != default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set without --multi-latent-attention; add it or drop them")
 
 
 def _virtual_stages(args, pp):
