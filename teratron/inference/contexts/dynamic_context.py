@@ -30,6 +30,7 @@ from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, blo
 from teratron.inference.kernels.paged_attention import paged_attention
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
+from teratron.transformer.multi_latent_attention import MLASelfAttention
 
 PAGED_QUERY_LIMIT = 16
 """Chunks of up to this many tokens (decode, speculative verification) attend with the paged
@@ -113,14 +114,17 @@ class DynamicInferenceContext:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
-        """A context for the attention layers of `model` (this stage's), in its dtype and device."""
-        attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        """A context for the attention layers of `model` (this stage's), in its dtype and device.
+        Multi-latent attention caches what its layer's `ng` and `hn` say (per-head keys and values
+        padded to one size, or one latent) under its own softmax scale."""
+        attentions = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
         weight = next(first.parameters())
         return cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
+                   getattr(first, "softmax_scale", first.config.softmax_scale),
+                   token_multiple=get_pg_size(first.pg_collection.tp),
                    max_seq_length=config.max_seq_length or model.max_sequence_length)
 
     # Requests' memory.
