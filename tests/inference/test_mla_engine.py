@@ -3,7 +3,7 @@ the model's own greedy decoding by full recompute (the whole sequence through th
 step), with per-head keys and values in the cache and with the latent cache (cache_mla_latents,
 absorbed up projections), for requests alone, batched with chunked prefill (paged kernel or SDPA
 batches for prefill) and in a tight buffer; the latent cache holds one d_c + d_r vector per token
-and layer. A checkpoint serves through `load_for_inference(..., cache_mla_latents=True)`."""
+and layer (keys only: the values are the keys). A checkpoint serves through `load_for_inference(..., cache_mla_latents=True)`."""
 
 import pytest
 import torch
@@ -90,8 +90,9 @@ def test_greedy_equals_full_recompute(shape_and_reference, latents):
     cached = config.kv_lora_rank + config.qk_pos_emb_head_dim if latents else \
         max(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
     heads = 1 if latents else config.num_attention_heads
-    assert alone.context.memory_buffer.shape[-2:] == (heads, cached)
-    assert alone.context.bytes_per_block == 2 * config.num_layers * 4 * heads * cached * 4
+    kinds = 1 if latents else 2  # the latent is both key and value: stored once
+    assert alone.context.memory_buffer.shape[0] == kinds and alone.context.memory_buffer.shape[-2:] == (heads, cached)
+    assert alone.context.bytes_per_block == kinds * config.num_layers * 4 * heads * cached * 4
 
 
 def test_a_checkpoint_serves_with_the_latent_cache(tmp_path):
