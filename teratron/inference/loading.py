@@ -54,7 +54,8 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or saved_dtype(folder)
     if cache_mla_latents and not model_args.get("multi_latent_attention"):
-        raise ValueError(f"--cache-mla-latents: the model of {flag} {folder} has no multi-latent attention; drop the flag")
+        raise ValueError(f"--cache-mla-latents: the model of {flag} {folder} has no multi-latent attention; "
+                         "drop the flag")
     overrides = dict(cache_mla_latents=True) if cache_mla_latents else {}
     model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder, flag, **overrides)
     _, common = load_checkpoint(folder, [model], optimizer=None, load_optimizer=False, load_rng=False)

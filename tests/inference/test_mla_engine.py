@@ -95,23 +95,72 @@ def test_greedy_equals_full_recompute(shape_and_reference, latents):
     assert alone.context.bytes_per_block == kinds * config.num_layers * 4 * heads * cached * 4
 
 
-def test_a_checkpoint_serves_with_the_latent_cache(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A `teratron train` checkpoint of an MLA model (one iteration)."""
     from teratron import cli
-    from teratron.inference.loading import load_for_inference
 
+    path = tmp_path_factory.mktemp("mla") / "ckpt"
     flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",
              "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
              "--lr", "1e-3", "--train-iters", "1", "--num-workers", "0", "--no-progress-bar", "--eval-iters", "0",
-             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--init-method-std", "0.3",
              "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
              "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--qk-layernorm",
-             "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+             "--save", str(path), "--save-interval", "1"]
     assert cli.main(["train"] + flags) == 0
-    plain, tokenizer = load_for_inference(str(tmp_path / "ckpt"), device="cpu")
-    latent, _ = load_for_inference(str(tmp_path / "ckpt"), device="cpu", cache_mla_latents=True)
+    return str(path)
+
+
+def test_a_checkpoint_serves_with_the_latent_cache(checkpoint):
+    from teratron.inference.loading import load_for_inference
+
+    plain, tokenizer = load_for_inference(checkpoint, device="cpu")
+    latent, _ = load_for_inference(checkpoint, device="cpu", cache_mla_latents=True)
     assert latent.config.cache_mla_latents and not plain.config.cache_mla_latents
     prompt = [5, 17, 3, 99, 42]
     expected = recompute_greedy(plain, prompt, 6)
     engine = DynamicInferenceEngine(latent, tokenizer, InferenceConfig(buffer_size_gb=0.01, block_size=4))
     assert engine.generate([prompt], SamplingParams(temperature=0, num_tokens_to_generate=6,
                                                     ignore_eod=True))[0].token_ids == expected
+
+
+def test_latent_cache_of_a_model_without_mla_is_refused(tmp_path):
+    from teratron import cli
+    from teratron.inference.loading import load_for_inference
+
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
+             "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
+             "--lr", "1e-3", "--train-iters", "1", "--num-workers", "0", "--no-progress-bar", "--eval-iters", "0",
+             "--save", str(tmp_path / "dense"), "--save-interval", "1"]
+    assert cli.main(["train"] + flags) == 0
+    with pytest.raises(ValueError, match="--cache-mla-latents: the model of --load .* has no multi-latent attention"):
+        load_for_inference(str(tmp_path / "dense"), device="cpu", cache_mla_latents=True)
+
+
+def _generate_on_ranks(argv):
+    import contextlib
+    import io
+
+    from teratron import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0
+    return out.getvalue()
+
+
+def test_generate_under_tensor_parallelism_equals_tp1(checkpoint, capsys):
+    """`teratron generate` at TP 2 (heads split, down projections whole on both ranks) prints what
+    TP 1 prints, with either cache."""
+    from dist import run_distributed
+    from teratron import cli
+
+    argv = ["generate", "--load", checkpoint, "--prompt", "5 17 3 99 42", "--max-tokens", "8", "--temperature", "0",
+            "--inference-dynamic-batching-buffer-size-gb", "0.001", "--inference-dynamic-batching-block-size", "4"]
+    assert cli.main(argv) == 0
+    reference = capsys.readouterr().out
+    assert len(reference.split()) == 8
+    for extra in ([], ["--cache-mla-latents"]):
+        rank0, rank1 = run_distributed(_generate_on_ranks, 2, argv + extra + ["--tensor-model-parallel-size", "2"])
+        assert (rank0, rank1) == (reference, ""), extra
