@@ -3,7 +3,8 @@ the model's own greedy decoding by full recompute (the whole sequence through th
 step), with per-head keys and values in the cache and with the latent cache (cache_mla_latents,
 absorbed up projections), for requests alone, batched with chunked prefill (paged kernel or SDPA
 batches for prefill) and in a tight buffer; the latent cache holds one d_c + d_r vector per token
-and layer (keys only: the values are the keys). A checkpoint serves through `load_for_inference(..., cache_mla_latents=True)`."""
+and layer (keys only: the values are the keys). A checkpoint serves through `load_for_inference(...,
+cache_mla_latents=True)` and `teratron generate` (TP 1 and 2); its Hugging Face export is refused."""
 
 import pytest
 import torch
@@ -164,3 +165,10 @@ def test_generate_under_tensor_parallelism_equals_tp1(checkpoint, capsys):
     for extra in ([], ["--cache-mla-latents"]):
         rank0, rank1 = run_distributed(_generate_on_ranks, 2, argv + extra + ["--tensor-model-parallel-size", "2"])
         assert (rank0, rank1) == (reference, ""), extra
+
+
+def test_hugging_face_export_is_refused(checkpoint, tmp_path):
+    from teratron.convert.hf import export_hf
+
+    with pytest.raises(ValueError, match="multi-latent attention, which has no Hugging Face export yet"):
+        export_hf(checkpoint, str(tmp_path / "hf"))
