@@ -89,6 +89,8 @@ def test_mla_flag_errors(capsys):
         (MLA + ["--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim .3. must be even"),
         (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
          "--recompute-modules contains 'mla_up_proj' but --multi-latent-attention is False"),
+        (MLA + ["--torch-compile"], "--torch-compile on the CPU cannot compile multi-latent attention whose "
+                                    "--v-head-dim differs"),
     ]
     for extra, message in cases:
         assert cli.main(["train"] + TINY + extra) == 2, extra

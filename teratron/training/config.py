@@ -487,7 +487,6 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         if out["ffn_hidden_size"] < 1:
             raise ValueError(f"--swiglu with --hidden-size {args.hidden_size} rounds the MLP size to 0; "
                              "set --ffn-hidden-size")
-    _check_mla_flags(args)
     if args.sequence_parallel and tp == 1:
         print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled", flush=True)
         out["sequence_parallel"] = False
@@ -509,14 +508,21 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     fast = cuda and graphs != "local"  # fast by default: the fastest correct path of today
     for name in ("torch_compile", "gradient_accumulation_fusion"):
         out[name] = fast if getattr(args, name) is None else getattr(args, name)
+    _check_mla_flags(args, out["torch_compile"] and not cuda)
     return out
 
 
-def _check_mla_flags(args) -> None:
+def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
     if args.multi_latent_attention:
         if args.group_query_attention:
             raise ValueError("--group-query-attention does not apply to --multi-latent-attention (its keys and "
                              "values come from one latent); drop one")
+        # Inductor (torch 2.13) fails to compile CPU SDPA whose value head differs from the query's.
+        if (compiled_on_cpu and args.v_head_dim != args.qk_head_dim + args.qk_pos_emb_head_dim
+                and args.attention_backend != "flash"):
+            raise ValueError("--torch-compile on the CPU cannot compile multi-latent attention whose --v-head-dim "
+                             "differs from --qk-head-dim + --qk-pos-emb-head-dim; add --attention-backend flash "
+                             "(pads the heads to one size) or drop --torch-compile")
         return
     changed = [flag(name) for name, default in MLA_FLAG_DEFAULTS.items() if getattr(args, name) != default]
     if changed:
