@@ -135,8 +135,9 @@ def main() -> int:
 
         from teratron.bench.report import git_commit
 
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         with open(args.results_md, "a") as f:
-            f.write(f"\n## MLA benchmark ({torch.cuda.get_device_name()}, commit {git_commit()})\n\n"
+            f.write(f"\n## MLA benchmark ({device}, commit {git_commit()})\n\n"
                     f"`python bench/mla_bench.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
     return 0
 
