@@ -6,7 +6,8 @@ correction range and scales equal the numbers the YaRN/DeepSeek formulas give fo
 settings; recomputing the up projections ('mla_up_proj', with and without 'core_attn') changes no
 value or gradient and frees q, k, v; the flash backend's padded heads change nothing; a GPT model
 of MLA layers under TP 2 (with and without sequence parallelism) equals the single process,
-parameters, gradients and logits.
+parameters, gradients and logits; under FP8 every MLA linear runs FP8 GEMMs, the duplicated down
+projections scaled by the whole sequence's amax under SP.
 """
 
 import math
@@ -347,3 +348,48 @@ def test_tensor_and_sequence_parallel_equal_the_single_process():
                 for tensor in actual:
                     torch.testing.assert_close(tensor, expected, rtol=1e-5, atol=1e-6,
                                                msg=f"{case} {name} {which}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: every linear of MLA, the duplicated down projections included, runs FP8 GEMMs.
+
+FP8 = dict(hidden_size=64, ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16,
+           bf16=True, params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="delayed")
+
+
+def fp8_forward_backward(tp, sp, pg_collection=None):
+    config = make_config(tensor_model_parallel_size=tp, sequence_parallel=sp, **FP8)
+    torch.manual_seed(5)
+    model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True,
+                                                      normalization="RMSNorm"),
+                     VOCAB, 16, position_embedding_type="rope", pg_collection=pg_collection or ProcessGroupCollection())
+    g = torch.Generator().manual_seed(9)
+    ids, labels = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
+    loss = model(ids, None, labels=labels)
+    loss.float().mean().backward()
+    fp8_layers = sorted(name for name, m in model.named_modules() if getattr(m, "fp8", None) is not None)
+    amaxes = {name: m.amax_history[0].item() for name, m in model.named_modules()
+              if name.endswith("_scaler") and hasattr(m, "amax_history")}
+    return {"loss": loss.detach().float(), "fp8_layers": fp8_layers, "amaxes": amaxes}
+
+
+def _fp8_ranks():
+    pg = ProcessGroupCollection(tp=dist.group.WORLD)
+    return {sp: fp8_forward_backward(2, sp, pg) for sp in (False, True)}
+
+
+def test_fp8_linears_under_tp_and_sp():
+    reference = fp8_forward_backward(1, False)
+    linears = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    assert reference["fp8_layers"] == sorted(f"decoder.layers.{i}.{part}" for i in (0, 1) for part in (
+        [f"self_attention.{name}" for name in linears] + ["mlp.linear_fc1", "mlp.linear_fc2"]))
+    for sp, result in zip((False, True), [r for r in run_distributed(_fp8_ranks, 2)[0].values()]):
+        # The down projections' input and weight scales equal TP 1's: under SP each rank's slice
+        # of the sequence is quantised with the amax of the whole sequence (reduced over TP).
+        for part in ("linear_q_down_proj", "linear_kv_down_proj"):
+            for scaler in ("input_scaler", "weight_scaler"):
+                name = f"decoder.layers.0.self_attention.{part}.fp8.{scaler}"
+                assert result["amaxes"][name] == reference["amaxes"][name], (sp, name)
+        loss = result["loss"]  # within e4m3's rounding error per token, bf16's on the mean
+        assert ((loss - reference["loss"]).abs() <= 2**-4 * reference["loss"].abs()).all(), sp
+        assert abs(loss.mean() - reference["loss"].mean()) <= 2**-8 * reference["loss"].mean(), sp
