@@ -81,6 +81,22 @@ def test_mla_without_query_compression_under_tp_sp_and_pp(tmp_path):
         _assert_same_losses(reference, _train(MODEL_B + extra, tmp_path, name, 2), name)
 
 
+def test_mla_flags_reach_the_config():
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
+    from teratron.transformer import MLATransformerConfig
+
+    run = run_config_from_args(parse_train_args(TINY + MLA + ["--yarn-beta-fast", "16", "--rotary-base", "500"]), 1,
+                               100, cuda=False)
+    t = run.transformer
+    assert type(t) is MLATransformerConfig and t.multi_latent_attention and t.qk_layernorm
+    assert (t.q_lora_rank, t.kv_lora_rank, t.qk_head_dim, t.qk_pos_emb_head_dim, t.v_head_dim) == (None, 12, 8, 4, 6)
+    assert (t.rope_type, t.rotary_scaling_factor, t.mscale, t.mscale_all_dim) == ("yarn", 4.0, 0.8, 1.0)
+    assert (t.original_max_position_embeddings, t.beta_fast, t.beta_slow, t.rotary_base) == (8, 16.0, 1, 500)
+    plain = run_config_from_args(parse_train_args(TINY), 1, 100, cuda=False)
+    assert type(plain.transformer) is not MLATransformerConfig and not plain.transformer.multi_latent_attention
+
+
 def test_mla_flag_errors(capsys):
     cases = [
         (["--q-lora-rank", "16"], "--q-lora-rank set without --multi-latent-attention"),

@@ -317,6 +317,7 @@ SECTIONS = {
     "scheduler": SchedulerConfig, "training": TrainingConfig, "data": DataConfig,
     "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
     "profiling": ProfilingConfig, "distributed": DistributedConfig, "model": GPTModelConfig,
+    "mla": MLATransformerConfig,  # the transformer section of --multi-latent-attention runs
 }
 
 # Flags whose field has another name: flag dest -> (section, field, how the value converts).
@@ -330,9 +331,9 @@ RENAMED = {
     "ddp_bucket_size": ("ddp", "bucket_size", None),
     "ddp_average_in_collective": ("ddp", "average_in_collective", None),
     "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
-    "yarn_original_max_position_embeddings": ("transformer", "original_max_position_embeddings", None),
-    "yarn_beta_fast": ("transformer", "beta_fast", None),
-    "yarn_beta_slow": ("transformer", "beta_slow", None),
+    "yarn_original_max_position_embeddings": ("mla", "original_max_position_embeddings", None),
+    "yarn_beta_fast": ("mla", "beta_fast", None),
+    "yarn_beta_slow": ("mla", "beta_slow", None),
 }
 
 # Values filled in from others (see `_derived`): field -> what it defaults to.
@@ -367,8 +368,8 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 def _field_flags() -> dict:
     """Config field name -> the flag that sets it."""
     by_dest = flags_by_dest()
-    names = {f.name: by_dest[f.name] for section in (*SECTIONS.values(), MLATransformerConfig)
-             for f in fields(section) if f.name in by_dest}
+    names = {f.name: by_dest[f.name] for section in SECTIONS.values() for f in fields(section)
+             if f.name in by_dest}
     names.update({fld: by_dest[dest] for dest, (_, fld, _) in RENAMED.items()})
     return names
 
@@ -428,10 +429,9 @@ _LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_los
 
 def _section_kwargs(section: str, values: dict, cls=None) -> dict:
     cls = cls or SECTIONS[section]
-    names = {f.name for f in fields(cls) if f.init}
-    kwargs = {name: values[name] for name in names if name in values}
+    kwargs = {f.name: values[f.name] for f in fields(cls) if f.init and f.name in values}
     for dest, (target, fld, convert) in RENAMED.items():
-        if target == section and dest in values and fld in names:
+        if target == section and dest in values:
             kwargs[fld] = convert(values[dest]) if convert else values[dest]
     return kwargs
 
@@ -441,7 +441,7 @@ def _transformer_config(values: dict) -> TransformerConfig:
     config's defaults, as in Megatron), else TransformerConfig."""
     if not values.get("multi_latent_attention"):
         return TransformerConfig(**_section_kwargs("transformer", values))
-    kwargs = _section_kwargs("transformer", values, MLATransformerConfig)
+    kwargs = {**_section_kwargs("transformer", values, MLATransformerConfig), **_section_kwargs("mla", values)}
     for name in ("rope_type", "original_max_position_embeddings", "beta_fast", "beta_slow"):
         if kwargs.get(name) is None:
             kwargs.pop(name, None)
