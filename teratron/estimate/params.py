@@ -1,11 +1,11 @@
 """Parameter counts per rank, by part, for one model chunk (a pipeline stage or virtual stage).
 
 The counts follow the layers teratron builds (Megatron's local spec): fused QKV
-[(q + 2 kv) / tp, h], linear_proj [h, q / tp] (multi-latent attention: `mla_params`), linear_fc1 [ffn * (2 if gated) / tp, h],
-linear_fc2 [h, ffn / tp], norms of h (+ h bias for LayerNorm), the vocab-parallel word
-embedding [V / tp, h], a replicated learned position table, and under MoE a replicated router
-[E, h], E / ep local experts sharded over expert-TP and an optional TP-sharded shared expert.
-Tests compare them with the numel of real GPTModels.
+[(q + 2 kv) / tp, h], linear_proj [h, q / tp] (multi-latent attention: `mla_params`),
+linear_fc1 [ffn * (2 if gated) / tp, h], linear_fc2 [h, ffn / tp], norms of h (+ h bias for
+LayerNorm), the vocab-parallel word embedding [V / tp, h], a replicated learned position table,
+and under MoE a replicated router [E, h], E / ep local experts sharded over expert-TP and an
+optional TP-sharded shared expert. Tests compare them with the numel of real GPTModels.
 """
 
 from dataclasses import dataclass, field

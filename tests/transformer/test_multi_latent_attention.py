@@ -353,8 +353,9 @@ def test_tensor_and_sequence_parallel_equal_the_single_process():
 # ---------------------------------------------------------------------------------------------
 # FP8: every linear of MLA, the duplicated down projections included, runs FP8 GEMMs.
 
-FP8 = dict(hidden_size=64, ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16,
-           bf16=True, params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="delayed")
+FP8 = dict(hidden_size=64, ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+           qk_pos_emb_head_dim=16, v_head_dim=16, bf16=True, params_dtype=torch.bfloat16, fp8="hybrid",
+           fp8_recipe="delayed")
 
 
 def fp8_forward_backward(tp, sp, pg_collection=None):
