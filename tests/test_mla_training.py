@@ -91,7 +91,7 @@ def test_mla_flags_reach_the_config():
     run = run_config_from_args(parse_train_args(TINY + MLA + ["--yarn-beta-fast", "16", "--rotary-base", "500"]), 1,
                                100, cuda=False)
     t = run.transformer
-    assert type(t) is MLATransformerConfig and t.multi_latent_attention and t.qk_layernorm
+    assert type(t) is MLATransformerConfig and t.multi_latent_attention and t.qk_layernorm and t.gated_linear_unit
     assert (t.q_lora_rank, t.kv_lora_rank, t.qk_head_dim, t.qk_pos_emb_head_dim, t.v_head_dim) == (None, 12, 8, 4, 6)
     assert (t.rope_type, t.rotary_scaling_factor, t.mscale, t.mscale_all_dim) == ("yarn", 4.0, 0.8, 1.0)
     assert (t.original_max_position_embeddings, t.beta_fast, t.beta_slow, t.rotary_base) == (8, 16.0, 1, 500)
