@@ -146,6 +146,9 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
     a = {**MOE_DEFAULTS, **a}
+    if a.get("multi_latent_attention"):
+        raise ValueError("the checkpoint's model uses multi-latent attention, which has no Hugging Face export yet "
+                         "(deepseek_v3 is not supported)")
     if a["normalization"] != "RMSNorm" or not a["swiglu"] or a["position_embedding_type"] != "rope" \
             or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
         raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "

@@ -39,9 +39,8 @@ class SelfAttention(torch.nn.Module):
                  attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__()
         if config.multi_latent_attention:
-            raise NotImplementedError(
-                "multi_latent_attention=True (MLA) is not built yet; set multi_latent_attention=False"
-            )
+            raise ValueError("SelfAttention was given a config with multi_latent_attention=True; MLA layers are "
+                             "MLASelfAttention (get_gpt_layer_local_spec(multi_latent_attention=True))")
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type

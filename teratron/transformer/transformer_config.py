@@ -89,7 +89,7 @@ UNSUPPORTED = {
 ALSO_SUPPORTED = {"distribute_saved_activations": (False,)}
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
@@ -816,9 +816,12 @@ class TransformerConfig(ModelParallelConfig):
             for module in self.recompute_modules:
                 if module not in SUPPORTED_RECOMPUTE_MODULES:
                     raise NotImplementedError(
-                        f"recompute_modules contains {module!r}: recomputing it needs MoE/MLA, which "
-                        f"is not supported yet; use {list(SUPPORTED_RECOMPUTE_MODULES)}"
+                        f"recompute_modules contains {module!r}: recomputing it is not supported yet; "
+                        f"use {list(SUPPORTED_RECOMPUTE_MODULES)}"
                     )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError("recompute_modules contains 'mla_up_proj' but multi_latent_attention is False; "
+                                 "drop it (it recomputes MLA's up projections)")
 
     def _check_offloading(self):
         from teratron.transformer.activation_offload import OFFLOAD_MODULES
@@ -1012,8 +1015,8 @@ class MLATransformerConfig(TransformerConfig):
     multi_latent_attention: bool = True
     """Use multi-latent attention."""
 
-    q_lora_rank: int = 512
-    """Rank of the low-rank query projection."""
+    q_lora_rank: Optional[int] = 512
+    """Rank of the low-rank query projection; None projects the queries straight from the hidden state."""
 
     kv_lora_rank: int = 512
     """Rank of the low-rank key/value projection."""
@@ -1022,7 +1025,7 @@ class MLATransformerConfig(TransformerConfig):
     """Per-head QK dimension without the positional part (q_head_dim = this + qk_pos_emb_head_dim)."""
 
     qk_pos_emb_head_dim: int = 64
-    """Per-head dimension of the RoPE part of Q and K."""
+    """Per-head dimension of the RoPE part of Q and K (one RoPE key shared by all heads)."""
 
     v_head_dim: int = 128
     """Per-head V dimension."""
@@ -1031,16 +1034,16 @@ class MLATransformerConfig(TransformerConfig):
     """MLA models default to RMSNorm."""
 
     rope_type: str = "yarn"
-    """'rope' or 'yarn'."""
+    """'rope' or 'yarn' (the positional part of Q and K)."""
 
     rotary_base: float = 10000
     """RoPE base (rope and yarn)."""
 
     rotary_percent: float = 1.0
-    """Fraction of the head dimension rotated (rope)."""
+    """Fraction of qk_pos_emb_head_dim rotated (rope)."""
 
     rotary_scaling_factor: float = 40
-    """YaRN scaling factor."""
+    """YaRN scaling factor (also scales the softmax through mscale_all_dim, as Megatron does)."""
 
     original_max_position_embeddings: int = 4096
     """Context length of the original model (yarn)."""
@@ -1058,9 +1061,27 @@ class MLATransformerConfig(TransformerConfig):
     """YaRN mscale over all dimensions."""
 
     cache_mla_latents: bool = False
-    """Cache the MLA latents instead of the full KV at inference."""
+    """Cache the MLA latents (compressed KV and the RoPE key) instead of per-head keys and values
+    at inference, attending with the up projections absorbed into the query and output."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"rope_type={self.rope_type!r} is not valid; use 'rope' or 'yarn'")
+        if self.q_lora_rank is not None:
+            _check_positive_int(self, "q_lora_rank", " or None")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "original_max_position_embeddings"):
+            _check_positive_int(self, name)
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: RoPE turns channel "
+                             "pairs")
+        for name in ("rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def _check_positive_int(config, name: str, alternative: str = "") -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")

@@ -79,3 +79,27 @@ def test_moe_flops_count_the_routed_experts_of_moe_layers_only():
     every_other = _args(num_layers=4, num_experts=8, moe_layer_freq=2, moe_router_topk=2,
                         moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=24)
     assert _flops(every_other, 3) == _flops(moe, 3)
+
+
+def test_mla_flops_match_hand_count():
+    """Every GEMM of multi-latent attention listed (Megatron counts each latent norm as one
+    multiply-accumulate per channel), with and without query compression."""
+    from teratron.transformer import MLATransformerConfig
+
+    s, h, n, layers, vocab = 32, 64, 4, 2, 256
+    for q_lora in (24, None):
+        config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
+                                      kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
+                                      ffn_hidden_size=96, gated_linear_unit=True)
+        model = GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab)
+        gemm = lambda m, k, o: 2 * m * k * o  # noqa: E731 - [m, k] @ [k, o]
+        query = gemm(s, h, q_lora) + gemm(s, q_lora, n * 18) + 2 * s * q_lora if q_lora else gemm(s, h, n * 18)
+        layer = (query
+                 + gemm(s, h, 20 + 6) + 2 * s * 20    # kv down projection (latent + RoPE key), kv norm
+                 + gemm(s, 20, n * (12 + 10))         # kv up projection
+                 + n * gemm(s, 18, s) / 2             # Q K^T, causal half
+                 + n * gemm(s, s, 10) / 2             # P V, causal half
+                 + gemm(s, n * 10, h)                 # linear_proj
+                 + gemm(s, h, 2 * 96) + gemm(s, 96, h))
+        expected = 3 * (layers * layer + gemm(s, h, vocab)) * 3
+        assert math.isclose(num_floating_point_operations(model, s, 3), expected, rel_tol=1e-12), q_lora

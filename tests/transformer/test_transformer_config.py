@@ -317,8 +317,8 @@ def test_unsupported_table_covers_the_blocked_features():
         _build(distribute_saved_activations=True)
     with pytest.raises(NotImplementedError, match="moe_token_dispatcher_type='flex'"):
         _build(num_moe_experts=4, moe_token_dispatcher_type="flex")
-    with pytest.raises(NotImplementedError, match="recompute_modules contains 'mla_up_proj'"):
-        _build(recompute_granularity="selective", recompute_modules=["core_attn", "mla_up_proj"])
+    with pytest.raises(NotImplementedError, match="recompute_modules contains 'moe_act'"):
+        _build(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
 
 
 def test_supported_fields_build():

@@ -2,8 +2,9 @@
 being run (Megatron's `inference.contexts.dynamic_context`).
 
 Memory: one buffer [2 (K, V), local layers, num_blocks + 1, block_size, ng, hn] in the model's
-dtype, sized from `InferenceConfig.buffer_size_gb`; the last block is the scratch block, where
-padding tokens write their keys and values. A request owns a block table, the ids of the blocks
+dtype (keys only, [1, ...], when the values are the keys: MLA's latent cache), sized from
+`InferenceConfig.buffer_size_gb`; the last block is the scratch block, where padding tokens write
+their keys and values. A request owns a block table, the ids of the blocks
 holding its tokens' keys and values in order (token p is in block table[p // block_size] at
 offset p % block_size). With prefix caching, full blocks are registered under the hash of the
 tokens up to their end, and a new request shares the blocks of its longest cached prefix.
@@ -32,6 +33,7 @@ from teratron.inference.kernels.paged_attention import paged_attention
 from teratron.inference.windowed_attention import attend as attend_padded, window_mask
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
+from teratron.transformer.multi_latent_attention import MLASelfAttention
 
 # Not cuDNN: its host-side setup for each new shape (a prefill batch's shape changes from step to
 # step) took 3.5 ms per layer on an H200, seven times the kernel (bench/RESULTS.md, 2026-12-01).
@@ -84,10 +86,11 @@ class _PagedQueries:
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, layer_numbers: Sequence[int], num_query_groups: int,
                  head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None,
-                 token_multiple: int = 1, max_seq_length: int | None = None):
+                 token_multiple: int = 1, max_seq_length: int | None = None, values_are_keys: bool = False):
         """token_multiple: a step's tokens are padded to a multiple of it (the tensor-parallel size:
         an MoE layer under TP splits them over the ranks). max_seq_length: the longest request
-        (config.max_seq_length when None; one of them must be given)."""
+        (config.max_seq_length when None; one of them must be given). values_are_keys: the values
+        are the keys themselves (MLA's latent cache), so the buffer holds keys only, [1, ...]."""
         if not layer_numbers:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         self.config = config
@@ -96,7 +99,9 @@ class DynamicInferenceContext:
         self.layer_slot = {number: slot for slot, number in enumerate(layer_numbers)}
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
+        self.values_are_keys = values_are_keys
+        kinds = 1 if values_are_keys else 2
+        self.bytes_per_block = kinds * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
         # One block of the budget is the scratch block: padding tokens write their keys there.
         self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1
         if self.num_blocks < 1:
@@ -104,7 +109,7 @@ class DynamicInferenceContext:
                              "bytes besides the scratch block; raise --inference-dynamic-batching-buffer-size-gb")
         self.scratch_block = self.num_blocks
         # Zeros, not empty: masked keys of padding blocks get weight 0, and 0 * NaN would be NaN.
-        self.memory_buffer = torch.zeros(2, len(layer_numbers), self.num_blocks + 1, self.block_size,
+        self.memory_buffer = torch.zeros(kinds, len(layer_numbers), self.num_blocks + 1, self.block_size,
                                          num_query_groups, head_dim, dtype=dtype, device=device)
         self.device = self.memory_buffer.device
         self.allocator = KVBlockAllocator(self.num_blocks)
@@ -132,15 +137,19 @@ class DynamicInferenceContext:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
-        """A context for the attention layers of `model` (this stage's), in its dtype and device."""
-        attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        """A context for the attention layers of `model` (this stage's), in its dtype and device.
+        Multi-latent attention caches what its layer's `ng` and `hn` say (per-head keys and values
+        padded to one size, or one latent) under its own softmax scale."""
+        attentions = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
         weight = next(first.parameters())
         context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                      first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
-                      max_seq_length=config.max_seq_length or model.max_sequence_length)
+                      getattr(first, "softmax_scale", first.config.softmax_scale),
+                      token_multiple=get_pg_size(first.pg_collection.tp),
+                      max_seq_length=config.max_seq_length or model.max_sequence_length,
+                      values_are_keys=getattr(first, "cache_mla_latents", False))
         for attention in attentions:
             core = attention.core_attention
             if getattr(core, "window_size", None) is not None:
@@ -302,12 +311,14 @@ class DynamicInferenceContext:
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Store this step's keys and values of layer `layer_number` and attend: q [t, 1, np, hn],
         k and v [t, 1, ng, hn] -> [t, 1, np * hn]; each query sees its request's keys up to its
-        own position (causal), cached and new."""
-        keys, values = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks + 1, bs, ng, hn] each
+        own position (causal), cached and new. With values_are_keys `value` is not stored."""
+        cache = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks + 1, bs, ng, hn] each
+        keys, values = cache[0], cache[-1]
         t, _, heads, head_dim = query.shape
         groups = key.shape[2]
         keys.view(-1, groups, head_dim).index_copy_(0, self.write_slots, key[:, 0])
-        values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
+        if not self.values_are_keys:
+            values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
         window, sinks = self.layer_windows.get(layer_number), self.layer_sinks.get(layer_number)
         options = dict(window_left=-1 if window is None else window[0], sinks=sinks)
         paged = self.paged
