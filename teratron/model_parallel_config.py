@@ -18,8 +18,6 @@ import torch
 # them is never silently ignored.
 UNSUPPORTED = {
     "pipeline_model_parallel_comm_backend": "a non-default pipeline p2p backend (ucc)",
-    "context_parallel_size": "context parallelism",
-    "hierarchical_context_parallel_sizes": "hierarchical context parallelism",
     "max_seqlen_per_dp_cp_rank": "hybrid context parallelism",
     "hybrid_context_parallel": "hybrid context parallelism",
     "moe_extended_tp": "extended tensor parallelism for MoE",
@@ -328,6 +326,21 @@ class ModelParallelConfig:
     barrier_with_L1_time: bool = True
     """Put a barrier before level-1 timers (all ranks must call them)."""
 
+    def _check_hierarchical_context_parallel(self):
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is None:
+            return
+        if (not isinstance(sizes, (list, tuple)) or not sizes
+                or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes)):
+            raise ValueError(f"hierarchical_context_parallel_sizes={sizes!r} must be a list of positive ints")
+        product = 1
+        for n in sizes:
+            product *= n
+        if product != self.context_parallel_size:
+            raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {product}, not "
+                             f"context_parallel_size={self.context_parallel_size}; make their product the CP size")
+        self.hierarchical_context_parallel_sizes = list(sizes)
+
     def __post_init__(self):
         check_unsupported(self, UNSUPPORTED)
         if self.cross_entropy_fusion_impl != "native":
@@ -337,8 +350,9 @@ class ModelParallelConfig:
             )
         _check_positive(
             self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "expert_model_parallel_size",
+            "expert_model_parallel_size", "context_parallel_size",
         )
+        self._check_hierarchical_context_parallel()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron's launcher does the same: SP splits over the TP group, a group of one is a no-op.
             warnings.warn("sequence_parallel needs tensor_model_parallel_size > 1; turning it off")

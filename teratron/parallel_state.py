@@ -65,6 +65,7 @@ def initialize_model_parallel(
     order: str = "tp-cp-ep-dp-pp",
     get_embedding_ranks=None,
     get_position_embedding_ranks=None,
+    hierarchical_context_parallel_sizes=None,
 ) -> None:
     """Build the topology: every process group of the dense and the expert grid (Megatron Core
     semantics), and make it current.
@@ -85,6 +86,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
         context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order,
         timedelta(minutes=distributed_timeout_minutes), get_embedding_ranks, get_position_embedding_ranks,
+        hierarchical_context_parallel_sizes,
     ))
 
 
@@ -129,6 +131,11 @@ def get_data_parallel_group(with_context_parallel: bool = False):
 
 def get_context_parallel_group():
     return _group("cp")
+
+
+def get_hierarchical_context_parallel_groups():
+    """This rank's hierarchical CP groups, one per level (None without them)."""
+    return _group("hcp")
 
 
 def get_model_parallel_group():

@@ -31,7 +31,8 @@ import torch.distributed as dist
 class ProcessGroupCollection:
     """Megatron's field names: tensor, pipeline, data (without / with context), context, expert,
     expert-tensor, expert-data, expert tensor+model, model, embedding, position-embedding and
-    tensor+context parallel groups."""
+    tensor+context parallel groups, and `hcp`: the hierarchical context-parallel groups, one per
+    level of hierarchical_context_parallel_sizes (a list; None without them)."""
 
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
@@ -46,6 +47,7 @@ class ProcessGroupCollection:
     embd: dist.ProcessGroup | None = None
     pos_embd: dist.ProcessGroup | None = None
     tp_cp: dist.ProcessGroup | None = None
+    hcp: list | None = None
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> "ProcessGroupCollection":
@@ -77,7 +79,7 @@ _DIMS = ("tp", "cp", "ep", "dp", "pp")
 _DENSE_GROUPS = {"dp": "dp", "dp_cp": "dp-cp", "cp": "cp", "tp": "tp", "pp": "pp", "mp": "tp-pp",
                  "tp_cp": "tp-cp", "tp_dp": "tp-dp", "tp_dp_cp": "tp-dp-cp"}
 _EXPERT_GROUPS = {"expt_tp": "tp", "ep": "ep", "expt_dp": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp"}
-GROUP_NAMES = (*_DENSE_GROUPS, "embd", "pos_embd", *_EXPERT_GROUPS)
+GROUP_NAMES = (*_DENSE_GROUPS, "embd", "pos_embd", *_EXPERT_GROUPS, "hcp")
 
 
 class RankGenerator:
@@ -175,7 +177,8 @@ class Topology:
               virtual_pipeline_model_parallel_size: int | None = None, context_parallel_size: int = 1,
               expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
               order: str = "tp-cp-ep-dp-pp", timeout: timedelta = timedelta(minutes=30),
-              get_embedding_ranks=None, get_position_embedding_ranks=None) -> "Topology":
+              get_embedding_ranks=None, get_position_embedding_ranks=None,
+              hierarchical_context_parallel_sizes=None) -> "Topology":
         """Create every group of the dense and the expert grid over all of torch.distributed's
         ranks (every rank must call this, with the same arguments); keep this rank's."""
         world_size = dist.get_world_size()
@@ -198,7 +201,31 @@ class Topology:
         topology._create("pos_embd", [position_ranks(ranks) for ranks in pp_groups], timeout, pp_groups)
         for name, token in _EXPERT_GROUPS.items():
             topology._create(name, expert.get_ranks(token), timeout)
+        if hierarchical_context_parallel_sizes:
+            topology._create_hierarchical_cp(dense.get_ranks("cp"), list(hierarchical_context_parallel_sizes),
+                                             timeout)
         return topology
+
+    def _create_hierarchical_cp(self, cp_groups: list, sizes: list, timeout: timedelta) -> None:
+        """Megatron's hierarchical CP groups: level 0 runs of sizes[0] consecutive CP ranks, each
+        next level the ranks sizes[0] x ... apart (for 'a2a+p2p': a2a inside, p2p between)."""
+        if math.prod(sizes) != self.context_parallel_size or min(sizes) < 1:
+            raise ValueError(f"hierarchical_context_parallel_sizes {sizes} must multiply to the context-parallel "
+                             f"size {self.context_parallel_size}")
+        rank, mine, members = dist.get_rank(), [], []
+        inner = 1
+        for size in sizes:
+            for cp_ranks in cp_groups:
+                for start in range(len(cp_ranks)):
+                    if start % (inner * size) >= inner:
+                        continue
+                    ranks = [cp_ranks[start + i * inner] for i in range(size)]
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        mine.append(group)
+                        members.append(ranks)
+            inner *= size
+        self.groups["hcp"], self.group_ranks["hcp"] = mine, members
 
     def _create(self, name: str, groups: list[list[int]], timeout: timedelta, owners=None) -> None:
         """Create every group (all ranks must); keep this rank's. `owners[i]` are the ranks that

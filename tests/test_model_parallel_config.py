@@ -115,10 +115,20 @@ def test_unsupported_fields_raise(name):
 
 def test_unsupported_message():
     with pytest.raises(NotImplementedError) as info:
-        ModelParallelConfig(context_parallel_size=2)
-    assert str(info.value) == ("context_parallel_size=2: context parallelism is not supported yet; "
-                               "leave it at 1")
+        ModelParallelConfig(hybrid_context_parallel=True)
+    assert str(info.value) == ("hybrid_context_parallel=True: hybrid context parallelism is not supported yet; "
+                               "leave it at False")
     assert "tp_comm_overlap" in mpc.UNSUPPORTED and "gradient_accumulation_fusion" not in mpc.UNSUPPORTED
+
+
+def test_context_parallel_sizes():
+    config = ModelParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 2))
+    assert config.hierarchical_context_parallel_sizes == [2, 2]
+    with pytest.raises(ValueError, match=r"^hierarchical_context_parallel_sizes=\[2, 3\] multiply to 6, not "
+                                         r"context_parallel_size=4; make their product the CP size$"):
+        ModelParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 3])
+    with pytest.raises(ValueError, match="context_parallel_size must be a positive integer"):
+        ModelParallelConfig(context_parallel_size=0)
 
 
 def test_supported_fields_build():

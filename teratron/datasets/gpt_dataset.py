@@ -41,7 +41,9 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     """Give no loss to positions whose input token is the end-of-document token."""
 
     create_attention_mask: bool = True
-    """Return an explicit attention mask (off when the attention kernel makes its own)."""
+    """Return an explicit attention mask (off when the attention kernel makes its own). Off with
+    reset_attention_mask, samples carry their documents' boundaries instead (`cu_seqlens`, see
+    `document_boundaries`), which the training step turns into PackedSeqParams."""
 
     drop_last_partial_validation_sequence: bool = True
     """Drop the final, shorter-than-sequence_length validation sample (else pad it)."""
@@ -125,6 +127,9 @@ class GPTDataset(MegatronDataset):
             tokens, labels = text, torch.roll(text, shifts=-1, dims=0)
             num_real_labels = num_real - 1  # the last label wraps around: no target there
         attention_mask, loss_mask, position_ids = self._masks_and_position_ids(tokens)
+        boundaries = None
+        if self.config.reset_attention_mask and not self.config.create_attention_mask:
+            boundaries = document_boundaries(tokens, self.config.tokenizer.eod)
         # Padding past the data: id 0 so the embedding can look it up, and no loss.
         tokens[num_real:] = 0
         labels[num_real_labels:] = 0
@@ -134,6 +139,8 @@ class GPTDataset(MegatronDataset):
         sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
         if attention_mask is not None:
             sample["attention_mask"] = attention_mask
+        if boundaries is not None:
+            sample["cu_seqlens"] = boundaries
         return sample
 
     def _masks_and_position_ids(self, tokens: torch.Tensor):
@@ -280,6 +287,19 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_po
             allowed &= segment[:, None] == segment[None, :]
         attention_mask = (~allowed).unsqueeze(0)
     return attention_mask, loss_mask, position_ids
+
+
+def document_boundaries(data: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """int32 [s + 1]: where the documents of sample `data` [s] start (0, and after each EOD but
+    the last token), then s, then -1 up to s + 1 entries (one size for every sample, so samples
+    batch): Megatron's -1-padded cu_seqlens of one sample. The documents are those of
+    `get_ltor_masks_and_position_ids(reset_attention_mask=True)`."""
+    s = data.numel()
+    starts = torch.nonzero(data[:-1] == eod_token).flatten() + 1
+    edges = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([s])])
+    boundaries = torch.full((s + 1,), -1, dtype=torch.int32)
+    boundaries[:edges.numel()] = edges
+    return boundaries
 
 
 class MockGPTLowLevelDataset:

@@ -9,7 +9,10 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.autograd.variable import Variable
+
+from teratron.process_groups import get_pg_size
 
 
 def get_model_config(model: torch.nn.Module):
@@ -40,11 +43,11 @@ def as_chunk_list(value, name: str, num_chunks: int) -> list:
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor,
                  forward_data_store: list, config, collect_non_loss_data: bool = False,
-                 is_last_stage: bool = True, cp_size: int = 1):
+                 is_last_stage: bool = True, cp_group=None):
     """Run one microbatch forward; on the last stage apply the loss and scale it.
 
     Returns (output_tensor, num_tokens): the stage output (the scaled loss on the last stage) and
-    the microbatch's token count (0 unless loss_func reports one).
+    the microbatch's token count on this rank (0 unless loss_func reports one).
     """
     set_input_tensor(model, input_tensor)
     autocast = (torch.autocast(_device_type(model), dtype=config.autocast_dtype)
@@ -58,18 +61,28 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return output_tensor, num_tokens
     outputs = loss_func(output_tensor)
+    cp_size = get_pg_size(cp_group)
     if len(outputs) == 3:
         output_tensor, num_tokens, log_dict = outputs
         if not config.calculate_per_token_loss:
-            output_tensor = output_tensor / num_tokens * cp_size / num_microbatches
+            output_tensor = output_tensor / _micro_batch_tokens(num_tokens, cp_group) * cp_size / num_microbatches
     elif len(outputs) == 2:
         output_tensor, log_dict = outputs
-        output_tensor = output_tensor / num_microbatches
+        output_tensor = output_tensor * cp_size / num_microbatches
     else:
         raise ValueError(f"loss_func returned {len(outputs)} values; return (loss, log_dict) or "
                          f"(loss_sum, num_tokens, log_dict)")
     forward_data_store.append(log_dict)
     return output_tensor, num_tokens
+
+
+def _micro_batch_tokens(num_tokens, cp_group):
+    """The micro-batch's token count over its context-parallel ranks (each holds a part of it)."""
+    if get_pg_size(cp_group) == 1:
+        return num_tokens
+    total = torch.as_tensor(num_tokens).detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    return total
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config):

@@ -91,8 +91,8 @@ class _PipelineRun:
         self.num_microbatches, self.forward_only = num_microbatches, forward_only
         self.collect_non_loss_data = collect_non_loss_data
         groups = resolve_pg_collection(pg_collection)
-        pp_group, tp_group, cp_group = groups.pp, groups.tp, groups.cp
-        self.cp_size = get_pg_size(cp_group)
+        pp_group, tp_group, self.cp_group = groups.pp, groups.tp, groups.cp
+        self.cp_size = get_pg_size(self.cp_group)
         self.pp_rank = torch.distributed.get_rank(pp_group)
         self.pp_size = torch.distributed.get_world_size(pp_group)
         self.num_stages = self.pp_size * len(models)
@@ -173,7 +173,7 @@ class _PipelineRun:
         output, num_tokens = forward_step(
             self.forward_step_func, self.iterators[chunk], self.models[chunk], self.num_microbatches,
             input_tensor, self.forward_data_store, self.config, self.collect_non_loss_data,
-            is_last_stage=stage == self.num_stages - 1, cp_size=self.cp_size)
+            is_last_stage=stage == self.num_stages - 1, cp_group=self.cp_group)
         self.total_num_tokens = self.total_num_tokens + num_tokens
         if stage < self.num_stages - 1:
             self._check_output(output, stage)

@@ -8,11 +8,14 @@
 `loss_func(output_tensor)` returns `(loss, log_dict)` with `loss` the microbatch mean, or
 `(loss_sum, num_tokens, log_dict)`. The schedule scales the loss so that the accumulated
 gradients are those of the mean over all microbatches, exactly as without pipelining:
-- `(loss, log)`: backward of loss / num_microbatches;
+- `(loss, log)`: backward of loss * cp_size / num_microbatches (under CP, `loss` is the
+  micro-batch mean over all its CP ranks' tokens, its gradient flowing from this rank's);
 - `(loss_sum, num_tokens, log)`: backward of loss_sum / num_tokens * cp_size / num_microbatches,
-  or, with `config.calculate_per_token_loss`, of loss_sum unscaled; the token total then goes to
+  num_tokens summed over the micro-batch's CP ranks (each holds a part of the sequence), or, with
+  `config.calculate_per_token_loss`, of loss_sum unscaled; the token total then goes to
   `config.finalize_model_grads_func(model_chunks, num_tokens)`, which divides the gradients.
-The cp_size factor offsets the data-parallel gradient average over the DP x CP group.
+The cp_size factor offsets the data-parallel gradient average over the DP x CP group: the CP
+ranks' gradients together are the micro-batch's, so they must add up, not average.
 Each schedule returns the list of log dicts (empty on non-last stages).
 """
 
@@ -75,8 +78,7 @@ def forward_backward_no_pipelining(
 
     def step():
         output, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, None,
-                                          forward_data_store, config, collect_non_loss_data,
-                                          cp_size=get_pg_size(cp_group))
+                                          forward_data_store, config, collect_non_loss_data, cp_group=cp_group)
         if not forward_only:
             backward_step(None, output, None, config)
         return num_tokens

@@ -315,7 +315,13 @@ def _add_parallel_args(parser):
     g.add_argument("--pipeline-model-parallel-layout", default=None,
                    help="Layers of every (virtual) stage, e.g. 'Ett|tt|tL' (E embedding, t layer, "
                         "L loss, | between stages, x*N repeats); sets the number of virtual stages.")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="CP size.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP size: every sequence split over this many ranks (attention exchanges keys/values).")
+    g.add_argument("--cp-comm-type", nargs="+", default=None, choices=["p2p", "all_gather", "a2a", "a2a+p2p"],
+                   help="Context-parallel attention exchange, one value or one per layer: p2p (ring; the default), "
+                        "all_gather, a2a (Ulysses), a2a+p2p (with --hierarchical-context-parallel-sizes).")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="a2a+p2p: the a2a group size, then the p2p ring size (their product is the CP size).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="TP size of the experts (default: --tensor-model-parallel-size).")
@@ -482,7 +488,8 @@ def _add_data_args(parser):
                    help="Read .bin files instead of memory-mapping them.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")
-    g.add_argument("--reset-attention-mask", action="store_true", help="No attention across EOD.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="No attention across EOD (documents as packed sequences, no s x s mask).")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
 
 

@@ -253,8 +253,19 @@ class RunConfig:
                                  "--expert-model-parallel-size, --expert-tensor-parallel-size or the number of "
                                  "processes")
         self.microbatches()  # the global batch splits into micro-batches over DP
+        self._check_context_parallel()
         self._check_profiled_range()
         self._check_cuda_graph_loop()
+
+    def _check_context_parallel(self):
+        """Each CP rank keeps two of 2 x CP equal chunks of a sequence (split further over TP
+        under sequence parallelism)."""
+        t, seq = self.transformer, self.training.seq_length
+        cp = t.context_parallel_size
+        parts = 2 * cp * (t.tensor_model_parallel_size if t.sequence_parallel else 1)
+        if cp > 1 and seq % parts:
+            raise ValueError(f"--seq-length ({seq}) must be a multiple of 2 x CP"
+                             f"{' x TP' if t.sequence_parallel else ''} = {parts} under --context-parallel-size {cp}")
 
     def _check_profiled_range(self):
         profiling, world_size = self.profiling, self.distributed.world_size
@@ -425,7 +436,7 @@ def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
 
 # Flags whose list value is a field's list (a per-layer pattern, one coefficient per type).
 _LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "offload_modules",
-                "window_attn_skip_freq", "no_rope_freq")
+                "window_attn_skip_freq", "no_rope_freq", "cp_comm_type", "hierarchical_context_parallel_sizes")
 
 
 def _section_kwargs(section: str, values: dict, cls=None) -> dict:
@@ -497,7 +508,7 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         out["decoupled_min_lr"] = args.min_lr
     if args.use_pytorch_profiler and args.profile_dir is None and args.tensorboard_dir is not None:
         out["profile_dir"] = os.path.join(args.tensorboard_dir, "profile")
-    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "cp_comm_type"):
         value = getattr(args, name)  # one value of a list flag: the scalar the config takes
         if isinstance(value, list) and len(value) == 1:
             out[name] = value[0]

@@ -29,7 +29,7 @@ def build_datasets(run, tokenizer):
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.reset_attention_mask,
+        create_attention_mask=False,  # documents go to the model as PackedSeqParams, not an s x s mask
     )
     sizes = get_train_valid_test_num_samples(training.train_iters, training.global_batch_size,
                                              training.eval_interval, training.eval_iters)

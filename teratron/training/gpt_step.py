@@ -4,19 +4,47 @@ from functools import partial
 
 import torch
 
+from teratron.packed_seq_params import packed_rows
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
+from teratron.transformer.context_parallel import cp_token_index
 from teratron.utils import HostCopy
 
 
-def get_batch(data_iterator, device):
-    """Next micro-batch as tensors on `device`; every rank of a data-parallel replica reads the
-    same samples (the sampler is keyed by DP rank only), so nothing is broadcast. In particular
-    every pipeline stage (and virtual stage, from its own iterator) gets the batch's position_ids
-    and attention mask, which RoPE and attention need in the middle of the model too when
-    --reset-position-ids / --reset-attention-mask make them differ from the default."""
+def get_batch(data_iterator, device, pg_collection=None):
+    """Next micro-batch as tensors on `device`, cut to this context-parallel rank's tokens
+    (`get_batch_on_this_cp_rank`). Every rank of a data-parallel replica reads the same samples
+    (the sampler is keyed by DP rank only), so nothing is broadcast. In particular every pipeline
+    stage (and virtual stage, from its own iterator) gets the batch's position_ids and documents,
+    which RoPE and attention need in the middle of the model too when --reset-position-ids /
+    --reset-attention-mask make them differ from the default. Documents (the samples'
+    `cu_seqlens`) become the batch's "packed_seq_params"."""
     batch = next(data_iterator)
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()
-            if isinstance(value, torch.Tensor)}
+    packed = packed_rows(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()
+             if isinstance(value, torch.Tensor) and key != "cu_seqlens"}
+    if packed is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            setattr(packed, name, getattr(packed, name).to(device, non_blocking=True))
+        batch["packed_seq_params"] = packed
+    return get_batch_on_this_cp_rank(batch, resolve_pg_collection(pg_collection).cp)
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """Megatron's: the micro-batch's [b, s] tensors cut to this CP rank's tokens, chunks r and
+    2 x CP - 1 - r of the 2 x CP chunks of every row (of every document of a packed 'thd'
+    batch). The packed documents stay whole: attention needs to know where every token sits."""
+    cp_size = get_pg_size(cp_group)
+    if cp_size == 1:
+        return batch
+    if "attention_mask" in batch:
+        raise ValueError("context parallelism takes no dense attention mask; documents come as packed sequences "
+                         "(--reset-attention-mask) and causal attention needs no mask")
+    tokens, packed = batch["tokens"], batch.get("packed_seq_params")
+    bounds = packed.boundaries.tolist() if packed is not None and packed.qkv_format == "thd" else None
+    index = cp_token_index(tokens.shape[1], cp_size, get_pg_rank(cp_group), bounds, device=tokens.device)
+    return {key: value.index_select(1, index) if isinstance(value, torch.Tensor) and value.shape == tokens.shape
+            else value for key, value in batch.items()}
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -33,11 +61,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model, device):
+def forward_step(data_iterator, model, device, pg_collection=None):
     """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask)."""
-    batch = get_batch(data_iterator, device)
+    batch = get_batch(data_iterator, device, pg_collection)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"])
+                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"])
 
 

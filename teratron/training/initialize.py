@@ -21,6 +21,7 @@ def initialize_model_parallel(config, distributed) -> None:
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
+        hierarchical_context_parallel_sizes=config.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         distributed_timeout_minutes=distributed.distributed_timeout_minutes,

@@ -105,8 +105,6 @@ def is_logging_rank() -> bool:
 class Trainer:
     def __init__(self, run: RunConfig, tokenizer):
         check_interleaved_schedule(run)
-        if run.transformer.context_parallel_size > 1:
-            raise NotImplementedError("--context-parallel-size > 1 is not supported by teratron train yet; use 1")
         if run.checkpoint.save:
             check_save_dir_writable(run.checkpoint.save)
             c = run.checkpoint
@@ -132,7 +130,7 @@ class Trainer:
             (self.state.iteration, self.state.consumed_train_samples,
              self.state.consumed_valid_samples) = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
         self.train_iters, self.valid_iters, self.test_iters = self._data_iterators()
-        self.step_func = partial(forward_step, device=self.device)
+        self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection)
         self.logger = None
         self.microbatches = run.microbatches()
 
@@ -141,8 +139,9 @@ class Trainer:
         params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
         vpp = f" (x {len(self.model)} virtual)" if len(self.model) > 1 else ""
         ep = f", EP {t.expert_model_parallel_size}" if t.num_moe_experts is not None else ""
+        cp = f" x CP {t.context_parallel_size}" if t.context_parallel_size > 1 else ""
         print(f"model: {params:,} parameters on this rank (TP {t.tensor_model_parallel_size} x "
-              f"PP {t.pipeline_model_parallel_size}{vpp} x DP {run.distributed.data_parallel_size}{ep}, "
+              f"PP {t.pipeline_model_parallel_size}{vpp}{cp} x DP {run.distributed.data_parallel_size}{ep}, "
               f"{run.distributed.world_size} process(es))", flush=True)
 
     def _data_iterators(self):

@@ -41,6 +41,8 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.topology import resolve_pg_collection
+from teratron.transformer import context_parallel
+from teratron.transformer.context_parallel import allowed_keys
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 
 _REFERENCE_BACKENDS = (AttnBackend.unfused, AttnBackend.local)
@@ -82,19 +84,6 @@ def is_layer_window_attention(window_size, window_attn_skip_freq, layer_number: 
     if isinstance(window_attn_skip_freq, int):
         return layer_number % window_attn_skip_freq != 0
     return bool(window_attn_skip_freq[layer_number - 1])
-
-
-def allowed_keys(q_idx, kv_idx, causal: bool, window):
-    """True where query q_idx may attend key kv_idx (index tensors that broadcast, or FlexAttention's
-    scalars): keys up to the query when `causal`, within `window` (left, right) when given."""
-    distance = q_idx - kv_idx  # how far the key lies before the query
-    allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-    left, right = window if window is not None else (-1, -1)
-    if left >= 0:
-        allowed = allowed & (distance <= left)
-    if right >= 0:
-        allowed = allowed & (distance >= -right)
-    return allowed
 
 
 def _create_block_mask(mask_mod, batch, sq: int, sk: int, device):
@@ -165,7 +154,11 @@ class DotProductAttention(torch.nn.Module):
         self.layer_scale = max(1, layer_number) if config.apply_query_key_layer_scaling else 1
         use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
         self.window_size = config.window_size if use_window else None
-        self._build_softmax_offset(config, resolve_pg_collection(pg_collection).tp)
+        pg_collection = resolve_pg_collection(pg_collection)
+        self._build_softmax_offset(config, pg_collection.tp)
+        self.context_parallel = context_parallel.context_parallel_config(
+            config, layer_number, cp_comm_type, pg_collection, self.softmax_scale, self.window_size,
+            self.use_reference)
 
     def _build_softmax_offset(self, config, tp):
         if config.softmax_type == "vanilla":
@@ -186,11 +179,18 @@ class DotProductAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        is_causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        causal_type = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
+        if context_parallel.runs_here(self.context_parallel, attention_mask):  # CP or packed documents
+            with rng:
+                return context_parallel.context_parallel_attention(
+                    self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset,
+                    dropout_p)
+        is_causal = attention_mask is None and causal_type
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        dropout_p = self.dropout_p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+        with rng:
             out = self._attend(q, k, v, attention_mask, is_causal, dropout_p)
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)

@@ -62,7 +62,6 @@ UNSUPPORTED = {
     "moe_hybridep_num_sms": "the flex token dispatcher (DeepEP/HybridEP)",
     "moe_permute_fusion": "fused MoE permutation",
     "moe_router_fusion": "fused MoE routing",
-    "cp_comm_type": "context parallelism",
     "clone_scatter_output_in_embedding": "not cloning the SP-scattered embedding output",
     "disable_parameter_transpose_cache": "Transformer Engine's parameter transpose cache",
     "config_logger_dir": "config dumping",
@@ -626,6 +625,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self._check_offloading()
         self._check_attention_variants()
+        self._check_context_parallel()
         self._set_init_methods()
         self._check_moe()
         check_fp8_config(self)
@@ -739,6 +739,42 @@ class TransformerConfig(ModelParallelConfig):
             if not self.gated_linear_unit:
                 raise ValueError("activation_func_clamp_value clamps a gated MLP's fc1 output; set "
                                  "gated_linear_unit (--swiglu) or leave activation_func_clamp_value None")
+
+    def _check_context_parallel(self):
+        """cp_comm_type: one of CP_COMM_TYPES or one per layer; what each type needs."""
+        from teratron.transformer.context_parallel import CP_COMM_TYPES, EXCHANGED
+
+        value = self.cp_comm_type
+        types = [value] if value is None or isinstance(value, str) else list(value)
+        if not isinstance(value, (str, list, tuple, type(None))) or (
+                not isinstance(value, str) and value is not None and len(types) != self.num_layers):
+            raise ValueError(f"cp_comm_type={value!r} must be one of {CP_COMM_TYPES} or a list of them, one per layer "
+                             f"({self.num_layers})")
+        if any(t not in (None, *CP_COMM_TYPES) for t in types):
+            raise ValueError(f"cp_comm_type={value!r}: use {', '.join(CP_COMM_TYPES)} (or one per layer)")
+        if not isinstance(value, (str, type(None))):
+            self.cp_comm_type = types
+        cp = self.context_parallel_size
+        if cp == 1:
+            return
+        used = {t or "p2p" for t in types}
+        hierarchical = self.hierarchical_context_parallel_sizes
+        if "a2a+p2p" in used and (hierarchical is None or len(hierarchical) != 2):
+            raise ValueError(f"cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes of two levels (a2a "
+                             f"size, p2p size) multiplying to context_parallel_size={cp}, got {hierarchical!r}")
+        heads = self.num_attention_heads // self.tensor_model_parallel_size
+        for comm_type, size in (("a2a", cp), ("a2a+p2p", (hierarchical or [cp])[0])):
+            if comm_type in used and heads % size:
+                raise ValueError(f"cp_comm_type {comm_type!r} splits the {heads} attention heads of each "
+                                 f"tensor-parallel rank over {size} context-parallel ranks; choose sizes that divide "
+                                 "them or another cp_comm_type")
+        if self.attention_dropout > 0 and used & set(EXCHANGED):
+            raise ValueError(f"attention_dropout={self.attention_dropout} with context_parallel_size={cp} "
+                             f"(cp_comm_type {sorted(used & set(EXCHANGED))}): context-parallel attention has no "
+                             "dropout; set attention_dropout to 0 or use cp_comm_type 'a2a'")
+        if self.cuda_graph_impl == "local" or self.enable_cuda_graph:
+            raise ValueError(f"context_parallel_size={cp} with CUDA graphs: the attention exchange is not captured; "
+                             "set cuda_graph_impl to 'none'")
 
     def _check_layer_pattern(self, name: str, divides: bool):
         """A per-layer pattern field (None, an int N >= 1, or one 0/1 per layer); with `divides`

@@ -26,6 +26,7 @@ from teratron.tensor_parallel.cross_entropy import real_vocab_in_partition
 from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.topology import check_parallel_sizes, resolve_pg_collection
+from teratron.transformer.context_parallel import cp_token_index
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.multi_latent_attention import mla_rotary_embedding
 from teratron.transformer.rope import RotaryEmbedding
@@ -118,9 +119,13 @@ class GPTModel(torch.nn.Module):
         return None
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, decoder_input=None,
-                runtime_gather_output: bool | None = None, inference_context=None):
+                runtime_gather_output: bool | None = None, inference_context=None, packed_seq_params=None):
         """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
-        bool [b, 1, s, s] (True = masked out) or None for causal. Returns logits [b, s, V/tp]
+        bool [b, 1, s, s] (True = masked out) or None for causal; `packed_seq_params` (a
+        PackedSeqParams, instead of a mask): the documents of a packed batch, each attending
+        causally to itself (the layers get it as their attention mask). Under context parallelism
+        the [b, s] tensors are this CP rank's tokens (`get_batch_on_this_cp_rank`), and the
+        default position_ids are theirs in the full sequence. Returns logits [b, s, V/tp]
         ([b, s, V] when not parallel_output, or as runtime_gather_output says; V is the padded
         vocab, the padding columns -inf), the per-token loss [b, s] with labels (then computed
         in token chunks without the full logits when config.cross_entropy_loss_fusion), or on a
@@ -131,8 +136,12 @@ class GPTModel(torch.nn.Module):
         [1, t]; each attention layer stores its keys and values in the context and attends over
         what the context holds for each token's request (`inference_context.attend`); the logits
         are those of the tokens the context samples after (`output_hidden_states`), [1, r, V]."""
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise ValueError("GPTModel.forward got both attention_mask and packed_seq_params; pass one")
+            attention_mask = packed_seq_params
         if position_ids is None and input_ids is not None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = self._positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask,
@@ -167,13 +176,20 @@ class GPTModel(torch.nn.Module):
         if self.rotary_pos_emb is None:
             return None
         if position_ids is None:
-            # A middle stage without ids: positions 0..s-1 of the full sequence.
+            # A middle stage without ids: positions 0..s-1 of the full sequence (this CP rank's).
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             seq_len = hidden.shape[0]
             if self.config.sequence_parallel:
                 seq_len *= get_pg_size(self.pg_collection.tp)
-            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+            position_ids = self._positions(seq_len, hidden.device).unsqueeze(0)
         return self.rotary_pos_emb(position_ids)
+
+    def _positions(self, local_length: int, device):
+        """Positions 0..s-1 of the full sequence that this CP rank's `local_length` tokens hold."""
+        cp = self.pg_collection.cp
+        if get_pg_size(cp) == 1:
+            return torch.arange(local_length, device=device)
+        return cp_token_index(local_length * get_pg_size(cp), get_pg_size(cp), get_pg_rank(cp), device=device)
 
     def _fused_language_model_loss(self, labels, hidden_states, weight):
         """labels [b, s], final hidden states [s, b, h] -> per-token loss [b, s], equal to the

@@ -1,0 +1,131 @@
+"""`teratron train` with context parallelism under torchrun (gloo, CPU) against the single
+process: every iteration's loss and grad norm, and the final evaluation, must equal it.
+
+Each cp_comm_type at CP 2 in a composition (p2p with DP 2 and the distributed optimizer, which
+also saves a checkpoint; all_gather with interleaved PP 2; a2a with TP 2 and sequence
+parallelism), a2a+p2p at CP 4 (2 x 2), a MoE model with EP 2 (its aux losses and tokens per
+expert too), multi-latent attention, and packed documents (--reset-attention-mask
+--reset-position-ids --eod-mask-loss, so CP ranks hold different numbers of loss tokens) with
+1F1B PP 2. The CP 2 checkpoint loads into one process and continues with the same losses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
+
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
+        "--num-workers", "0", "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--train-iters", "3"]
+MOCK = ["--mock-data"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "24",
+       "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-per-layer-logging"]
+MOE_KEYS = ["load_balancing_loss", "z_loss", "moe_load_imbalance"]
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6", "--q-lora-rank", "16", "--disable-bias-linear"]
+DOCUMENTS = ["--split", "90,5,5", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+CP2 = ["--context-parallel-size", "2"]
+
+
+def _train(args, tmp_path, name, nproc=None):
+    """(training records, evaluation records, stdout) of `teratron train` (torchrun with nproc)."""
+    launcher = [sys.executable, "-m", "teratron"]
+    if nproc:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                    "-m", "teratron"]
+    path = tmp_path / f"{name}.jsonl"
+    cmd = launcher + ["train"] + TINY + args + ["--metrics-file", str(path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in records if "lr" in r], [r for r in records if "lr" not in r], proc.stdout
+
+
+def _assert_equal(reference, run, name, keys=("lm_loss", "grad_norm")):
+    (ref_train, ref_eval, _), (train, evals, _) = reference, run
+    assert [r["iteration"] for r in train] == [r["iteration"] for r in ref_train[-len(train):]], name
+    for a, b in zip(ref_train[-len(train):], train):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+    for a, b in zip(ref_eval[-len(evals):], evals):
+        for key in a.keys() - {"iteration"}:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory):
+    run = _train(MOCK, tmp_path_factory.mktemp("dense"), "single")
+    assert run[0][-1]["lm_loss"] < run[0][0]["lm_loss"] and len(run[1]) == 2
+    return run
+
+
+def test_p2p_with_data_parallel_distributed_optimizer_and_a_checkpoint_loaded_without_cp(dense_reference, tmp_path):
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    run = _train(MOCK + CP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+                 + save, tmp_path, "cp2-dp2", nproc=4)
+    assert "(TP 1 x PP 1 x CP 2 x DP 2, 4 process(es))" in run[2]
+    _assert_equal(dense_reference, run, "cp2-dp2")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = _train(MOCK + ["--load", str(tmp_path / "ckpt")], tmp_path, "cp1-from-cp2")
+    assert [r["iteration"] for r in resumed[0]] == [3]
+    _assert_equal(dense_reference, resumed, "cp1-from-cp2")
+
+
+def test_all_gather_with_interleaved_pipeline(dense_reference, tmp_path):
+    run = _train(MOCK + CP2 + ["--cp-comm-type", "all_gather", "--pipeline-model-parallel-size", "2",
+                               "--num-layers-per-virtual-pipeline-stage", "1"], tmp_path, "cp2-ag-vpp", nproc=4)
+    _assert_equal(dense_reference, run, "cp2-ag-vpp")
+
+
+def test_a2a_with_tensor_and_sequence_parallel(dense_reference, tmp_path):
+    run = _train(MOCK + CP2 + ["--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 tmp_path, "cp2-a2a-tp2", nproc=4)
+    _assert_equal(dense_reference, run, "cp2-a2a-tp2")
+
+
+def test_hierarchical_a2a_p2p_at_cp4(dense_reference, tmp_path):
+    run = _train(MOCK + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                         "--hierarchical-context-parallel-sizes", "2", "2"], tmp_path, "cp4-a2a-p2p", nproc=4)
+    _assert_equal(dense_reference, run, "cp4-a2a-p2p")
+
+
+def test_moe_with_expert_parallel(tmp_path):
+    reference = _train(MOCK + MOE, tmp_path, "moe-single")
+    run = _train(MOCK + MOE + CP2 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                 tmp_path, "moe-cp2-ep2", nproc=4)
+    _assert_equal(reference, run, "moe-cp2-ep2", keys=["lm_loss", "grad_norm"] + MOE_KEYS)
+    for a, b in zip(reference[0], run[0]):
+        for n in (1, 3):
+            assert b[f"tokens_per_expert_layer_{n}"] == a[f"tokens_per_expert_layer_{n}"], (a["iteration"], n)
+
+
+def test_multi_latent_attention(tmp_path):
+    reference = _train(MOCK + MLA, tmp_path, "mla-single")
+    _assert_equal(reference, _train(MOCK + MLA + CP2, tmp_path, "mla-cp2", nproc=2), "mla-cp2")
+
+
+def _documents(prefix: str) -> None:
+    """400 documents of 2..12 tokens, each ending with the NullTokenizer's EOD (99)."""
+    rng = numpy.random.default_rng(0)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16) as builder:
+        for _ in range(400):
+            builder.add_item(list(rng.integers(1, 99, size=int(rng.integers(1, 12)))) + [99])
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+
+
+def test_packed_documents_with_pipeline(tmp_path):
+    _documents(str(tmp_path / "docs"))
+    data = ["--data-path", str(tmp_path / "docs")] + DOCUMENTS
+    reference = _train(data, tmp_path, "docs-single")
+    run = _train(data + CP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "docs-cp2-pp2", nproc=4)
+    _assert_equal(reference, run, "docs-cp2-pp2")
