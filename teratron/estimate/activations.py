@@ -23,6 +23,14 @@ gated (SwiGLU) MLP. Per transformer layer without recompute:
 Under sequence parallelism only the norm and dropout terms shrink by tp: the column-parallel
 layers keep their all-gathered input, as teratron's layers gather inside autograd.
 
+Under context parallelism s is this rank's share. The exchanged types (p2p, all_gather) keep
+what SDPA keeps (q, k, v, the output linear_proj shares, the log-sum-exp); a2a and a2a+p2p keep
+their exchanged, sorted copies of q, k, v and their own output instead of q, k and the QKV output,
+linear_proj the output exchanged back, and each micro-batch one token order and its inverse. The
+exchange's buffers (the ring's keys and values in flight, the gathered keys and values, the a2a
+send and receive buffers, fp32 merge and gradient accumulators) are transients,
+`context_parallel_transients`.
+
 The count is storage by storage (`Saved`), each with the modules that keep it, so fine-grained
 activation offloading is exact: a storage of at least `min_offloaded_tensor_size` elements kept by
 an offloaded module is copied to the host, and leaves the device when every module keeping it is
@@ -48,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from teratron.estimate.kernels import KernelProfile
 from teratron.estimate.params import ModelShape
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
+from teratron.transformer.context_parallel import layer_cp_comm_type
 from teratron.transformer.enums import AttnBackend
 from teratron.transformer.moe.moe_logging import moe_layer_pattern
 
@@ -165,28 +174,42 @@ def _mlp_storages(config, tokens: int, ffn: int, tp: int, a: int, savers=(OTHER,
     return out + [_saved(parts[1], a * tokens * f, each * f, fc2_saver)]  # the activation's output
 
 
-def _attention_storages(config, kernels, d: Dims, rope_dim: int, recompute_core: bool) -> list:
+def _attention_storages(config, kernels, d: Dims, rope_dim: int, recompute_core: bool, a2a: int = 1) -> list:
+    """`a2a` > 1: context parallelism exchanges heads for tokens in groups of that size
+    (cp_comm_type a2a, a2a+p2p): core attention keeps its own sorted copies of q, k and v (key and
+    value heads repeated up to the query heads when a2a does not divide them) and its output, and
+    linear_proj the output exchanged back, instead of q, k, the QKV output and a shared output."""
     hn, T, a = config.kv_channels, d.tokens, d.a
     heads, groups = config.num_attention_heads // d.tp, config.num_query_groups // d.tp
     q, kv = heads * hn, groups * hn
     core = OTHER if recompute_core else "core_attn"  # the recompute checkpoint keeps q, k, v
+    exchanged = a2a > 1 and not recompute_core
     # Gathering a rank's query heads of several groups out of the interleaved QKV output copies.
     query_copy = heads != groups and groups > 1
     # SDPA keeps v, a view of the QKV output (and q, k when they are views too); so does a qk-norm
     # that keeps its input.
-    qkv_savers = [core] + ([OTHER] if config.qk_layernorm and _norm_keeps_input(config, kernels, a) else [])
-    out = [_saved("qkv input", a * T * config.hidden_size, T * config.hidden_size, "qkv_linear"),
-           _saved("qkv output", a * T * (q + 2 * kv), T * (q + 2 * kv), *qkv_savers)]
+    norm_keeps = config.qk_layernorm and _norm_keeps_input(config, kernels, a)
+    qkv_savers = ([] if exchanged else [core]) + ([OTHER] if norm_keeps else [])
+    out = [_saved("qkv input", a * T * config.hidden_size, T * config.hidden_size, "qkv_linear")]
+    if qkv_savers:
+        out.append(_saved("qkv output", a * T * (q + 2 * kv), T * (q + 2 * kv), *qkv_savers))
     # q and k are fresh tensors after RoPE or qk-norm (and q after that copy).
-    if rope_dim > 0 or config.qk_layernorm or query_copy:
+    if not exchanged and (rope_dim > 0 or config.qk_layernorm or query_copy):
         out.append(_saved("q, k", a * T * q, T * q, core))
-    if rope_dim > 0 or config.qk_layernorm:
+    if not exchanged and (rope_dim > 0 or config.qk_layernorm):
         out.append(_saved("q, k", a * T * kv, T * kv, core))
     if config.qk_layernorm:
         out += (norm_storages(config, kernels, "qk norms", T * q, T * heads, a, query_copy)
                 + norm_storages(config, kernels, "qk norms", T * kv, T * groups, a, False))
     if rope_dim:
         out.append(_saved("rope tables", 4 * a * T * rope_dim, T * rope_dim))  # cos and sin, for q and k
+    if exchanged:
+        kv_heads = groups if groups % a2a == 0 else heads
+        out += [_saved("q, k", a * T * q, T * q, core)] + 2 * [_saved("q, k", a * T * kv_heads * hn,
+                                                                     T * kv_heads * hn, core)]
+        out += [_saved("core attention", a * T * q, T * q, core), _saved("core attention", 4 * T * heads, T * heads, core),
+                _saved("core attention", a * T * q, T * q, "attn_proj")]
+        return out
     # SDPA's output, which linear_proj also keeps (as a view), and flash's fp32 logsumexp.
     out_savers = ["attn_proj"] + ([] if recompute_core else ["core_attn"])
     out.append(_saved("core attention", a * T * q, T * q, *out_savers))
@@ -296,10 +319,11 @@ def _selective(config) -> set:
 
 
 def layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
-                   input_is_new: bool = True, compiled: bool = False) -> list:
+                   input_is_new: bool = True, compiled: bool = False, a2a: int = 1) -> list:
     """The storages one transformer layer keeps (no full recompute). `input_is_new`: nothing
     else (the pipeline schedule) already holds the layer's input. `compiled`: the layer is
-    compiled (see the module docstring)."""
+    compiled (see the module docstring). `a2a`: the group size over which context parallelism
+    exchanges this layer's heads (1: none)."""
     if compiled:  # decomposed norms and dropout, on every device
         kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
     selective = _selective(config)
@@ -313,7 +337,7 @@ def layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_mo
         attention = _mla_attention_storages(config, kernels, d, rope_dim, "core_attn" in selective,
                                             "mla_up_proj" in selective)
     else:
-        attention = _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
+        attention = _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective, a2a)
     out += [s for s in attention if not (compiled and s.part == "rope tables")]
     if ("moe" if is_moe else "mlp") in selective:
         out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
@@ -335,12 +359,12 @@ def _offloaded_savers(config, saved: Saved) -> set:
 
 
 def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
-                input_is_new: bool = True, compiled: bool = False) -> tuple:
+                input_is_new: bool = True, compiled: bool = False, a2a: int = 1) -> tuple:
     """({part: bytes on the device}, bytes copied to the host) of one transformer layer. An
     offloading module copies a storage to the host; it leaves the device only when every module
     keeping it offloads."""
     parts, host = {}, 0
-    for saved in layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled):
+    for saved in layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled, a2a):
         offloaded = _offloaded_savers(config, saved)
         host += saved.nbytes if offloaded else 0
         if saved.counted and offloaded != saved.savers:
@@ -376,6 +400,9 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     if config.attention_backend in _REFERENCE_BACKENDS:
         raise NotModelled(f"attention_backend={config.attention_backend.name}: the estimate models SDPA "
                          "attention (auto/flash/fused); the reference path keeps s x s scores")
+    if config.multi_latent_attention and max(a2a_group_size(config, n) for n in layer_numbers or [1]) > 1:
+        raise NotModelled("multi-latent attention with cp_comm_type a2a / a2a+p2p: the estimate does not model "
+                          "which of MLA's tensors the head exchange keeps; use p2p or all_gather")
     if config.multi_latent_attention and config.fine_grained_activation_offloading:
         raise NotModelled("fine_grained_activation_offloading with multi_latent_attention: the estimate does not "
                           "model which latents each module offloads; drop one")
@@ -406,7 +433,8 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     layers, host = [], []
     for i, n in enumerate(layer_numbers):
         parts, offloaded = layer_bytes(config, kernels, d, rope, bool(pattern and pattern[n - 1]),
-                                       input_is_new=pre_process or i > 0, compiled=compiled)
+                                       input_is_new=pre_process or i > 0, compiled=compiled,
+                                       a2a=a2a_group_size(config, n))
         layers.append(parts)
         host.append(offloaded)
     if layers:
@@ -423,6 +451,13 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
         result.host += sum(host)
         result.forward_transient = max(host)
         result.backward_transient += 2 * max(host)
+    if layer_numbers and config.context_parallel_size > 1:
+        forward, backward = zip(*(context_parallel_transients(config, d, n) for n in layer_numbers))
+        result.forward_transient = max(result.forward_transient, max(forward))
+        result.backward_transient += max(backward)
+        a2a = max(a2a_group_size(config, n) for n in layer_numbers)
+        if a2a > 1 and config.recompute_granularity != "full" and "core_attn" not in _selective(config):
+            result.extra["context-parallel order"] = 2 * 8 * a2a * d.s  # a2a's token order and its inverse
 
     if post_process:
         vocab = shape.padded_vocab_size // d.tp
@@ -441,6 +476,49 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
             result.forward_transient = max(result.forward_transient, forward)
             result.backward_transient = max(result.backward_transient, backward)
     return result
+
+
+def a2a_group_size(config, layer_number: int) -> int:
+    """The ranks over which context parallelism exchanges layer `layer_number`'s heads (1: none)."""
+    if config.context_parallel_size == 1:
+        return 1
+    comm_type = layer_cp_comm_type(config.cp_comm_type, layer_number)
+    if comm_type == "a2a":
+        return config.context_parallel_size
+    return config.hierarchical_context_parallel_sizes[0] if comm_type == "a2a+p2p" else 1
+
+
+def context_parallel_transients(config, d: Dims, layer_number: int) -> tuple:
+    """(forward, backward) bytes layer `layer_number`'s attention exchange holds beyond what it
+    keeps, with KV this rank's keys and values (a bytes), KV32 their fp32 gradients, O32 the fp32
+    output, L the log-sum-exp and Q32 the fp32 query gradient:
+      p2p         forward 2 KV (in hand, arriving) + 2 (O32 + L) (merged, one block's);
+                  backward 2 KV + 3 KV32 (this step's, in flight, arriving) + Q32 + one block's
+                  q, k, v gradients
+      all_gather  forward cp KV + 2 (O32 + L); backward cp KV + (cp + 1) KV32 + Q32 + a block's
+      a2a         q, k, v sent and received: 2 x their bytes, each way
+      a2a+p2p     the larger of its a2a's and its ring's (over the group's tokens, its heads: the
+                  same bytes as p2p)"""
+    comm_type = layer_cp_comm_type(config.cp_comm_type, layer_number)
+    cp, T, a = config.context_parallel_size, d.tokens, d.a
+    heads, groups = config.num_attention_heads // d.tp, config.num_query_groups // d.tp
+    hq = hv = config.kv_channels
+    if config.multi_latent_attention:
+        hq, hv, groups = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim, heads
+    kv = T * groups * (hq + hv)
+    out32, lse, q32 = 4 * T * heads * hv, 4 * T * heads, 4 * T * heads * hq
+    block_grads = a * (T * heads * hq + kv)
+    ring = (2 * a * kv + 2 * (out32 + lse), 2 * a * kv + 3 * 4 * kv + q32 + block_grads)
+    if comm_type == "p2p":
+        return ring
+    if comm_type == "all_gather":
+        return cp * a * kv + 2 * (out32 + lse), cp * a * kv + (cp + 1) * 4 * kv + q32 + block_grads
+    size = a2a_group_size(config, layer_number)
+    kv_heads = groups if groups % size == 0 else heads
+    exchanged = 2 * a * T * (heads * hq + kv_heads * (hq + hv))
+    if comm_type == "a2a":
+        return exchanged, exchanged
+    return max(exchanged, ring[0]), max(exchanged, ring[1])
 
 
 def _cross_entropy_working(a: int, compiled: bool, tokens: int, vocab: int) -> tuple:

@@ -22,9 +22,12 @@ import torch
 
 def saved_activation_bytes(run, device: torch.device) -> int:
     """Bytes of the storages autograd keeps after one micro-batch forward through the model of
-    `run` (a RunConfig without pipeline parallelism: first stage = last stage)."""
+    `run` (a RunConfig without pipeline parallelism: first stage = last stage; under context
+    parallelism this rank's tokens)."""
     from teratron.models.gpt.builder import build_gpt_model
+    from teratron.process_groups import get_pg_rank, get_pg_size
     from teratron.tensor_parallel import model_parallel_cuda_manual_seed
+    from teratron.transformer.context_parallel import cp_token_index
     from teratron.transformer.torch_compile import compile_transformer_layers
 
     training = run.training
@@ -40,10 +43,11 @@ def saved_activation_bytes(run, device: torch.device) -> int:
         saved.append(weakref.ref(t))
         return t
 
-    shape = (training.micro_batch_size, training.seq_length)
-    ids = torch.randint(0, run.model.vocab_size, shape, device=device,
+    cp = model.pg_collection.cp  # under context parallelism: this rank's tokens
+    positions = cp_token_index(training.seq_length, get_pg_size(cp), get_pg_rank(cp), device=device)
+    positions = positions.repeat(training.micro_batch_size, 1)
+    ids = torch.randint(0, run.model.vocab_size, positions.shape, device=device,
                         generator=torch.Generator(device).manual_seed(training.seed))
-    positions = torch.arange(training.seq_length, device=device).repeat(training.micro_batch_size, 1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(ids, positions, None, labels=ids)
     # What the graph still holds (side branches autograd already dropped are gone), by storage.

@@ -166,10 +166,15 @@ class TokenLayout:
             self._blocks[key] = plan_blocks(q, k, causal, window, self.documents, explicit)
         return self._blocks[key]
 
-    def order(self, cp_ranks: tuple, device) -> torch.Tensor:
-        """Indices that sort the tokens of these ranks, concatenated in rank order, by position."""
-        held = torch.cat([torch.arange(s, e, device=device) for rank in cp_ranks for s, e in self.ranges[rank]])
-        return torch.argsort(held)
+    def order(self, cp_ranks: tuple, device) -> tuple:
+        """(indices that sort the tokens of these ranks, concatenated in rank order, by position;
+        the indices that put them back)."""
+        key = ("order", cp_ranks)
+        if key not in self._sets:
+            held = torch.cat([torch.arange(s, e, device=device) for rank in cp_ranks for s, e in self.ranges[rank]])
+            order = torch.argsort(held)
+            self._sets[key] = order, torch.argsort(order)
+        return self._sets[key]
 
 
 def token_layout(attention_mask, cp_size: int, local_length: int, batch: int, device) -> TokenLayout:
@@ -314,9 +319,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     size = q.shape[-1]
     out, dout = (t if size == hv else F.pad(t, (0, size - hv)) for t in (out, dout))
     if q.is_cuda:
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        # No cumulative lengths (None: the dense kernel, not varlen); without dropout the RNG state is unused.
+        rng = torch.zeros((), device=q.device, dtype=torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale)
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng, scale=scale)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
@@ -403,11 +409,13 @@ def block_backward(block: Block, dout, q, k, v, out, lse, scale: float, flex: bo
 
 
 class _Merged:
-    """The running log-sum-exp merge of block results for one participant's queries."""
+    """The running log-sum-exp merge of block results for one participant's queries. The output
+    [b, n, s, hv] is laid out [s, b, n, hv] in memory, so the layer's [s, b, n * hv] context is a
+    view of it (linear_proj keeps the storage attention keeps, as with SDPA)."""
 
     def __init__(self, q, hv: int):
         b, n, s, _ = q.shape
-        self.out = torch.zeros(b, n, s, hv, dtype=torch.float32, device=q.device)
+        self.out = torch.zeros(s, b, n, hv, dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
         self.lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
 
     def add(self, rows: slice, out, lse) -> None:
@@ -671,7 +679,7 @@ def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropou
         key, value = (t.repeat_interleave(heads // groups, dim=2) for t in (key, value))
     first = get_pg_rank(config.cp_group) - index  # a2a groups are runs of consecutive CP ranks
     members = tuple(range(first, first + size))
-    order = layout.order(members, query.device)
+    order, back = layout.order(members, query.device)
     q, k, v = (_heads_to_sequence(t, a2a_group).index_select(0, order).permute(1, 2, 0, 3)
                for t in (query, key, value))
     if sink is not None:
@@ -683,7 +691,7 @@ def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropou
         participants = [tuple(range(o * size, (o + 1) * size)) for o in range(get_pg_size(ring_group))]
         out = _attend(config, "p2p", ring_group, layout, participants, get_pg_rank(ring_group), q, k, v, causal,
                       sink, dropout_p)
-    out = out.permute(2, 0, 1, 3).index_select(0, torch.argsort(order))
+    out = out.permute(2, 0, 1, 3).index_select(0, back)
     return _sequence_to_heads(out.contiguous(), a2a_group)
 
 

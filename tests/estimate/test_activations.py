@@ -121,6 +121,43 @@ def test_saved_activations_per_tensor_parallel_rank():
             assert estimated == measured, flags
 
 
+def test_saved_activations_per_context_parallel_rank():
+    """CP 2: the exchanged types keep what SDPA keeps of this rank's tokens; a2a its own copies."""
+    flag_sets = [
+        "--context-parallel-size 2 --bf16 --swiglu --normalization RMSNorm --position-embedding-type rope",
+        "--context-parallel-size 2 --cp-comm-type all_gather --group-query-attention --num-query-groups 2",
+        "--context-parallel-size 2 --cp-comm-type a2a --bf16 --position-embedding-type rope",
+        "--context-parallel-size 2 --cp-comm-type a2a --group-query-attention --num-query-groups 1 --qk-layernorm",
+        "--context-parallel-size 2 --cp-comm-type p2p a2a --bf16 --recompute-granularity selective",
+    ]
+    for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets):
+        for flags, (measured, estimated) in zip(flag_sets, rank_results):
+            assert estimated == measured, flags
+
+
+def test_context_parallel_transients():
+    """The exchange's buffers, counted by hand for one layer: T = 16 x 2 tokens per rank, 4 heads
+    of 8, 2 key/value groups, bf16."""
+    from teratron.estimate.activations import Dims, context_parallel_transients
+    from teratron.transformer.transformer_config import TransformerConfig
+
+    d = Dims(s=16, b=2, tp=1, sp=False, a=2, r=2)
+    kv, out32, lse, q32 = 32 * 2 * 16, 4 * 32 * 32, 4 * 32 * 4, 4 * 32 * 32  # elements of k + v; bytes
+    block_grads = 2 * (32 * 32 + kv)
+
+    def transients(comm_type, **fields):
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                   attention_dropout=0.0, context_parallel_size=4, cp_comm_type=comm_type, **fields)
+        return context_parallel_transients(config, d, 1)
+    assert transients("p2p") == (2 * 2 * kv + 2 * (out32 + lse), 2 * 2 * kv + 12 * kv + q32 + block_grads)
+    assert transients("all_gather") == (4 * 2 * kv + 2 * (out32 + lse), 4 * 2 * kv + 5 * 4 * kv + q32 + block_grads)
+    exchanged = 2 * 2 * 32 * (32 + 4 * 16)  # 2 groups don't split over 4 ranks: one key/value head per query head
+    assert transients("a2a") == (exchanged, exchanged)
+    assert transients("a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]) == (
+        max(2 * 2 * 32 * (32 + 2 * 16), 2 * 2 * kv + 2 * (out32 + lse)),
+        max(2 * 2 * 32 * (32 + 2 * 16), 2 * 2 * kv + 12 * kv + q32 + block_grads))
+
+
 def test_probe_reads_the_cpu_kernels():
     cpu = probe_kernels(torch.device("cpu"), torch.bfloat16)
     assert cpu == KernelProfile(fused_rms_norm=False, fused_dropout=False, layer_norm_stat_bytes=2)
