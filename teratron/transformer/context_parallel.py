@@ -48,13 +48,14 @@ supported on the exchanged types.
 Packed batches without CP run here too (one participant, no exchange, autograd).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from teratron import comm
+from teratron import comm, tensor_parallel
 from teratron.packed_seq_params import PackedSeqParams, document_ids
 from teratron.process_groups import get_pg_rank, get_pg_size
 
@@ -209,30 +210,61 @@ def allowed_keys(q_idx, kv_idx, causal: bool, window):
     return allowed
 
 
+class KeyMask:
+    """Which keys each query of a block sees, from where the tokens sit: `q_positions` [sq] and
+    `k_positions` [sk] in the full sequence, causal or not, the window, and the document of every
+    position ([b or 1, length] or None). Built dense ([b or 1, 1, sq, sk], for the reference
+    kernel) or as a FlexAttention block mask evaluated block by block (no s x s tensor), each once."""
+
+    def __init__(self, q_positions, k_positions, causal: bool, window=None, documents=None):
+        self.q_positions, self.k_positions = q_positions, k_positions
+        self.causal, self.window, self.documents = causal, window, documents
+        self._dense = self._block_mask = None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            q, k = self.q_positions, self.k_positions
+            allowed = allowed_keys(q[:, None], k[None, :], self.causal, self.window)[None]
+            if self.documents is not None:
+                allowed = allowed & (self.documents[:, q, None] == self.documents[:, None, k])
+            self._dense = allowed.unsqueeze(1)
+        return self._dense
+
+    def block_mask(self):
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            from teratron import fusions
+
+            q, k, documents = self.q_positions, self.k_positions, self.documents
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                allowed = allowed_keys(q[q_idx], k[kv_idx], self.causal, self.window)
+                if documents is not None:
+                    allowed = allowed & (documents[b, q[q_idx]] == documents[b, k[kv_idx]])
+                return allowed
+            rows = 1 if documents is None else documents.shape[0]
+            self._block_mask = fusions.fused(create_block_mask)(mask_mod, rows, None, q.numel(), k.numel(),
+                                                                device=q.device)
+        return self._block_mask
+
+
 @dataclass(frozen=True)
 class Block:
     """Queries q (a slice of the held tokens) against keys kv: 'full' (every key visible),
-    'causal' (the same tokens, lower triangle) or 'masked' (`allowed` [b or 1, 1, sq, sk])."""
+    'causal' (the same tokens, lower triangle) or 'masked' (by `mask`, a KeyMask)."""
 
     q: slice
     kv: slice
     kind: str
-    allowed: torch.Tensor | None = None
-
-
-def _allowed(q: TokenSet, k: TokenSet, causal: bool, window, documents) -> torch.Tensor:
-    """[b or 1, 1, sq, sk] True where a query may attend a key."""
-    allowed = allowed_keys(q.positions[:, None], k.positions[None, :], causal, window)[None]
-    if documents is not None:
-        allowed = allowed & (documents[:, q.positions, None] == documents[:, None, k.positions])
-    return allowed.unsqueeze(1)
+    mask: KeyMask | None = None
 
 
 def plan_blocks(q: TokenSet, k: TokenSet, causal: bool, window, documents, explicit: bool) -> list:
     """The blocks of q's queries against k's keys. `explicit`: every block masked explicitly."""
     everything = slice(None)
     if window is not None or documents is not None or explicit or not q.ranges:
-        return [Block(everything, everything, "masked", _allowed(q, k, causal, window, documents))]
+        return [Block(everything, everything, "masked", KeyMask(q.positions, k.positions, causal, window, documents))]
     if not causal:
         return [Block(everything, everything, "full")]
     if q is k:
@@ -334,17 +366,15 @@ def uses_flex(q, reference: bool) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not reference
 
 
-def masked_forward(q, k, v, allowed, scale: float, flex: bool, dropout_p: float = 0.0):
+def masked_forward(q, k, v, mask: KeyMask, scale: float, flex: bool, dropout_p: float = 0.0):
     """Differentiable (out [b, n, sq, hv], log-sum-exp [b, n, sq]) of attention over the keys
-    `allowed` ([b or 1, 1, sq, sk] or None for all) lets each query see. A query that sees none
-    gets out 0 and L = -inf. FlexAttention with `flex` (no dropout), else explicit scores in fp32
-    (out fp32)."""
+    `mask` lets each query see. A query that sees none gets out 0 and L = -inf. FlexAttention
+    with `flex` (no dropout), else explicit scores in fp32 (out fp32)."""
     if flex:
-        return _flex_forward(q, k, v, allowed, scale)
+        return _flex_forward(q, k, v, mask, scale)
     k, v = _expand_groups(k, v, q.shape[1])
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~mask.dense(), float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
     total = torch.exp(scores - top).sum(-1)
@@ -356,32 +386,24 @@ def masked_forward(q, k, v, allowed, scale: float, flex: bool, dropout_p: float 
     return torch.matmul(probs, v.float()), lse
 
 
-def _flex_forward(q, k, v, allowed, scale: float):
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+def _flex_forward(q, k, v, mask: KeyMask, scale: float):
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     from teratron import fusions
 
-    block_mask = None
-    if allowed is not None:
-        mask = allowed.expand(allowed.shape[0], 1, q.shape[2], k.shape[2])
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return mask[b, 0, q_idx, kv_idx]
-        block_mask = create_block_mask(mask_mod, mask.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    flex = fusions.fused(flex_attention)
-    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                    return_aux=AuxRequest(lse=True))
+    out, aux = fusions.fused(flex_attention)(q, k, v, block_mask=mask.block_mask(), scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
-def masked_backward(dout, q, k, v, allowed, out, lse, scale: float, flex: bool):
+def masked_backward(dout, q, k, v, mask: KeyMask, out, lse, scale: float, flex: bool):
     """Gradients of q, k, v of one masked block given the final output and log-sum-exp: the
     block's forward, recomputed under autograd, back-propagates dO_b = w dO and dL_b =
     w (rowsum(dO * O_b) - rowsum(dO * O)) with w = exp(L_b - L), which make its softmax the
     final one's."""
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out_b, lse_b = masked_forward(*inputs, allowed, scale, flex)
+        out_b, lse_b = masked_forward(*inputs, mask, scale, flex)
         dout = dout.float()
         weight = torch.exp(lse_b.detach() - lse)
         weight = torch.where(torch.isfinite(lse_b.detach()), weight, torch.zeros_like(weight))
@@ -395,7 +417,7 @@ def masked_backward(dout, q, k, v, allowed, out, lse, scale: float, flex: bool):
 def block_forward(block: Block, q, k, v, scale: float, flex: bool):
     q, k, v = q[:, :, block.q], k[:, :, block.kv], v[:, :, block.kv]
     if block.kind == "masked":
-        out, lse = masked_forward(q, k, v, block.allowed, scale, flex)
+        out, lse = masked_forward(q, k, v, block.mask, scale, flex)
         return out.float(), lse.float()
     return flash_forward(q, k, v, block.kind == "causal", scale)
 
@@ -404,7 +426,7 @@ def block_backward(block: Block, dout, q, k, v, out, lse, scale: float, flex: bo
     q, k, v = q[:, :, block.q], k[:, :, block.kv], v[:, :, block.kv]
     dout, out, lse = dout[:, :, block.q], out[:, :, block.q], lse[:, :, block.q]
     if block.kind == "masked":
-        return masked_backward(dout, q, k, v, block.allowed, out, lse, scale, flex)
+        return masked_backward(dout, q, k, v, block.mask, out, lse, scale, flex)
     return flash_backward(dout, q, k, v, out, lse, block.kind == "causal", scale)
 
 
@@ -645,10 +667,19 @@ def runs_here(config: ContextParallelConfig, attention_mask) -> bool:
     return get_pg_size(config.cp_group) > 1 or isinstance(attention_mask, PackedSeqParams)
 
 
+@torch.compiler.disable
 def context_parallel_attention(config: ContextParallelConfig, query, key, value, attention_mask, causal: bool,
                                sink=None, dropout_p: float = 0.0):
     """query [s, b, np, hq], key [s, b, ng, hq], value [s, b, ng, hv] of this rank's tokens;
-    attention_mask None or the batch's PackedSeqParams -> context [s, b, np * hv]."""
+    attention_mask None or the batch's PackedSeqParams -> context [s, b, np * hv]. Runs outside
+    torch.compile (a compiled layer calls it as is): it communicates, and caches its layouts.
+    Dropout (a2a, packed documents without CP) draws from the tensor-parallel RNG tracker: every
+    TP rank holds other heads."""
+    with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+        return _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p)
+
+
+def _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p):
     if attention_mask is not None and not isinstance(attention_mask, PackedSeqParams):
         raise ValueError("context parallelism and packed sequences take no dense attention mask; pass "
                          "packed_seq_params (documents) or None (causal)")
@@ -719,12 +750,13 @@ def _local_attention(config, block: Block, q, k, v, sink, dropout_p, flex: bool)
     if block.kind != "masked" and sink is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=block.kind == "causal",
                                               scale=config.scale, enable_gqa=q.shape[1] != k.shape[1])
-    allowed = block.allowed
-    if block.kind == "causal":
-        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    mask = block.mask
+    if mask is None:  # a sink on a whole or causal block
+        positions = torch.arange(q.shape[2], device=q.device)
+        mask = KeyMask(positions, positions, block.kind == "causal")
     if flex and dropout_p > 0:
         raise ValueError(f"attention_dropout={dropout_p}: FlexAttention (packed documents, windows or sinks) has no "
                          "attention dropout; set attention_dropout to 0 or attention_backend to 'unfused'")
-    out, lse = masked_forward(q, k, v, allowed, config.scale, flex, dropout_p)
+    out, lse = masked_forward(q, k, v, mask, config.scale, flex, dropout_p)
     out, _ = apply_sink(out, lse, sink)
     return out.to(q.dtype)

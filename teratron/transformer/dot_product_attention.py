@@ -181,16 +181,13 @@ class DotProductAttention(torch.nn.Module):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal_type = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         dropout_p = self.dropout_p if self.training else 0.0
-        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
         if context_parallel.runs_here(self.context_parallel, attention_mask):  # CP or packed documents
-            with rng:
-                return context_parallel.context_parallel_attention(
-                    self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset,
-                    dropout_p)
+            return context_parallel.context_parallel_attention(
+                self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset, dropout_p)
         is_causal = attention_mask is None and causal_type
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        with rng:
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = self._attend(q, k, v, attention_mask, is_causal, dropout_p)
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)

@@ -48,7 +48,7 @@ def test_block_plans_of_the_ring():
     assert [b.kind for b in masked] == ["masked"]
     queries, keys = torch.tensor([2, 3, 12, 13])[:, None], torch.tensor([0, 1, 14, 15])
     expected = (queries >= keys) & (queries - keys <= 3)
-    assert torch.equal(masked[0].allowed[0, 0], expected)
+    assert torch.equal(masked[0].mask.dense()[0, 0], expected)
 
 
 def _reference(q, k, v, allowed, scale):
@@ -79,10 +79,10 @@ def test_merged_blocks_and_their_backward_equal_whole_attention(kernel):
             if qs < start:
                 continue
             if kernel == "flash":
-                kind, allowed = ("causal" if qs == start else "full"), None
+                kind, mask = ("causal" if qs == start else "full"), None
             else:
-                kind, allowed = "masked", causal[qs:qe, start:end][None, None]
-            blocks.append(cp.Block(slice(qs, qe), slice(start, end), kind, allowed))
+                kind, mask = "masked", cp.KeyMask(torch.arange(qs, qe), torch.arange(start, end), causal=True)
+            blocks.append(cp.Block(slice(qs, qe), slice(start, end), kind, mask))
     with torch.no_grad():
         for block in blocks:
             merged.add(block.q, *cp.block_forward(block, q, k, v, scale, False))

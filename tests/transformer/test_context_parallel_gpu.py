@@ -32,10 +32,10 @@ def test_blocks_on_cuda(kernel):
     b, n, g, s, h, scale = 2, 8, 2, 512, 64, 0.125
     q, k, v = (torch.randn(b, heads, s, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for heads in (n, g, g))
-    documents = (torch.arange(s, device="cuda") >= 300).long()  # two documents
+    documents = (torch.arange(s, device="cuda") >= 300).long()[None]  # two documents
     allowed = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
     if kernel == "flex":
-        allowed = allowed & (documents[:, None] == documents[None, :])
+        allowed = allowed & (documents[0, :, None] == documents[0, None, :])
     expected = _reference(q, k, v, allowed, scale)
     dout = torch.randn_like(expected)
     expected.backward(dout)
@@ -48,7 +48,8 @@ def test_blocks_on_cuda(kernel):
             if kernel == "flash":
                 blocks.append(cp.Block(slice(qs, qe), slice(start, end), "causal" if qs == start else "full"))
             else:
-                mask = allowed[qs:qe, start:end][None, None]
+                mask = cp.KeyMask(torch.arange(qs, qe, device="cuda"), torch.arange(start, end, device="cuda"),
+                                  causal=True, documents=documents)
                 blocks.append(cp.Block(slice(qs, qe), slice(start, end), "masked", mask))
     flex = kernel == "flex"
     with torch.no_grad():
