@@ -48,6 +48,14 @@ class PackedSeqParams:
                 raise ValueError(f"PackedSeqParams {kv} differs from {q}: only self-attention is packed; "
                                  f"pass {kv}=None or equal to {q}")
 
+    def to(self, device) -> "PackedSeqParams":
+        """A copy with the cu_seqlens on `device`."""
+        moved = {name: None if getattr(self, name) is None else torch.as_tensor(getattr(self, name)).to(
+                     device, non_blocking=True)
+                 for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")}
+        return PackedSeqParams(qkv_format=self.qkv_format, max_seqlen_q=self.max_seqlen_q,
+                               max_seqlen_kv=self.max_seqlen_kv, **moved)
+
     @property
     def boundaries(self) -> torch.Tensor:
         """Where documents start and end in the packed tokens (padding included)."""

@@ -373,6 +373,9 @@ def _add_training_args(parser):
                    help="Do not stop on a NaN/Inf loss or grad norm.")
     g.add_argument("--skip-nan-steps", action="store_true",
                    help="On a NaN/Inf loss skip the optimizer step instead of stopping.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Divide the step's summed loss by its tokens over all micro-batches and data-parallel "
+                        "ranks (not the mean of micro-batch means).")
 
     g = parser.add_argument_group("CUDA graphs (docs/performance.md)")
     g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local", "transformer_engine"],
@@ -491,6 +494,11 @@ def _add_data_args(parser):
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="No attention across EOD (documents as packed sequences, no s x s mask).")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+    g.add_argument("--sequence-packing", action="store_true",
+                   help="Each document (cut to --seq-length) is a sample; a step's --global-batch-size samples are "
+                        "balanced over the data-parallel ranks by tokens and packed into rows of --seq-length "
+                        "without padding between them (THD). Needs --micro-batch-size 1 and "
+                        "--calculate-per-token-loss.")
 
 
 def _add_checkpoint_args(parser):

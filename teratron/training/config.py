@@ -118,6 +118,8 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    sequence_packing: bool = False
+    """Documents as samples, packed into rows per DP-balanced step (datasets/sequence_packing.py)."""
 
     def __post_init__(self):
         from teratron.datasets.utils import parse_and_normalize_split
@@ -254,6 +256,7 @@ class RunConfig:
                                  "processes")
         self.microbatches()  # the global batch splits into micro-batches over DP
         self._check_context_parallel()
+        self._check_sequence_packing()
         self._check_profiled_range()
         self._check_cuda_graph_loop()
 
@@ -266,6 +269,23 @@ class RunConfig:
         if cp > 1 and seq % parts:
             raise ValueError(f"--seq-length ({seq}) must be a multiple of 2 x CP"
                              f"{' x TP' if t.sequence_parallel else ''} = {parts} under --context-parallel-size {cp}")
+
+    def _check_sequence_packing(self):
+        """A packed micro-batch is one row of --seq-length tokens; micro-batches hold different token
+        counts, so the loss is the step's per-token mean."""
+        if not self.data.sequence_packing:
+            return
+        if self.training.micro_batch_size != 1:
+            raise ValueError(f"--sequence-packing packs each micro-batch into one row; use --micro-batch-size 1 "
+                             f"(got {self.training.micro_batch_size})")
+        if not self.transformer.calculate_per_token_loss:
+            raise ValueError("--sequence-packing needs --calculate-per-token-loss: packed micro-batches hold "
+                             "different numbers of tokens")
+        if self.training.rampup_batch_size is not None:
+            raise ValueError("--sequence-packing with --rampup-batch-size: the packed steps take a fixed number of "
+                             "samples; drop one")
+        if self.transformer.cuda_graph_impl == "local" or self.transformer.enable_cuda_graph:
+            raise ValueError("--sequence-packing with CUDA graphs: a packed step's micro-batch count varies; drop one")
 
     def _check_profiled_range(self):
         profiling, world_size = self.profiling, self.distributed.world_size

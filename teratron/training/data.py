@@ -1,8 +1,10 @@
 """Datasets and data loaders of a run (Megatron's `build_train_valid_test_datasets` and loaders)."""
 
+from teratron.datasets.blended_dataset import BlendedDataset
 from teratron.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from teratron.datasets.data_samplers import build_pretraining_data_loader
 from teratron.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from teratron.datasets.sequence_packing import DocumentSamples, PackedBatches
 from teratron.datasets.utils import get_blend_from_list, get_train_valid_test_num_samples
 
 
@@ -41,3 +43,16 @@ def build_data_loader(run, dataset, consumed_samples, dp_rank: int, dp_size: int
     """Micro-batches of this data-parallel rank, resuming after `consumed_samples`."""
     return build_pretraining_data_loader(dataset, consumed_samples, run.training.micro_batch_size,
                                          dp_rank, dp_size, num_workers=run.data.num_workers)
+
+
+def build_packed_batches(run, dataset, consumed_samples, dp_rank: int, dp_size: int, tokenizer) -> PackedBatches:
+    """--sequence-packing: this data-parallel rank's packed micro-batches of `dataset`'s documents,
+    each padded to a multiple of 2 x CP (the per-document split of context parallelism)."""
+    if isinstance(dataset, BlendedDataset):
+        raise ValueError("--sequence-packing reads the documents of one dataset; give one --data-path prefix "
+                         "(or per-split paths), not a blend")
+    cp = run.transformer.context_parallel_size
+    eod = tokenizer.eod if run.data.eod_mask_loss else None
+    samples = DocumentSamples(dataset, run.training.seq_length, eod)
+    return PackedBatches(samples, run.training.global_batch_size, consumed_samples, run.training.seq_length,
+                         2 * cp if cp > 1 else 1, dp_rank, dp_size)

@@ -18,15 +18,15 @@ def get_batch(data_iterator, device, pg_collection=None):
     stage (and virtual stage, from its own iterator) gets the batch's position_ids and documents,
     which RoPE and attention need in the middle of the model too when --reset-position-ids /
     --reset-attention-mask make them differ from the default. Documents (the samples'
-    `cu_seqlens`) become the batch's "packed_seq_params"."""
+    `cu_seqlens`, or a packed micro-batch's own) become the batch's "packed_seq_params"."""
     batch = next(data_iterator)
-    packed = packed_rows(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
+    packed = batch.get("packed_seq_params")  # a packed 'thd' micro-batch (--sequence-packing)
+    if "cu_seqlens" in batch:  # rows with documents (--reset-attention-mask)
+        packed = packed_rows(batch["cu_seqlens"])
     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()
              if isinstance(value, torch.Tensor) and key != "cu_seqlens"}
     if packed is not None:
-        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-            setattr(packed, name, getattr(packed, name).to(device, non_blocking=True))
-        batch["packed_seq_params"] = packed
+        batch["packed_seq_params"] = packed.to(device)
     return get_batch_on_this_cp_rank(batch, resolve_pg_collection(pg_collection).cp)
 
 

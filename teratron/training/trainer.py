@@ -28,7 +28,7 @@ from teratron.topology import current_topology
 from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_scheduler
 from teratron.training.checkpointing import Checkpointer, ExitSignalHandler, check_save_dir_writable
 from teratron.training.config import RunConfig, check_interleaved_schedule
-from teratron.training.data import build_data_loader, build_datasets
+from teratron.training.data import build_data_loader, build_datasets, build_packed_batches
 from teratron.training.full_iteration_graph import training_forward_backward_func
 from teratron.training.gpt_step import LossesInFlight, forward_step, reduce_log_dicts
 from teratron.training.initialize import get_device, set_random_seed
@@ -155,6 +155,8 @@ class Trainer:
         dp = (get_pg_rank(self.pg_collection.dp), get_pg_size(self.pg_collection.dp))
 
         def iterators(dataset, consumed):
+            if self.run.data.sequence_packing:
+                return [build_packed_batches(self.run, dataset, consumed, *dp, self.tokenizer) for _ in self.model]
             return [iter(build_data_loader(self.run, dataset, consumed, *dp)) for _ in self.model]
 
         evaluated = self.run.training.eval_iters > 0
@@ -194,7 +196,7 @@ class Trainer:
         while state.iteration < training.train_iters and not stop:
             self.microbatches.update(state.consumed_train_samples)
             global_batch = self.microbatches.get_current_global_batch_size()
-            result = self.step(self.microbatches.get(), global_batch, forward_backward_func)
+            result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
             state.iteration += 1
             state.consumed_train_samples += global_batch
             if "lm loss" in result.losses:
@@ -295,6 +297,18 @@ class Trainer:
                                      "lower --lr or set --clip-grad")
         return losses, grad_norm, 0 if update_successful else 1
 
+    def _num_microbatches(self, data_iters) -> int:
+        """This step's micro-batches per rank: the calculator's (for the training iterators), or with
+        --sequence-packing the rows of the packed step (each model chunk's iterator prepares it)."""
+        if self.run.data.sequence_packing:
+            counts = {iterator.next_step() for iterator in data_iters}
+            assert len(counts) == 1, counts  # every chunk packs the same samples
+            return counts.pop()
+        if data_iters is self.train_iters:
+            return self.microbatches.get()
+        training = self.run.training
+        return training.global_batch_size // (training.micro_batch_size * self.run.distributed.data_parallel_size)
+
     # ----- evaluation -----
 
     @torch.no_grad()
@@ -303,13 +317,11 @@ class Trainer:
         training = self.run.training
         for chunk in self.model:
             chunk.eval()
-        num_microbatches = training.global_batch_size // (training.micro_batch_size
-                                                          * self.run.distributed.data_parallel_size)
         log_dicts = []
         for _ in range(training.eval_iters):
             log_dicts += get_forward_backward_func()(
                 forward_step_func=self.step_func, data_iterator=_iterators(data_iters), model=self.model,
-                num_microbatches=num_microbatches, seq_length=training.seq_length,
+                num_microbatches=self._num_microbatches(data_iters), seq_length=training.seq_length,
                 micro_batch_size=training.micro_batch_size, forward_only=True, pg_collection=self.pg_collection,
             )
         for chunk in self.model:

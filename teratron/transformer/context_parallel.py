@@ -89,7 +89,10 @@ def _chunk_pair(start: int, length: int, cp_size: int, cp_rank: int) -> list:
 def cp_token_ranges(length: int, cp_size: int, cp_rank: int, boundaries=None) -> list:
     """The (start, end) position ranges CP rank `cp_rank` keeps of a sequence of `length`, in
     order: chunks r and 2 x CP - 1 - r of it, or with `boundaries` (packed documents, ints
-    ascending from 0; tokens past the last one form one more document) of every document."""
+    ascending from 0; tokens past the last one form one more document) of every document. One
+    rank keeps the whole sequence."""
+    if cp_size == 1:
+        return [(0, length)]
     if boundaries is None:
         return _chunk_pair(0, length, cp_size, cp_rank)
     edges = [int(b) for b in boundaries]

@@ -1,5 +1,6 @@
-"""`teratron train` with context parallelism under torchrun (gloo, CPU) against the single
-process: every iteration's loss and grad norm, and the final evaluation, must equal it.
+"""`teratron train` with context parallelism and packed sequences under torchrun (gloo, CPU)
+against the single process: every iteration's loss and grad norm, and the final evaluation, must
+equal it.
 
 Each cp_comm_type at CP 2 in a composition (p2p with DP 2 and the distributed optimizer, which
 also saves a checkpoint; all_gather with interleaved PP 2; a2a with TP 2 and sequence
@@ -7,6 +8,8 @@ parallelism), a2a+p2p at CP 4 (2 x 2), a MoE model with EP 2 (its aux losses and
 expert too), multi-latent attention, and packed documents (--reset-attention-mask
 --reset-position-ids --eod-mask-loss, so CP ranks hold different numbers of loss tokens) with
 1F1B PP 2. The CP 2 checkpoint loads into one process and continues with the same losses.
+Sequence packing (documents as samples, balanced over DP ranks by tokens, packed into THD rows)
+under CP 2 x DP 2: each document split into 2 x CP chunks.
 """
 
 import json
@@ -18,6 +21,8 @@ import numpy
 import pytest
 
 from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
+from teratron.training.arguments import parse_train_args
+from teratron.training.config import run_config_from_args
 
 TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -129,3 +134,25 @@ def test_packed_documents_with_pipeline(tmp_path):
     reference = _train(data, tmp_path, "docs-single")
     run = _train(data + CP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "docs-cp2-pp2", nproc=4)
     _assert_equal(reference, run, "docs-cp2-pp2")
+
+
+PACKING = ["--sequence-packing", "--calculate-per-token-loss", "--micro-batch-size", "1", "--eod-mask-loss",
+           "--split", "90,5,5"]
+
+
+def test_sequence_packing_over_data_and_context_parallel_ranks(tmp_path):
+    _documents(str(tmp_path / "docs"))
+    data = ["--data-path", str(tmp_path / "docs")] + PACKING
+    reference = _train(data, tmp_path, "packed-single")
+    run = _train(data + CP2, tmp_path, "packed-cp2-dp2", nproc=4)
+    _assert_equal(reference, run, "packed-cp2-dp2")
+
+
+def test_sequence_packing_needs_per_token_loss_and_one_row_micro_batches():
+    def config(*flags):
+        return run_config_from_args(parse_train_args(TINY + MOCK + list(flags)), 1, 100, cuda=False)
+    with pytest.raises(ValueError, match="--sequence-packing needs --calculate-per-token-loss"):
+        config("--sequence-packing", "--micro-batch-size", "1")
+    with pytest.raises(ValueError, match="use --micro-batch-size 1"):
+        config("--sequence-packing", "--calculate-per-token-loss")
+    assert config(*PACKING[:4]).data.sequence_packing
