@@ -3,8 +3,9 @@ against the single process: every iteration's loss and grad norm, and the final 
 equal it.
 
 Each cp_comm_type at CP 2 in a composition (p2p with DP 2 and the distributed optimizer, which
-also saves a checkpoint; all_gather with interleaved PP 2; a2a with TP 2 and sequence
-parallelism), a2a+p2p at CP 4 (2 x 2), a MoE model with EP 2 (its aux losses and tokens per
+also saves a checkpoint; all_gather with interleaved PP 2 and full recompute; a2a with TP 2 and
+sequence parallelism), a2a+p2p at CP 4 (2 x 2) with selective recompute and activation
+offloading, a MoE model with EP 2 (its aux losses and tokens per
 expert too), multi-latent attention, and packed documents (--reset-attention-mask
 --reset-position-ids --eod-mask-loss, so CP ranks hold different numbers of loss tokens) with
 1F1B PP 2. The CP 2 checkpoint loads into one process and continues with the same losses.
@@ -85,9 +86,11 @@ def test_p2p_with_data_parallel_distributed_optimizer_and_a_checkpoint_loaded_wi
     _assert_equal(dense_reference, resumed, "cp1-from-cp2")
 
 
-def test_all_gather_with_interleaved_pipeline(dense_reference, tmp_path):
+def test_all_gather_with_interleaved_pipeline_and_full_recompute(dense_reference, tmp_path):
     run = _train(MOCK + CP2 + ["--cp-comm-type", "all_gather", "--pipeline-model-parallel-size", "2",
-                               "--num-layers-per-virtual-pipeline-stage", "1"], tmp_path, "cp2-ag-vpp", nproc=4)
+                               "--num-layers-per-virtual-pipeline-stage", "1", "--recompute-granularity", "full",
+                               "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+                 tmp_path, "cp2-ag-vpp", nproc=4)
     _assert_equal(dense_reference, run, "cp2-ag-vpp")
 
 
@@ -97,9 +100,11 @@ def test_a2a_with_tensor_and_sequence_parallel(dense_reference, tmp_path):
     _assert_equal(dense_reference, run, "cp2-a2a-tp2")
 
 
-def test_hierarchical_a2a_p2p_at_cp4(dense_reference, tmp_path):
+def test_hierarchical_a2a_p2p_at_cp4_with_selective_recompute_and_offloading(dense_reference, tmp_path):
     run = _train(MOCK + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
-                         "--hierarchical-context-parallel-sizes", "2", "2"], tmp_path, "cp4-a2a-p2p", nproc=4)
+                         "--hierarchical-context-parallel-sizes", "2", "2", "--recompute-granularity", "selective",
+                         "--fine-grained-activation-offloading", "--offload-modules", "qkv_linear", "attn_proj"],
+                 tmp_path, "cp4-a2a-p2p", nproc=4)
     _assert_equal(dense_reference, run, "cp4-a2a-p2p")
 
 
