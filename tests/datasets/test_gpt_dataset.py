@@ -268,3 +268,20 @@ def test_empty_split_is_an_error(tmp_path):
     indexed = write_dataset(tmp_path / "x", [[1, 2, 0]])
     with pytest.raises(ValueError, match="valid split has no tokens"):
         GPTDataset(indexed, str(tmp_path / "x"), numpy.arange(0, dtype=numpy.int32), 4, Split.valid, config())
+
+
+def test_document_boundaries_are_the_reset_attention_masks_documents():
+    """A sample's cu_seqlens (instead of the dense mask) give the same documents, and a batch's
+    rows join into one 'sbhd' PackedSeqParams."""
+    from teratron.datasets.gpt_dataset import document_boundaries
+    from teratron.packed_seq_params import document_ids, packed_rows
+
+    data = torch.tensor([5, EOD, 6, 7, EOD, EOD, 8, 9])
+    boundaries = document_boundaries(data, EOD)
+    assert boundaries.tolist() == [0, 2, 5, 6, 8, -1, -1, -1, -1] and boundaries.dtype == torch.int32
+    dense, _, _ = get_ltor_masks_and_position_ids(data, EOD, False, True, False, True)
+    packed = packed_rows(torch.stack([boundaries, document_boundaries(torch.tensor([1, 2, 3, 4, 5, 6, 7, EOD]), EOD)]))
+    assert packed.qkv_format == "sbhd" and packed.cu_seqlens_q.tolist() == [0, 2, 5, 6, 8, 16]
+    documents = document_ids(packed, 2, 8, "cpu")
+    allowed = (documents[0, :, None] == documents[0, None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
+    assert torch.equal(~allowed, dense[0])
