@@ -111,7 +111,7 @@ def moe_params(config) -> tuple:
             experts += [local * fc1, local * h]
     else:
         experts = _mlp(config, ffn, etp) * local
-    dense = [config.num_moe_experts * h]
+    dense = [config.num_moe_experts * h] + ([config.num_moe_experts] if config.add_bias_linear else [])
     if config.moe_shared_expert_intermediate_size is not None:
         dense += _mlp(config, config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size)
     return dense, experts

@@ -108,6 +108,8 @@ def _add_network_args(parser):
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP with quick GELU, x * sigmoid(1.702 x) (gpt-oss's experts).")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="No biases in the linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
@@ -194,6 +196,8 @@ def _add_attention_variant_args(parser):
     g.add_argument("--activation-func-clamp-value", type=float, default=None,
                    help="Gated MLPs: clamp the gate to at most this and the linear half to [-this, this] "
                         "(gpt-oss's clamped SwiGLU).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Gated MLPs: act(gate) * (linear + this) (1 for gpt-oss).")
 
 
 # Multi-latent attention's flags and Megatron's defaults for them (the YaRN ones: None keeps

@@ -34,6 +34,7 @@ from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, 
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
+from teratron.transformer.mlp import quick_gelu
 from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
@@ -340,7 +341,7 @@ RENAMED = {
 DERIVED = {
     "transformer.ffn_hidden_size": "4 x hidden, or 8/3 x hidden rounded down to 64 with --swiglu",
     "transformer.num_query_groups": "--num-query-groups with --group-query-attention, else the heads",
-    "transformer.activation_func": "SiLU with --swiglu, else GeLU",
+    "transformer.activation_func": "SiLU with --swiglu, quick GELU with --quick-geglu, else GeLU",
     "transformer.params_dtype": "bf16/fp16 with --bf16/--fp16, else fp32",
     "transformer.virtual_pipeline_model_parallel_size": "from the layout or layers per virtual stage",
     "transformer.sequence_parallel": "off at TP 1",
@@ -358,7 +359,7 @@ DERIVED = {
 COMMAND_ONLY = ("config", "demo_dir", "demo_samples")
 
 # Flags that only feed derived values (see `_derived`).
-INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage")
+INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu")
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "train_iters", "lr")
@@ -477,11 +478,15 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
                lr_decay_iters=args.lr_decay_iters or args.train_iters,
                split=args.split or "969,30,1",
                num_query_groups=args.num_query_groups if args.group_query_attention else None,
-               activation_func=F.silu if args.swiglu else F.gelu,
+               activation_func=quick_gelu if args.quick_geglu else F.silu if args.swiglu else F.gelu,
                params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                deallocate_pipeline_outputs=True,
                virtual_pipeline_model_parallel_size=_virtual_stages(args, pp))
+    if args.quick_geglu:
+        if args.swiglu:
+            raise ValueError("--quick-geglu and --swiglu each choose the gated MLP's activation; pass one")
+        out["swiglu"] = True  # gated, as --swiglu makes it (gated_linear_unit), with quick GELU
     if args.ffn_hidden_size is None:
         out["ffn_hidden_size"] = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
                                   else 4 * args.hidden_size)

@@ -14,7 +14,7 @@ from teratron.models.gpt import get_gpt_layer_local_spec
 from teratron.transformer.dot_product_attention import (DotProductAttention, block_mask_for,
                                                         flex_attention_with_sink, is_layer_window_attention)
 from teratron.transformer.enums import AttnMaskType
-from teratron.transformer.mlp import MLP, MLPSubmodules
+from teratron.transformer.mlp import MLP, MLPSubmodules, quick_gelu
 from teratron.transformer.moe.experts import GroupedMLP
 from teratron.transformer.rope import RotaryEmbedding
 from teratron.transformer.spec_utils import build_module
@@ -195,6 +195,13 @@ def test_clamped_swiglu_in_the_mlp_and_the_experts():
     torch.testing.assert_close(mlp(x)[0], _clamped_glu(x, mlp.linear_fc1.weight, mlp.linear_fc2.weight, 0.5,
                                                        offset=1.0, act=F.gelu))
 
+    # gpt-oss's experts: quick GELU of min(gate, L), times clamp(up, -L, L) + 1.
+    quick = make_config(gated_linear_unit=True, activation_func=quick_gelu, add_bias_linear=False,
+                        glu_linear_offset=1.0, activation_func_clamp_value=0.5, init_method_std=0.5, ffn_hidden_size=16)
+    mlp = MLP(quick, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    torch.testing.assert_close(mlp(x)[0], _clamped_glu(x, mlp.linear_fc1.weight, mlp.linear_fc2.weight, 0.5,
+                                                       offset=1.0, act=lambda g: g * torch.sigmoid(1.702 * g)))
+
     moe = make_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, num_moe_experts=2,
                       moe_ffn_hidden_size=16, activation_func_clamp_value=0.5, init_method_std=0.5)
     experts = GroupedMLP(2, moe)
@@ -252,6 +259,28 @@ def test_flags_parse_and_errors_name_the_flags():
     ]:
         with pytest.raises(ValueError, match=message):
             run(*argv)
+
+
+def test_quick_geglu_flags_and_the_checkpoint_record():
+    """--quick-geglu --glu-linear-offset 1 (gpt-oss's experts): gated quick GELU in the config, and
+    the model args a checkpoint records rebuild it; --swiglu with it is refused."""
+    from teratron.dist_checkpointing.model_args import gpt_config_from_model_args, model_args_from_config
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
+
+    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+            "--position-embedding-type", "rope", "--quick-geglu", "--glu-linear-offset", "1"]
+    run = run_config_from_args(parse_train_args(base), 1, vocab_size=64, cuda=False)
+    t = run.transformer
+    assert (t.gated_linear_unit, t.activation_func, t.glu_linear_offset, t.ffn_hidden_size) == (
+        True, quick_gelu, 1.0, 128)
+    record = model_args_from_config(run.model)
+    assert (record["quick_geglu"], record["swiglu"], record["glu_linear_offset"]) == (True, False, 1.0)
+    rebuilt = gpt_config_from_model_args(record).transformer
+    assert (rebuilt.gated_linear_unit, rebuilt.activation_func, rebuilt.glu_linear_offset) == (True, quick_gelu, 1.0)
+    with pytest.raises(ValueError, match=r"^--quick-geglu and --swiglu each choose"):
+        run_config_from_args(parse_train_args(base + ["--swiglu"]), 1, vocab_size=64, cuda=False)
 
 
 def test_inference_context_refuses_window_and_sink_layers():

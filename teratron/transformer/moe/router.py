@@ -1,6 +1,6 @@
 """TopKRouter: score each token against every expert and pick k of them (Megatron semantics).
 
-    logits = x W^T              [T, E] (in moe_router_dtype)
+    logits = x W^T (+ b)        [T, E] (in moe_router_dtype; the bias with add_bias_linear)
     probs, routing_map          top-k by score function, groups, expert bias or QB bias, replay
     capacity                    optional token dropping / padding
     aux losses                  attached to probs with MoEAuxLossAutoScaler (forward unchanged)
@@ -88,12 +88,17 @@ class TopKRouter(torch.nn.Module):
         device = _param_device(config)
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype, device=device))
-        if config.perform_initialization:
-            master = torch.empty(self.weight.shape, dtype=torch.float32, device=device)
-            config.init_method(master)
-            with torch.no_grad():
-                self.weight.copy_(master)
-        self.weight.sequence_parallel = config.sequence_parallel
+        # A bias on the logits with add_bias_linear (Megatron's; gpt-oss's router has one).
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = torch.nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype, device=device))
+        for param in (p for p in (self.weight, self.bias) if p is not None):
+            if config.perform_initialization:
+                master = torch.empty(param.shape, dtype=torch.float32, device=device)
+                config.init_method(master)
+                with torch.no_grad():
+                    param.copy_(master)
+            param.sequence_parallel = config.sequence_parallel
 
         zeros = lambda: torch.zeros(self.num_experts, dtype=torch.float32, device=device)  # noqa: E731
         scalar = lambda: torch.zeros((), dtype=torch.float32, device=device)  # noqa: E731
@@ -168,7 +173,8 @@ class TopKRouter(torch.nn.Module):
 
     def gating(self, hidden_states):
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, hidden_states.dtype)
-        return F.linear(hidden_states.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
     def apply_input_jitter(self, hidden_states):
         """Multiply the router input by U(1 - eps, 1 + eps) noise while training."""
