@@ -39,12 +39,22 @@ MLA_ARGS = {
     "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
 }
 
+# YaRN of plain attention (position_embedding_type 'yarn'): the flag dest -> its TransformerConfig
+# field; recorded for such models only (an MLA model records its own YaRN in MLA_ARGS).
+YARN_ARGS = {
+    "rotary_scaling_factor": "yarn_rotary_scaling_factor", "mscale": "yarn_mscale",
+    "mscale_all_dim": "yarn_mscale_all_dim",
+    "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow",
+    "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+}
+
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS,
+    *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
 )
 
 
@@ -69,6 +79,8 @@ def model_args_from_config(model) -> dict:
     )
     if c.multi_latent_attention:
         out.update({arg: getattr(c, field) for arg, field in MLA_ARGS.items()})
+    if model.position_embedding_type == "yarn":
+        out.update({arg: getattr(c, field) for arg, field in YARN_ARGS.items()})
     if c.num_moe_experts:
         out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
                    num_experts=c.num_moe_experts,
@@ -122,6 +134,8 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},
                       num_moe_experts=a["num_experts"])
+    if a["position_embedding_type"] == "yarn":
+        kwargs.update({field: a[arg] for arg, field in YARN_ARGS.items()})
     config_class = TransformerConfig
     if a.get("multi_latent_attention"):
         config_class = MLATransformerConfig

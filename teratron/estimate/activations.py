@@ -363,7 +363,7 @@ def rope_dim_for(config, shape: ModelShape) -> int:
     if config.multi_latent_attention:  # rotates its positional channels whatever the type
         percent = config.rotary_percent if config.rope_type == "rope" else 1.0
         return int(config.qk_pos_emb_head_dim * percent)
-    if shape.position_embedding_type != "rope":
+    if shape.position_embedding_type not in ("rope", "yarn"):
         return 0
     return int(config.kv_channels * shape.rotary_percent)
 

@@ -99,7 +99,9 @@ def _add_network_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Size of the learned position table; default --seq-length.")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"], help="Position encoding.")
+                   choices=["learned_absolute", "rope", "yarn", "none"],
+                   help="Position encoding (yarn: RoPE with YaRN, set by the --rotary-scaling-factor, --mscale "
+                        "and --yarn-* flags).")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head RoPE rotates.")
     g.add_argument("--rotary-interleaved", action="store_true", help="Rotate even/odd pairs (RoFormer style).")
@@ -201,14 +203,15 @@ def _add_attention_variant_args(parser):
 
 
 # Multi-latent attention's flags and Megatron's defaults for them (the YaRN ones: None keeps
-# MLATransformerConfig's); without --multi-latent-attention they must keep these values.
+# MLATransformerConfig's); without --multi-latent-attention they must keep these values, except
+# the YaRN ones (model_args.YARN_ARGS: flag dest -> field) with --position-embedding-type yarn.
 MLA_FLAG_DEFAULTS = dict(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
                          rope_type=None, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
                          yarn_original_max_position_embeddings=None, yarn_beta_fast=None, yarn_beta_slow=None)
 
 
 def _add_mla_args(parser):
-    g = parser.add_argument_group("multi-latent attention")
+    g = parser.add_argument_group("multi-latent attention and YaRN")
     d = MLA_FLAG_DEFAULTS
     g.add_argument("--multi-latent-attention", action="store_true",
                    help="Multi-latent attention (DeepSeek-V2/V3): low-rank queries, keys and values, decoupled RoPE.")
@@ -235,6 +238,11 @@ def _add_mla_args(parser):
                         "their frequency (default 32).")
     g.add_argument("--yarn-beta-slow", type=float, default=d["yarn_beta_slow"],
                    help="YaRN: pairs turning less often than this are interpolated (default 1).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN of --position-embedding-type yarn: round the ramp's bounds out to whole pairs "
+                        "(the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int", help="Keep the ramp's bounds fractional (gpt-oss).")
 
 
 def _add_moe_args(parser):

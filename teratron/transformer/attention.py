@@ -1,5 +1,6 @@
 """Self-attention: fused QKV projection, optional qk-norm and RoPE (not on the NoPE layers that
-`no_rope_freq` marks), core attention, output projection.
+`no_rope_freq` marks; with YaRN the rotated channels scaled by its concentration factor), core
+attention, output projection.
 
 linear_qkv is column-parallel and its output rows are interleaved per query group,
 [ng, (np/ng + 2) * hn] = per group its np/ng query heads, then one key and one value head, so a
@@ -18,7 +19,7 @@ from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
-from teratron.transformer.rope import apply_rotary_pos_emb
+from teratron.transformer.rope import apply_rotary_pos_emb, yarn_concentration_factor
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
 
@@ -88,6 +89,9 @@ class SelfAttention(torch.nn.Module):
         )
         # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
         self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
+        # YaRN's concentration factor on the rotated channels (1 without YaRN).
+        self.rope_mscale = yarn_concentration_factor(config.yarn_rotary_scaling_factor, config.yarn_mscale,
+                                                     config.yarn_mscale_all_dim)
 
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
@@ -109,8 +113,8 @@ class SelfAttention(torch.nn.Module):
         if rotary_pos_emb is not None and self.apply_rope:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
-            query = rope(query, rotary_pos_emb, interleaved)
-            key = rope(key, rotary_pos_emb, interleaved)
+            query = rope(query, rotary_pos_emb, interleaved, self.rope_mscale)
+            key = rope(key, rotary_pos_emb, interleaved, self.rope_mscale)
         if inference_context is not None:
             context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
         elif self.recompute_core_attention:

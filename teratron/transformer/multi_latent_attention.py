@@ -204,8 +204,7 @@ class MLASelfAttention(torch.nn.Module):
         if rotary_pos_emb is None:
             return t
         rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
-        t = rope(t, rotary_pos_emb, True)
-        return t * self.rope_concentration if self.rope_concentration != 1.0 else t
+        return rope(t, rotary_pos_emb, True, self.rope_concentration)
 
     def _up_projections(self, q_input, kv_compressed, k_pos_emb, rotary_pos_emb):
         """-> query [s, b, np, d_n + d_r], key [s, b, np, d_n + d_r], value [s, b, np, d_v], each

@@ -27,6 +27,10 @@ from teratron.transformer.cuda_graphs import check_cuda_graph_config
 from teratron.transformer.enums import AttnBackend
 from teratron.utils import init_method_normal, scaled_init_method_normal
 
+# YaRN of plain attention (position_embedding_type 'yarn') and the defaults that mean "no YaRN".
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
@@ -92,8 +96,9 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
+# The yarn_* fields are Megatron's too: config attributes its argument parser sets, not declared.
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
-                         "offload_modules", "min_offloaded_tensor_size")
+                         "offload_modules", "min_offloaded_tensor_size", *YARN_FIELDS)
 
 
 @dataclass
@@ -197,6 +202,29 @@ class TransformerConfig(ModelParallelConfig):
 
     rotary_interleaved: bool = False
     """RoPE rotates (even, odd) pairs (RoFormer) instead of the two halves (Llama)."""
+
+    # YaRN of plain attention (GPTModel's position_embedding_type 'yarn'; Megatron sets these as
+    # config attributes from --rotary-scaling-factor, --mscale, ... ; MLA has its own fields).
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN's context-extension factor s."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """Context length of the original model."""
+
+    yarn_beta_fast: float = 32.0
+    """RoPE pairs turning more than this often over the original length keep their frequency."""
+
+    yarn_beta_slow: float = 1.0
+    """Pairs turning less than this often are interpolated (frequency / s)."""
+
+    yarn_mscale: float = 1.0
+    """YaRN mscale: the rotated channels are scaled by mscale(s, mscale) / mscale(s, mscale_all_dim)."""
+
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (see yarn_mscale)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """Round the bounds of the interpolation ramp out to whole pairs (gpt-oss does not)."""
 
     window_size: Optional[Tuple[int, int]] = None
     """Sliding-window attention (left, right): query i sees keys i - left .. i + right (-1: no
@@ -717,7 +745,7 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _check_attention_variants(self):
-        """Sliding windows, attention sinks, NoPE layers and the clamped GLU."""
+        """Sliding windows, attention sinks, NoPE layers, YaRN and the clamped GLU."""
         if self.window_size is not None:
             window = self.window_size
             if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -732,6 +760,10 @@ class TransformerConfig(ModelParallelConfig):
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type={self.softmax_type!r} is not valid; use 'vanilla', 'off-by-one' "
                              "or 'learnable'")
+        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                     "yarn_beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         clamp = self.activation_func_clamp_value
         if clamp is not None:
             if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < float("inf"):

@@ -28,10 +28,10 @@ from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.topology import check_parallel_sizes, resolve_pg_collection
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.multi_latent_attention import mla_rotary_embedding
-from teratron.transformer.rope import RotaryEmbedding
+from teratron.transformer.rope import RotaryEmbedding, YarnRotaryEmbedding
 from teratron.transformer.transformer_block import TransformerBlock
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class GPTModel(torch.nn.Module):
@@ -39,7 +39,7 @@ class GPTModel(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+                 position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute",
                  rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None,
                  unpadded_vocab_size: int | None = None):
         super().__init__()
@@ -83,6 +83,11 @@ class GPTModel(torch.nn.Module):
         elif position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   config.rotary_interleaved, rotary_base)
+        elif position_embedding_type == "yarn":  # attention scales the rotated channels (rope_mscale)
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels, config.rotary_interleaved, rotary_base, config.yarn_rotary_scaling_factor,
+                config.yarn_original_max_position_embeddings, config.yarn_beta_fast, config.yarn_beta_slow,
+                config.yarn_correction_range_round_to_int)
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection,
                                         vp_stage=vp_stage)
