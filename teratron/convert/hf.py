@@ -5,8 +5,7 @@
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`). The vocabulary of
-`from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
 padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 """
 
@@ -18,6 +17,7 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.convert.hf_deepseek import rope_layout_reader, warn_unconverted_mtp
 from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.safetensors_io import HFWeights, save_hf_weights
@@ -61,12 +61,15 @@ def expected_hf_shapes(model_args: dict, family: str) -> dict:
     return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
 
 
-def _read_hf(path, model_args, family):
+def _read_hf(path, model_args, hf):
     """The teratron state dict of the HF folder, read only after every file's header matched the
-    config (names and shapes)."""
+    config (names and shapes); a DeepSeek-V3's MTP layers are left out with a warning."""
+    family, source = hf["model_type"], f"--hf-path {path}"
     weights = HFWeights(path)
-    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, f"--hf-path {path}")
-    return hf_to_teratron(weights.read, model_args, family)
+    left_out = warn_unconverted_mtp(hf, weights.shapes, source) if family == "deepseek_v3" else ()
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source, left_out)
+    read = rope_layout_reader(hf, weights.read) if family == "deepseek_v3" else weights.read
+    return hf_to_teratron(read, model_args, family)
 
 
 def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
@@ -85,7 +88,7 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
                                               **overrides)
     config = model_config.transformer
     model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
-    model.load_state_dict(_read_hf(path, model_args, hf["model_type"]), strict=True)
+    model.load_state_dict(_read_hf(path, model_args, hf), strict=True)
     return model.eval(), config
 
 
@@ -129,12 +132,14 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
         if model_args["num_experts"] % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's "
                              f"{model_args['num_experts']} experts; choose an EP size that does")
+    # Experts with biases (gpt-oss) stay whole on every TP rank: teratron runs them at expert-TP 1.
+    etp = 1 if model_args["num_experts"] and model_args["add_bias_linear"] else tp
     config = gpt_config_from_model_args(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        expert_model_parallel_size=ep).transformer
+                                        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp).transformer
     _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
-    state = _read_hf(hf_path, model_args, hf["model_type"])
+    state = _read_hf(hf_path, model_args, hf)
     created = not os.path.exists(save)
     try:
         tmp = storage.temporary_dir(save, 0)
@@ -205,8 +210,8 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
                              hf_config["model_type"])
     _check_export_shapes(tensors, model_args, hf_config["model_type"], checkpoint_dir)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    if dtype is not None:  # DeepSeek's expert bias stays fp32, as transformers keeps it
+        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in tensors.items()}
     tmp = storage.staging_dir(out)
     try:
         save_hf_weights(tensors, tmp, max_shard_size_bytes)

@@ -21,14 +21,15 @@ def ids_and_positions():
 
 
 def save_random_hf_model(config_cls: str, model_cls: str, config_kwargs: dict, path, max_shard_size: str):
-    """A tiny HF model with every weight random (norms and biases included) saved to `path` with
-    tokenizer files; returns its logits for `ids_and_positions()`."""
+    """A tiny HF model with every weight random (norms, biases and saved buffers such as
+    DeepSeek's expert bias included) saved to `path` with tokenizer files; returns its logits for
+    `ids_and_positions()`."""
     config = getattr(transformers, config_cls)(**config_kwargs)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+        for t in model.state_dict(keep_vars=True).values():
+            t.copy_(torch.randn_like(t) * 0.3)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},

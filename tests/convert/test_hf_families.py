@@ -1,0 +1,223 @@
+"""Hugging Face conversion of DeepSeek-V3 and gpt-oss: tiny random models of each built offline with
+transformers (every weight random, the expert bias included). Imported logits equal transformers'
+(fp32, 1e-4) with either expert class; import-hf -> export-hf gives back the same tensors and
+config.json, and transformers loads the export with the same logits; the import loads at
+EP = 2 and at TP = expert-TP = 2 with the same logits.
+
+gpt_oss: YaRN with fractional ramp bounds, sliding windows of 4 (biting on 12 tokens) on layers
+0 and 2, sinks, biases, clamped quick-GEGLU experts; gpt_oss_rope: plain RoPE, every layer
+windowed, tied embeddings. deepseek_v3: MLA with query compression and YaRN (mscale /
+mscale_all_dim), one dense layer then MoE with group-limited sigmoid routing, expert bias,
+scaling, two shared experts; deepseek_v3_halves: no query compression, RoPE in rotate-half
+layout (rope_interleave false, reordered on import; exported interleaved), top-1 routing without
+groups, every layer MoE."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch.testing import assert_close
+
+from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, hf_logits, hf_tensors, ids_and_positions,
+                                read_config, save_random_hf_model)
+from dist import run_distributed
+from teratron import parallel_state as ps
+from teratron.convert.hf import from_hf
+from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.dist_checkpointing import load_checkpoint, storage
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.models.gpt.builder import build_gpt_model
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16,
+            rope_theta=1000.0)
+GPT_OSS = dict(intermediate_size=24, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=4, rms_norm_eps=1e-5)
+DEEPSEEK = dict(intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, kv_lora_rank=16,
+                qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_routed_experts=8, num_nextn_predict_layers=0)
+FAMILIES = {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        GPT_OSS, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(YARN, truncate=False))),
+    "gpt_oss_rope": ("GptOssConfig", "GptOssForCausalLM", dict(
+        GPT_OSS, num_key_value_heads=4, layer_types=["sliding_attention"] * 3, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=5000.0))),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        DEEPSEEK, q_lora_rank=24, n_shared_experts=2, n_group=4, topk_group=2, num_experts_per_tok=4,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
+    "deepseek_v3_halves": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        DEEPSEEK, q_lora_rank=None, n_shared_experts=1, n_group=1, topk_group=1, num_experts_per_tok=1,
+        norm_topk_prob=False, first_k_dense_replace=0, rope_interleave=False, rope_parameters=dict(
+            rope_type="default", rope_theta=500.0))),
+}
+
+
+def make_model(family, path):
+    """A random tiny HF model saved to `path` (with tokenizer files; the expert bias random too);
+    its logits."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    logits = save_random_hf_model(config_cls, model_cls, {**COMMON, **extra}, path, max_shard_size="30KB")
+    biases = [t for name, t in hf_tensors(path).items() if name.endswith("e_score_correction_bias")]
+    assert len(biases) == (0 if family.startswith("gpt_oss") else 3 - FAMILIES[family][2]["first_k_dense_replace"])
+    assert all(t.abs().min() > 0 for t in biases)
+    return logits
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_import_export_round_trip(family, tmp_path):
+    src = tmp_path / "hf"
+    reference = make_model(family, src)
+    for grouped in (False, True):
+        model, config = from_hf(str(src), moe_grouped_gemm=grouped)
+        with torch.no_grad():
+            assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    if family.startswith("gpt_oss"):
+        assert (config.softmax_type, config.glu_linear_offset, config.activation_func_clamp_value) == (
+            "learnable", 1.0, 7.0)
+        assert (config.window_size, config.window_attn_skip_freq) == (
+            (3, 0), [1, 0, 1] if family == "gpt_oss" else None)
+    else:
+        assert config.multi_latent_attention and config.moe_router_enable_expert_bias
+        assert config.moe_layer_freq == ([0, 1, 1] if family == "deepseek_v3" else 1)
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), "--expert-model-parallel-size", "2",
+            "--tensor-model-parallel-size", "2")
+    convert("export-hf", "--load", str(ckpt), "--out", str(out), "--max-shard-size", "40KB")
+    original, exported = hf_tensors(src), hf_tensors(out)
+    assert set(original) == set(exported)
+    reordered = {n for n in original if family == "deepseek_v3_halves" and ("q_proj" in n or "kv_a_proj" in n)}
+    for name in set(original) - reordered:
+        assert torch.equal(original[name], exported[name]), name
+    for name in reordered:  # exported in DeepSeek's interleaved layout: the same rows, reordered
+        assert not torch.equal(original[name], exported[name])
+        assert torch.equal(original[name].sort(dim=0).values, exported[name].sort(dim=0).values), name
+    source_config, exported_config = read_config(src), read_config(out)
+    if family == "deepseek_v3_halves":
+        source_config["rope_interleave"] = True
+    assert exported_config == source_config
+    for name in TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+
+
+def _parallel_reload(ckpt):
+    """On 2 ranks, the EP = 1 import loaded at EP = 2 (alltoall dispatcher) and at TP = 2 (allgather;
+    expert-TP 2, or 1 for biased experts); the logits of both."""
+    checkpoint_dir = storage.resolve_checkpoint_dir(ckpt)
+    model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    logits = []
+    # Experts with biases (gpt-oss) are not split over TP (expert-TP 1).
+    etp = 1 if model_args["add_bias_linear"] else 2
+    for tp, ep, dispatcher in ((1, 2, "alltoall"), (2, 1, "allgather")):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp if tp == 2 else 1)
+        model = build_gpt_model(gpt_config_from_model_args(
+            model_args, padded_vocab_size=128 * tp, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp if tp == 2 else 1, moe_token_dispatcher_type=dispatcher))
+        model.parallel_output = False
+        load_checkpoint(checkpoint_dir, [model], load_optimizer=False)
+        with torch.no_grad():
+            logits.append(model(*ids_and_positions())[..., :VOCAB])
+        ps.destroy_model_parallel()
+    return logits
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_expert_and_tensor_parallel_loads(family, tmp_path):
+    src, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    reference = make_model(family, src)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), "--moe-grouped-gemm")
+    for rank_logits in (t for per_rank in run_distributed(_parallel_reload, 2, str(ckpt)) for t in per_rank):
+        assert_close(rank_logits, reference, rtol=0, atol=1e-4)
+
+
+def test_deepseek_mtp_layers_are_left_out_with_a_warning(tmp_path):
+    """A checkpoint holding its MTP layer (model.layers.3.*) imports without it, saying so in one
+    line; the tensors of the other layers still must match exactly."""
+    src = tmp_path / "hf"
+    reference = make_model("deepseek_v3", src)
+    (src / "config.json").write_text(json.dumps({**read_config(src), "num_nextn_predict_layers": 1}))
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32)},
+              str(src / "mtp.safetensors"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({"model.layers.3.eh_proj.weight": "mtp.safetensors",
+                                "model.layers.3.enorm.weight": "mtp.safetensors"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.warns(UserWarning, match=r"the 2 tensors of the multi-token-prediction layer\(s\) "
+                                         r"\(num_nextn_predict_layers=1, model.layers.3.eh_proj.weight, \.\.\.\) "
+                                         "are not converted") as record:
+        model, _ = from_hf(str(src))
+    assert all("\n" not in str(w.message) for w in record)
+    with torch.no_grad():
+        assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    del index["weight_map"]["model.layers.0.self_attn.kv_b_proj.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="kv_b_proj.weight is missing"):
+        warnings.simplefilter("ignore")
+        from_hf(str(src))
+
+
+def _config(family, tmp_path):
+    src = tmp_path / family
+    make_model(family, src)
+    return read_config(src)
+
+
+def test_gpt_oss_refusals(tmp_path):
+    hf = _config("gpt_oss", tmp_path)
+    for change, message in [
+        (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5; teratron's quick GELU gate is x \\* sigmoid\\(1.702 x\\)"),
+        (dict(attention_bias=False), "attention_bias=false while gpt-oss's router and experts keep their biases"),
+        (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types must give 3"),
+        (dict(quantization_config={"quant_method": "mxfp4"}), "the weights are mxfp4 \\(quantization_config\\)"),
+        (dict(rope_parameters={**YARN, "attention_factor": 2.0}), "YaRN with attention_factor=2.0 does not convert"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    ]:
+        with pytest.raises(ValueError, match=f"^cfg: {message}"):
+            model_args_from_hf({**hf, **change}, "cfg")
+    args = model_args_from_hf(hf, "cfg")
+    for change, message in [
+        (dict(glu_linear_offset=0.0), "the checkpoint's model has glu_linear_offset=0.0; gpt-oss needs 1.0"),
+        (dict(moe_layer_freq=[0, 1, 1]), "the checkpoint's model has dense layers"),
+        (dict(activation_func_clamp_value=None), "the checkpoint's model has activation_func_clamp_value=None"),
+        (dict(mscale=2.0), "the checkpoint's YaRN has mscale=2.0 with mscale_all_dim=0.0; transformers uses mscale"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            hf_config_from_model_args({**args, **change})
+
+
+def test_deepseek_refusals(tmp_path):
+    hf = _config("deepseek_v3", tmp_path)
+    for change, message in [
+        (dict(norm_topk_prob=False), "norm_topk_prob=False with num_experts_per_tok=4"),
+        (dict(topk_group=1), "n_group=4, topk_group=1 with 8 experts and top-4"),
+        (dict(moe_layer_freq=2), "moe_layer_freq=2; transformers' deepseek_v3 ignores it"),
+        (dict(attention_bias=True), "attention_bias=true"),
+        (dict(n_shared_experts=0), "n_shared_experts=0"),
+        (dict(rope_parameters={**YARN, "truncate": False}), "YaRN with truncate=false"),
+        (dict(rope_parameters={**YARN, "mscale_all_dim": 1.0}), "YaRN mscale_all_dim=1.0 without mscale"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ]:
+        with pytest.raises(ValueError, match=f"^cfg: {message}"):
+            model_args_from_hf({**hf, **change}, "cfg")
+    with pytest.warns(UserWarning, match="rms_norm_eps=1e-05: transformers normalises the MLA latents with eps 1e-06"):
+        model_args_from_hf({**hf, "rms_norm_eps": 1e-5}, "cfg")
+    args = model_args_from_hf(hf, "cfg")
+    for change, message in [
+        (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False),
+         "the checkpoint's MLA model has moe_router_score_function='softmax'; DeepSeek-V3 needs 'sigmoid'"),
+        (dict(moe_layer_freq=[1, 0, 1]), "the checkpoint's MoE layout \\(moe_layer_freq=\\[1, 0, 1\\]"),
+        (dict(moe_shared_expert_intermediate_size=24), "the checkpoint's MoE layout"),
+        (dict(qk_layernorm=False), "the checkpoint's MLA model has qk_layernorm=False"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            hf_config_from_model_args({**args, **change})
+    # Group-limited routing has no Mixtral / Qwen3-MoE counterpart.
+    qwen = {**args, "multi_latent_attention": False, "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
+            "moe_router_topk_scaling_factor": None}
+    with pytest.raises(ValueError, match="moe_router_num_groups=4; Mixtral and Qwen3-MoE need None"):
+        hf_config_from_model_args(qwen)
