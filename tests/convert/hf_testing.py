@@ -62,18 +62,21 @@ def convert(*argv):
     return convert_cli.run(parser.parse_args(list(argv)))
 
 
-def finetune(ckpt, trained, *model_flags):
+# The shape flags the Llama-style test models share.
+LLAMA_SHAPE = ("--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups",
+               "2", "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type",
+               "rope", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64")
+
+
+def finetune(ckpt, trained, *model_flags, shape=LLAMA_SHAPE):
     """`teratron train --load ckpt --finetune --save trained`: 2 iterations on mock data of the
-    imported tiny model, whose shape the shared flags and `model_flags` give."""
+    imported tiny model, whose shape the `shape` flags and `model_flags` give."""
     from teratron.training.arguments import parse_train_args
     from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
-    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-             "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-             "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *shape,
+             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
              "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--load", str(ckpt), "--finetune", "--save", str(trained), *model_flags]
     pretrain(build_run_config(parse_train_args(flags)))

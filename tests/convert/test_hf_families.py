@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch.testing import assert_close
 
-from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, hf_logits, hf_tensors, ids_and_positions,
-                                read_config, save_random_hf_model)
+from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, finetune, hf_logits, hf_tensors,
+                                ids_and_positions, read_config, save_random_hf_model)
 from dist import run_distributed
 from teratron import parallel_state as ps
 from teratron.convert.hf import from_hf
@@ -221,3 +221,53 @@ def test_deepseek_refusals(tmp_path):
             "moe_router_topk_scaling_factor": None}
     with pytest.raises(ValueError, match="moe_router_num_groups=4; Mixtral and Qwen3-MoE need None"):
         hf_config_from_model_args(qwen)
+
+
+# The training flags of the tiny models above: the run's model must be the imported one.
+TRAINING_SHAPES = {
+    "gpt_oss": (
+        "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "24", "--normalization", "RMSNorm",
+        "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64",
+        "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--softmax-type", "learnable",
+        "--window-size", "3,0", "--window-attn-skip-freq", "[1,0,1]", "--position-embedding-type", "yarn",
+        "--rotary-base", "1000", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "16",
+        "--no-yarn-correction-range-round-to-int", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-ffn-hidden-size", "24", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"),
+    "deepseek_v3": (
+        "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "48",
+        "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights",
+        "--max-position-embeddings", "64", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+        "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--rope-type", "yarn",
+        "--rotary-base", "1000", "--rotary-scaling-factor", "4", "--mscale", "1", "--mscale-all-dim", "0.8",
+        "--yarn-original-max-position-embeddings", "16", "--num-experts", "8", "--moe-ffn-hidden-size", "16",
+        "--moe-router-topk", "4", "--moe-layer-freq", "[0,1,1]", "--moe-shared-expert-intermediate-size", "32",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+        "--moe-router-load-balancing-type", "none"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRAINING_SHAPES))
+def test_finetune_an_imported_model_and_export_it(family, tmp_path):
+    """import-hf -> `teratron train --load --finetune` with Megatron's flags for the model (the run
+    refuses another model) -> export-hf: transformers loads the trained weights (DeepSeek's expert
+    bias moved by its update rule) and agrees with teratron's logits for them."""
+    src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
+    make_model(family, src)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+    finetune(ckpt, trained, shape=TRAINING_SHAPES[family])
+    convert("export-hf", "--load", str(trained), "--out", str(out))
+    changed = ["model.layers.2.mlp.experts.down_proj" if family == "gpt_oss" else
+               "model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
+    if family == "deepseek_v3":
+        changed.append("model.layers.1.mlp.gate.e_score_correction_bias")
+    for name in changed:
+        assert not torch.equal(hf_tensors(out)[name], hf_tensors(src)[name]), name
+    if family == "gpt_oss":
+        assert read_config(out)["router_aux_loss_coef"] == 0.01
+    model, _ = from_hf(str(out))
+    with torch.no_grad():
+        ours = model(*ids_and_positions())
+    assert_close(hf_logits(str(out)), ours, rtol=0, atol=1e-4)
