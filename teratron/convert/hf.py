@@ -5,8 +5,9 @@
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
-padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is
+exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
+training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 """
 
 import argparse

@@ -84,7 +84,7 @@ def _mla_args(hf: dict, source: str) -> dict:
                                           "yarn_original_max_position_embeddings", "yarn_beta_fast",
                                           "yarn_beta_slow")} if rope["rope_type"] == "yarn" else {
         "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
-        "yarn_original_max_position_embeddings": hf["max_position_embeddings"], "yarn_beta_fast": 32.0,
+        "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
         "yarn_beta_slow": 1.0}
     return {"multi_latent_attention": True, "q_lora_rank": hf.get("q_lora_rank"),
             "kv_lora_rank": hf["kv_lora_rank"], "qk_head_dim": hf["qk_nope_head_dim"],

@@ -27,7 +27,8 @@ def require_fields(hf: dict, source: str, names) -> None:
 def _rope_fields(hf: dict) -> dict:
     """rope_parameters (transformers 5) updated by rope_scaling and rope_theta (transformers 4)."""
     params = dict(hf.get("rope_parameters") or {})
-    params.update({"rope_type" if key == "type" else key: value for key, value in (hf.get("rope_scaling") or {}).items()})
+    scaling = hf.get("rope_scaling") or {}
+    params.update({"rope_type" if key == "type" else key: value for key, value in scaling.items()})
     if hf.get("rope_theta") is not None:
         params["rope_theta"] = hf["rope_theta"]
     return params
@@ -53,7 +54,7 @@ def rope_args_from_hf(hf: dict, source: str, default_theta: float = ROPE_THETA_D
     if original is None:
         raise ValueError(f"{source}: rope_scaling of type yarn lacks original_max_position_embeddings; it is not a "
                          "complete YaRN config")
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    factor = params.get("factor") or hf.get("max_position_embeddings", 4096) / original
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale_all_dim and not mscale:
         raise ValueError(f"{source}: YaRN mscale_all_dim={mscale_all_dim} without mscale: transformers then ignores "
@@ -63,7 +64,8 @@ def rope_args_from_hf(hf: dict, source: str, default_theta: float = ROPE_THETA_D
     return {"rotary_base": base, "rope_type": "yarn", "rotary_scaling_factor": float(factor),
             "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim),
             "yarn_original_max_position_embeddings": int(original),
-            "yarn_beta_fast": float(params.get("beta_fast") or 32.0), "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
             "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
 
 

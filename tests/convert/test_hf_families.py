@@ -46,7 +46,8 @@ FAMILIES = {
         rope_parameters=dict(rope_type="default", rope_theta=5000.0))),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         DEEPSEEK, q_lora_rank=24, n_shared_experts=2, n_group=4, topk_group=2, num_experts_per_tok=4,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
+        first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
     "deepseek_v3_halves": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         DEEPSEEK, q_lora_rank=None, n_shared_experts=1, n_group=1, topk_group=1, num_experts_per_tok=1,
         norm_topk_prob=False, first_k_dense_replace=0, rope_interleave=False, rope_parameters=dict(
@@ -229,7 +230,8 @@ TRAINING_SHAPES = {
         "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
         "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "24", "--normalization", "RMSNorm",
         "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64",
-        "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--softmax-type", "learnable",
+        "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7",
+        "--softmax-type", "learnable",
         "--window-size", "3,0", "--window-attn-skip-freq", "[1,0,1]", "--position-embedding-type", "yarn",
         "--rotary-base", "1000", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "16",
         "--no-yarn-correction-range-round-to-int", "--num-experts", "4", "--moe-router-topk", "2",

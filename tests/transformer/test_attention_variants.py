@@ -359,7 +359,8 @@ def test_yarn_flags_of_plain_attention():
         (["--position-embedding-type", "yarn", "--q-lora-rank", "4"], r"^--q-lora-rank set without --multi-latent"),
         (["--position-embedding-type", "rope", "--no-yarn-correction-range-round-to-int"],
          r"^--yarn-correction-range-round-to-int applies to --position-embedding-type yarn"),
-        (["--position-embedding-type", "yarn", "--rotary-percent", "0.5"], r"^--position-embedding-type=.yarn. rotates every channel; --rotary-percent 0.5 must be 1.0"),
+        (["--position-embedding-type", "yarn", "--rotary-percent", "0.5"],
+         r"^--position-embedding-type=.yarn. rotates every channel; --rotary-percent 0.5 must be 1.0"),
     ]:
         with pytest.raises(ValueError, match=message):
             run(*argv)
