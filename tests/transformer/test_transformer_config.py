@@ -307,7 +307,7 @@ def test_unsupported_fields_raise(name):
 
 
 def test_unsupported_table_covers_the_blocked_features():
-    blocked = ["mtp_num_layers", "softmax_type", "window_size", "window_attn_skip_freq", "no_rope_freq",
+    blocked = ["softmax_type", "window_size", "window_attn_skip_freq", "no_rope_freq",
                "qk_clip", "fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen", "cp_comm_type",
                "masked_softmax_fusion", "flash_decode", "batch_invariant_mode",
                "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",

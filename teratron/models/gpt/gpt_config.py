@@ -37,6 +37,9 @@ class GPTModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.transformer.mtp_num_layers and self.position_embedding_type == "learned_absolute":
+            raise ValueError("mtp_num_layers needs position_embedding_type 'rope' or 'none' (as in Megatron), "
+                             "not 'learned_absolute'")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.padded_vocab_size is None:
