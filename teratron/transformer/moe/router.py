@@ -346,11 +346,12 @@ def update_moe_routers(model_chunks) -> None:
     for router in routers:
         if router.global_tokens_per_expert is not None:
             router.global_tokens_per_expert.zero_()
+            router.ga_steps.zero_()
 
 
 def _restart_counts(router) -> None:
+    """What a step counted, dropped: a frozen router's statistics move nothing."""
     for counts in (router.local_tokens_per_expert, router.qb_beta_accum, router.qb_beta_count,
-                   router.global_tokens_per_expert):
+                   router.global_tokens_per_expert, router.ga_steps):
         if counts is not None:
             counts.zero_()
-            router.ga_steps.zero_()
