@@ -9,7 +9,7 @@ from teratron.transformer import TransformerConfig
 def _args(**kw):
     base = dict(num_layers=2, hidden_size=64, seq_length=32, num_attention_heads=4, kv_channels=16,
                 group_query_attention=True, num_query_groups=2, ffn_hidden_size=96, swiglu=True,
-                padded_vocab_size=256, num_experts=None)
+                padded_vocab_size=256, num_experts=None, mtp_num_layers=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -22,9 +22,9 @@ def _flops(a, batch):
     transformer = TransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         kv_channels=a.kv_channels, num_query_groups=a.num_query_groups if a.group_query_attention else None,
-        ffn_hidden_size=a.ffn_hidden_size, gated_linear_unit=a.swiglu, **moe)
+        ffn_hidden_size=a.ffn_hidden_size, gated_linear_unit=a.swiglu, mtp_num_layers=a.mtp_num_layers, **moe)
     model = GPTModelConfig(transformer, vocab_size=a.padded_vocab_size, max_position_embeddings=a.seq_length,
-                           padded_vocab_size=a.padded_vocab_size)
+                           padded_vocab_size=a.padded_vocab_size, position_embedding_type="rope")
     return num_floating_point_operations(model, a.seq_length, batch)
 
 
@@ -79,3 +79,17 @@ def test_moe_flops_count_the_routed_experts_of_moe_layers_only():
     every_other = _args(num_layers=4, num_experts=8, moe_layer_freq=2, moe_router_topk=2,
                         moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=24)
     assert _flops(every_other, 3) == _flops(moe, 3)
+
+
+def test_mtp_flops_add_a_layer_a_projection_and_an_output_pass_per_depth():
+    """Megatron's count: each MTP depth is a layer like the last one (here MoE), eh_proj
+    [s, 2h] x [2h, h] plus the three norms' 3h per token, and one more output layer pass."""
+    moe = dict(num_experts=8, moe_layer_freq=[0, 1], moe_router_topk=2, moe_ffn_hidden_size=40,
+               moe_shared_expert_intermediate_size=None)
+    with_mtp = _args(mtp_num_layers=2, **moe)
+    as_moe_layers = _args(num_layers=4, **dict(moe, moe_layer_freq=[0, 1, 1, 1]))
+    s, h, vocab = with_mtp.seq_length, with_mtp.hidden_size, with_mtp.padded_vocab_size
+    gemm = lambda m, n, k: 2 * m * n * k  # noqa: E731 - [m, n] @ [n, k]
+    per_depth = 3 * (gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab))  # forward + two backward
+    expected = _flops(as_moe_layers, 3) + 3 * 2 * per_depth  # 3 sequences, 2 depths
+    assert math.isclose(_flops(with_mtp, 3), expected, rel_tol=1e-12)

@@ -42,7 +42,7 @@ def save_to_aux_losses_tracker(name: str, value: torch.Tensor, layer_number, num
         return
     tracker = _MOE_LAYER_WISE_LOGGING_TRACKER
     value = value.detach().float()
-    if name not in tracker:
+    if name not in tracker or tracker[name].shape[0] != num_layers:  # new, or another model's rows
         tracker[name] = torch.zeros((num_layers, *value.shape), device=value.device)
     tracker[name][layer_number - 1] += value
 
