@@ -166,20 +166,26 @@ class GPTModel(torch.nn.Module):
             return hidden_states
         if inference_context is not None:
             hidden_states = inference_context.output_hidden_states(hidden_states)  # the tokens it samples after
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if labels is None:
-            logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
-            logits = self._mask_vocab_padding(logits)
-            gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
-            if gather:
-                logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
-            return logits.transpose(0, 1).contiguous()
+            return self.output_logits(hidden_states, runtime_gather_output).transpose(0, 1).contiguous()
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         with torch.no_grad() if frozen else contextlib.nullcontext():
             loss = self._language_model_loss(labels, hidden_states, weight)
         if self.mtp_process:
             loss = self._add_mtp_loss(loss, input_ids, position_ids, hidden_states, labels, loss_mask, weight,
                                       attention_mask, rotary_pos_emb)
         return loss
+
+    def output_logits(self, hidden_states, runtime_gather_output: bool | None = None):
+        """Final hidden states [s, b, h] -> logits [s, b, V/tp] (all V columns when not
+        parallel_output, or as runtime_gather_output says), the padding columns -inf."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)
+        logits = self._mask_vocab_padding(logits)
+        gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        return logits
 
     def _language_model_loss(self, labels, hidden_states, weight):
         """labels [b, s], final hidden states [s, b, h] -> per-token loss [b, s]."""
