@@ -2,8 +2,9 @@
 the grad norm of every iteration under TP 2 + SP, PP 2 (a layout with the MTP layers on the last
 stage, and the default placement), TP 2 x PP 2, PP 2 x DP 2 with the distributed optimizer and EP 2
 (an MoE MTP layer) equal the single process's; a TP 2 checkpoint resumes at TP 1 and at PP 2 with
-the single process's next losses; MTP-only training (--freeze-base-model-for-mtp) changes only
-the MTP layers; bad flag combinations fail with one line naming the flag."""
+the single process's next losses; MTP-only training (--freeze-base-model-for-mtp) of a model
+checkpointed without MTP changes only the MTP layers; bad flag combinations fail with one line
+naming the flag."""
 
 import json
 import os
@@ -77,6 +78,24 @@ def test_dense_mtp_layouts_and_resharding_equal_single_process(tmp_path):
     resumed = _train(mtp + ["--load", str(checkpoint), "--pipeline-model-parallel-size", "2"], tmp_path,
                      "pp2-resumed", 2)
     _assert_equal(reference, resumed, "pp2-resumed", keys)
+    # The checkpoint records its MTP layers: inference rebuilds them and they draft for the model.
+    from teratron.inference.config import InferenceConfig
+    from teratron.inference.engines import DynamicInferenceEngine
+    from teratron.inference.engines.mtp_proposer import MTPProposer
+    from teratron.inference.loading import load_for_inference
+    from teratron.inference.sampling_params import SamplingParams
+
+    model, tokenizer = load_for_inference(str(checkpoint), device="cpu")
+    assert len(model.mtp.layers) == 2
+    config = InferenceConfig(buffer_size_gb=0.01, block_size=4, num_speculative_tokens=2)
+    greedy = SamplingParams(temperature=0, num_tokens_to_generate=8, ignore_eod=True)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    plain = [o.token_ids for o in DynamicInferenceEngine(model, tokenizer, InferenceConfig(
+        buffer_size_gb=0.01, block_size=4)).generate(prompts, greedy)]
+    engine = DynamicInferenceEngine(model, tokenizer, config, draft_model=model)
+    engine.draft = MTPProposer(model, config, engine.vocab_size)
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == plain
+    engine.draft.close()
 
 
 def test_untied_mtp_with_recompute_under_pipeline_and_data_parallel(tmp_path):
@@ -103,24 +122,35 @@ def test_moe_mtp_layer_under_expert_parallelism(tmp_path):
     assert [r["tokens_per_expert_layer_3"] for r in run] == [r["tokens_per_expert_layer_3"] for r in reference]
 
 
-def test_mtp_only_training_changes_only_the_mtp_layers(tmp_path):
-    """--freeze-base-model-for-mtp: after three steps every parameter and buffer outside the MTP
-    layers (the base's expert biases included) is bit-identical to the initial model's, every MTP
-    parameter has moved (the MTP layer's expert bias too), and the MTP loss falls."""
+def test_mtp_only_training_of_a_pretrained_model_changes_only_the_mtp_layers(tmp_path):
+    """A model pretrained without MTP, then --freeze-base-model-for-mtp --finetune on its checkpoint:
+    the MTP layers start from their initialisation; after three steps every parameter and buffer
+    outside them (the expert biases included) is bit-identical to the checkpoint's, every MTP
+    parameter has moved (the MTP layer's expert bias too), and the MTP loss falls. Without
+    --finetune / --no-load-optim the checkpoint's missing MTP layers are refused."""
     from teratron.models.gpt.builder import build_gpt_model
     from teratron.training.arguments import parse_train_args
     from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
-    argv = TINY + MOE + ["--mtp-num-layers", "1", "--freeze-base-model-for-mtp", "--lr", "5e-2", "--train-iters",
-                         "3", "--metrics-file", str(tmp_path / "frozen.jsonl")]
-    run = build_run_config(parse_train_args(argv), 1)
+    def state_after(argv):
+        state = {}
+        pretrain(build_run_config(parse_train_args(TINY + MOE + argv), 1),
+                 after_training=lambda trainer: state.update(trainer.model[0].module.state_dict()))
+        return state
+
+    base = state_after(["--train-iters", "3", "--save", str(tmp_path / "base")])
+    mtp = ["--mtp-num-layers", "1", "--freeze-base-model-for-mtp", "--load", str(tmp_path / "base"), "--lr", "5e-2",
+           "--train-iters", "3", "--metrics-file", str(tmp_path / "frozen.jsonl")]
+    with pytest.raises(ValueError, match="the checkpoint has no MTP layers; add --finetune or --no-load-optim"):
+        state_after(mtp)
+    trained = state_after(mtp + ["--finetune"])
+    run = build_run_config(parse_train_args(TINY + MOE + mtp), 1)
     torch.manual_seed(run.training.seed)  # as the Trainer builds it
     initial = build_gpt_model(run.model).state_dict()
-    trained = {}
-    pretrain(run, after_training=lambda trainer: trained.update(trainer.model[0].module.state_dict()))
-    assert trained.keys() == initial.keys()
-    moved = {name for name in initial if not torch.equal(initial[name], trained[name])}
+    assert {name for name in trained if not name.startswith("mtp.")} == set(base)
+    assert all(torch.equal(trained[name], base[name]) for name in base)
+    moved = {name for name in trained if name.startswith("mtp.") and not torch.equal(initial[name], trained[name])}
     mtp_parameters = {name for name, _ in build_gpt_model(run.model).named_parameters() if name.startswith("mtp.")}
     assert moved == mtp_parameters | {"mtp.layers.0.transformer_layer.mlp.router.expert_bias"}
     records = [json.loads(line) for line in (tmp_path / "frozen.jsonl").read_text().splitlines() if "lr" in line]
