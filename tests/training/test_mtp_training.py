@@ -1,10 +1,10 @@
 """`teratron train` with multi-token prediction (--mtp-num-layers): the LM loss, the MTP loss and
-the grad norm of every iteration under TP 2 + SP, PP 2 (a layout with the MTP layers on the last
-stage, and the default placement), TP 2 x PP 2, PP 2 x DP 2 with the distributed optimizer and EP 2
-(an MoE MTP layer) equal the single process's; a TP 2 checkpoint resumes at TP 1 and at PP 2 with
-the single process's next losses; MTP-only training (--freeze-base-model-for-mtp) of a model
-checkpointed without MTP changes only the MTP layers; bad flag combinations fail with one line
-naming the flag."""
+the grad norm of every iteration under TP 2 + SP, PP 2 (the default placement, and an interleaved
+layout with the MTP layers on a last stage of their own), TP 2 x PP 2, PP 2 x DP 2 with the
+distributed optimizer and EP 2 (an MoE MTP layer) equal the single process's; a TP 2 checkpoint
+resumes at TP 1 and at PP 2 with the single process's next losses and drafts for itself after
+`load_for_inference`; MTP-only training (--freeze-base-model-for-mtp) of a model checkpointed
+without MTP changes only the MTP layers; bad flag combinations fail with one line naming the flag."""
 
 import json
 import os
@@ -63,7 +63,9 @@ def test_dense_mtp_layouts_and_resharding_equal_single_process(tmp_path):
     runs = {
         "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", str(checkpoint),
                     "--save-interval", "2"], 2),
-        "pp2-layout": (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tmmL"], 2),
+        # Interleaved: virtual stages E | t | t | mmL on ranks 0, 1, 0, 1 (the MTP layers on a stage of their own).
+        "pp2-vpp2-layout": (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|t|t|mmL"],
+                            2),
         "tp2-pp2-sp-distopt": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                 "--sequence-parallel", "--use-distributed-optimizer"], 4),
     }
