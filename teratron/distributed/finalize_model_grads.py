@@ -3,8 +3,9 @@
 Order, as in Megatron: the data-parallel reduce (each DDP chunk's buckets), then the grads of
 sequence-parallel parameters over TP (norm weights see only this rank's sequence slice), then
 the word embedding's copies over the embedding group (first and last pipeline stage hold one
-copy each when tied or with multi-token prediction), then the optional per-token normalisation. Works on `param.main_grad` when a
-parameter has one (DDP-wrapped) and on `param.grad` otherwise.
+copy each when tied or with multi-token prediction), then the optional per-token
+normalisation. Works on `param.main_grad` when a parameter has one (DDP-wrapped) and on
+`param.grad` otherwise.
 """
 
 import torch

@@ -21,10 +21,10 @@ cosmetic):
     atom   := 'E' | 't' | 'm' | 'L' | '|' | '(' layout ')'
 
 E = embedding, t = transformer decoder layer, m = multi-token-prediction layer, L = loss (the
-final norm and output layer). The MTP layers all sit in the last stage, after its decoder layers
-and before 'L' (without a layout they go there too: `get_mtp_num_layers_to_build`). 'Et*3|(tt|)*2,tL' is [[E,t,t,t], [t,t], [t,t], [t,L]]. A list
+final norm and output layer). 'Et*3|(tt|)*2,tL' is [[E,t,t,t], [t,t], [t,t], [t,L]]. A list
 gives the stages directly, each a list of 'E'/'embedding', 't'/'decoder', 'm'/'mtp', 'L'/'loss'
-or LayerType members.
+or LayerType members. The MTP layers all sit in the last stage, after its decoder layers and
+before 'L' (without a layout they go there too: `get_mtp_num_layers_to_build`).
 
 Stage i of the flat list is virtual stage a = i // pp on pipeline rank b = i % pp (i = a * pp + b),
 so the layer order is vpp0 pp0, vpp0 pp1, ..., vpp0 pp(-1), vpp1 pp0, ... and the number of

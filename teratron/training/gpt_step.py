@@ -41,6 +41,7 @@ def forward_step(data_iterator, model, device):
     """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask and,
     on the stage holding them, its multi-token-prediction losses)."""
     batch = get_batch(data_iterator, device)
+    pop_mtp_losses()  # none left by a forward outside this schedule
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"], mtp_losses=pop_mtp_losses())

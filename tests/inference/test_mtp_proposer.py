@@ -146,8 +146,8 @@ def test_engine_with_mtp_drafts_equals_plain_decoding(model):
     plain = DynamicInferenceEngine(model, NullTokenizer(VOCAB), CONFIG)
     reference = [o.token_ids for o in plain.generate(prompts, greedy)]
     for n in (1, 2, 3):
-        engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), dataclasses.replace(CONFIG, num_speculative_tokens=n),
-                                        draft_model=model)
+        config = dataclasses.replace(CONFIG, num_speculative_tokens=n)
+        engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config, draft_model=model)
         engine.draft = MTPProposer(model, engine.config, engine.vocab_size)
         assert [o.token_ids for o in engine.generate(prompts, greedy)] == reference, n
         assert engine.num_draft_tokens_proposed > 0

@@ -180,9 +180,10 @@ def test_bad_mtp_flags_in_process(tmp_path, capsys):
     from teratron.training.config import run_config_from_args
 
     pp2 = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout"]
-    for flags, phrase in [(["--mtp-num-layers", "1"] + pp2 + ["Ettm|L"], "places mtp layers 'm' outside the last stage"),
-                          (pp2 + ["Et|tmL"], "names 1 mtp layers 'm' but mtp_num_layers is None"),
-                          (["--mtp-num-layers", "2"] + pp2 + ["Et|tmL"], "names 1 mtp layers 'm' but mtp_num_layers is 2")]:
+    for flags, phrase in [
+            (["--mtp-num-layers", "1"] + pp2 + ["Ettm|L"], "places mtp layers 'm' outside the last stage"),
+            (pp2 + ["Et|tmL"], "names 1 mtp layers 'm' but mtp_num_layers is None"),
+            (["--mtp-num-layers", "2"] + pp2 + ["Et|tmL"], "names 1 mtp layers 'm' but mtp_num_layers is 2")]:
         with pytest.raises(ValueError, match="--pipeline-model-parallel-layout") as error:
             run_config_from_args(parse_train_args(TINY + flags), 2, 100)
         assert phrase in str(error.value) and "\n" not in str(error.value), flags

@@ -178,8 +178,8 @@ def test_freeze_base_model_for_mtp_leaves_only_the_mtp_layers_trainable():
     (dict(mtp_num_layers=None, mtp_loss_scaling_factor=None, freeze_base_model_for_mtp=True), ValueError,
      r"freeze_base_model_for_mtp is set but mtp_num_layers is None"),
     (dict(mtp_loss_scaling_factor=-1.0), ValueError, r"mtp_loss_scaling_factor must be >= 0"),
-    (dict(fp8="hybrid", fp8_recipe="tensorwise", bf16=True, params_dtype=torch.bfloat16), NotImplementedError, r"mtp_num_layers with fp8='hybrid': multi-token prediction is not "
-                                                r"built for FP8 yet"),
+    (dict(fp8="hybrid", fp8_recipe="tensorwise", bf16=True, params_dtype=torch.bfloat16), NotImplementedError,
+     r"mtp_num_layers with fp8='hybrid': multi-token prediction is not built for FP8 yet"),
     (dict(num_layers=2, pipeline_model_parallel_size=2, freeze_base_model_for_mtp=True), NotImplementedError,
      r"freeze_base_model_for_mtp needs pipeline_model_parallel_size 1"),
 ])
