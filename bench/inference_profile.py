@@ -17,9 +17,10 @@ from teratron.inference import DynamicInferenceEngine, InferenceConfig, Sampling
 from teratron.tokenizers import NullTokenizer
 
 
-def decode_engine(model, batch: int, prompt_tokens: int, steps: int, num_cuda_graphs: int):
+def decode_engine(model, batch: int, prompt_tokens: int, steps: int, num_cuda_graphs: int, max_requests=None):
     """An engine with `batch` requests past their prefill, each with `steps` + 8 tokens to go."""
-    config = InferenceConfig(buffer_size_gb=48.0 if torch.cuda.is_available() else 0.05, max_requests=batch,
+    config = InferenceConfig(buffer_size_gb=48.0 if torch.cuda.is_available() else 0.05,
+                             max_requests=max_requests or batch,
                              max_tokens_per_step=8192, num_cuda_graphs=num_cuda_graphs, max_seq_length=2048)
     engine = DynamicInferenceEngine(model, NullTokenizer(model.vocab_size), config)
     params = SamplingParams(temperature=0, num_tokens_to_generate=steps + 16, ignore_eod=True)
@@ -37,11 +38,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--mixed", action="store_true",
+                        help="profile steps mixing prefill chunks with the decode of --batch-sizes' last size instead")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     model = build_model(args.tiny, torch.device("cuda" if cuda else "cpu"))
     prompt_tokens = 8 if args.tiny else 512
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.mixed:
+        return profile_mixed(model, batches[-1], prompt_tokens, cuda)
     for batch in batches:
         engine = decode_engine(model, batch, prompt_tokens, args.steps, 1 if cuda else 0)
         device_ms = float("nan")
@@ -68,6 +73,27 @@ def main() -> None:
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(f"eager decode steps at batch {batches[-1]} (4 steps):")
     print(prof.key_averages().table(sort_by=key, row_limit=20))
+
+
+def profile_mixed(model, batch: int, prompt_tokens: int, cuda: bool) -> None:
+    """Steps where `batch` - 8 requests decode while 8 new prompts are prefilled (max_tokens_per_step
+    8192: one step): wall time and kernels of the offline workload's eager steps."""
+    engine = decode_engine(model, batch - 8, prompt_tokens, 40, 16 if cuda else 0, max_requests=batch)
+    params = SamplingParams(temperature=0, num_tokens_to_generate=8, ignore_eod=True)
+    for _ in range(8):
+        engine.add_request(torch.randint(0, 100, (prompt_tokens,)).tolist(), params)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            begin = time.perf_counter()
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            print(f"RESULT mixed step ({len(engine.context.chunks)} chunks, "
+                  f"{sum(c.end - c.start for c in engine.context.chunks)} tokens): "
+                  f"{(time.perf_counter() - begin) * 1e3:.1f} ms wall")
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=22))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Parameter counts per rank, by part, for one model chunk (a pipeline stage or virtual stage).
 
 The counts follow the layers teratron builds (Megatron's local spec): fused QKV
-[(q + 2 kv) / tp, h], linear_proj [h, q / tp], linear_fc1 [ffn * (2 if gated) / tp, h],
-linear_fc2 [h, ffn / tp], norms of h (+ h bias for LayerNorm), the vocab-parallel word
-embedding [V / tp, h], a replicated learned position table, and under MoE a replicated router
-[E, h], E / ep local experts sharded over expert-TP and an optional TP-sharded shared expert.
-The multi-token-prediction depths sit with the loss: each holds three norms, eh_proj [h / tp, 2h]
-and a layer like the last decoder layer, and their stage a copy of the word embedding (which a
-tied output layer then uses). Tests compare them with the numel of real GPTModels.
+[(q + 2 kv) / tp, h], linear_proj [h, q / tp] (multi-latent attention: `mla_params`),
+linear_fc1 [ffn * (2 if gated) / tp, h], linear_fc2 [h, ffn / tp], norms of h (+ h bias for
+LayerNorm), the vocab-parallel word embedding [V / tp, h], a replicated learned position table,
+and under MoE a replicated router [E, h], E / ep local experts sharded over expert-TP and an
+optional TP-sharded shared expert. The multi-token-prediction depths sit with the loss: each
+holds three norms, eh_proj [h / tp, 2h] and a layer like the last decoder layer, and their stage
+a copy of the word embedding (which a tied output layer then uses). Tests compare them with the
+numel of real GPTModels.
 """
 
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ def _mlp(config, ffn: int, tp: int) -> list:
 
 
 def attention_params(config) -> list:
+    if config.multi_latent_attention:
+        return mla_params(config)
     tp, h, hn = config.tensor_model_parallel_size, config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * hn, config.num_query_groups * hn
     sizes = [(q + 2 * kv) // tp * h, h * (q // tp)]
@@ -78,6 +81,23 @@ def attention_params(config) -> list:
         sizes.append(h)
     if config.qk_layernorm:
         sizes += [_norm(config, hn), _norm(config, hn)]
+    return sizes
+
+
+def mla_params(config) -> list:
+    """Multi-latent attention: the down projections [d_q, h] and [d_c + d_r, h] and the latent
+    norms whole on every rank; the up projections (or linear_q_proj) and linear_proj split over TP."""
+    tp, h, heads = config.tensor_model_parallel_size, config.hidden_size, config.num_attention_heads
+    dn, dr, dv, dc = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim, config.kv_lora_rank
+    if config.q_lora_rank is None:
+        sizes = [heads * (dn + dr) // tp * h]
+    else:
+        sizes = [config.q_lora_rank * h, heads * (dn + dr) // tp * config.q_lora_rank]
+    sizes += [(dc + dr) * h, heads * (dn + dv) // tp * dc, h * (heads * dv // tp)]
+    if config.add_bias_linear:
+        sizes.append(h)
+    if config.qk_layernorm:
+        sizes += [_norm(config, dc)] + ([_norm(config, config.q_lora_rank)] if config.q_lora_rank else [])
     return sizes
 
 

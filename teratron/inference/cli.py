@@ -77,6 +77,9 @@ def _add_model_arguments(parser):
     engine.add_argument("--inference-dynamic-batching-num-cuda-graphs", type=int, default=None,
                         help="Decode steps replay CUDA graphs captured for up to this many batch sizes (-1: every "
                              "size up to --inference-max-requests; 0: none). CUDA only; not for MoE models.")
+    engine.add_argument("--cache-mla-latents", action="store_true",
+                        help="Multi-latent attention models: cache each token's latent instead of per-head keys and "
+                             "values, attending with the up projections absorbed.")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-load", default=None,
                              help="Checkpoint of a draft model with the same tokenizer, loaded as --load is.")
@@ -155,7 +158,7 @@ def _engine(args):
     config = InferenceConfig(**_set_flags(args, ENGINE_FLAGS))  # before loading: bad flags fail fast
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     tp = args.tensor_model_parallel_size
-    model, tokenizer = load_for_inference(args.load, tp, dtype=dtype)
+    model, tokenizer = load_for_inference(args.load, tp, dtype=dtype, cache_mla_latents=args.cache_mla_latents)
     draft = None
     if args.draft_load is not None:
         draft, draft_tokenizer = load_for_inference(args.draft_load, tp, dtype=dtype, flag="--draft-load")

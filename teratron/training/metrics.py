@@ -38,9 +38,10 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
       mlp       = 6 * h * (3 if SwiGLU else 2) * (ffn in a dense layer; in an MoE layer
                   moe_ffn * experts routed to + shared-expert ffn)
     with MoE layers where --moe-layer-freq puts them, plus the output layer,
-    6 * h * padded_vocab, once per token. Each of the --mtp-num-layers multi-token-prediction
-    depths adds a layer like the last one (MoE when it is), its eh_proj, 6 * (2 * h * h + 3 * h)
-    (Megatron counts the three norms too), and another pass through the output layer.
+    6 * h * padded_vocab, once per token. Multi-latent attention: see `_mla_attention_flops`.
+    Each of the --mtp-num-layers multi-token-prediction depths adds a layer like the last one
+    (MoE when it is, MLA with the model's), its eh_proj, 6 * (2 * h * h + 3 * h) (Megatron
+    counts the three norms too), and another pass through the output layer.
     """
     fb_fma = 3 * 2
     t = model.transformer
@@ -49,6 +50,8 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
     q_size = t.kv_channels * t.num_attention_heads
     kv_size = t.kv_channels * t.num_query_groups
     attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
+    if t.multi_latent_attention:
+        attention = _mla_attention_flops(t, s)
 
     ffn_factor = 3 if t.gated_linear_unit else 2
     moe_layers = 0
@@ -64,6 +67,26 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
     mtp_projection = fb_fma * mtp * (2 * h * h + 3 * h)
     logits = fb_fma * h * model.padded_vocab_size * (1 + mtp)
     return batch_size * s * ((t.num_layers + mtp) * attention + mlp + mtp_projection + logits)
+
+
+def _mla_attention_flops(t, s: int) -> float:
+    """Per token and layer, Megatron's MLA count (n heads, q_head = qk_head_dim + qk_pos_emb_head_dim):
+      6 * (q_lora * (h + n * q_head + 1)   query down and up projections (+1: Megatron's norm term;
+                                           without q_lora_rank h * n * q_head)
+           + kv_lora * (h + n * (qk_head_dim + v_head_dim) + 1) + h * qk_pos_emb_head_dim
+                                           key/value down and up projections, the RoPE key
+           + n * v_head_dim * h            output projection
+           + n * (q_head + v_head_dim) * s / 2)   QK^T and PV, a causal mask halving the s x s work
+    """
+    heads, q_head = t.num_attention_heads, t.qk_head_dim + t.qk_pos_emb_head_dim
+    h = t.hidden_size
+    if t.q_lora_rank is None:
+        query = h * heads * q_head
+    else:
+        query = t.q_lora_rank * (h + heads * q_head + 1)
+    key_value = t.kv_lora_rank * (h + heads * (t.qk_head_dim + t.v_head_dim) + 1) + h * t.qk_pos_emb_head_dim
+    core = heads * (q_head + t.v_head_dim) * s / 2
+    return 3 * 2 * (query + key_value + heads * t.v_head_dim * h + core)
 
 
 def device_peak_tflops() -> Optional[float]:

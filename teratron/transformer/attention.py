@@ -1,4 +1,5 @@
-"""Self-attention: fused QKV projection, optional qk-norm and RoPE, core attention, output projection.
+"""Self-attention: fused QKV projection, optional qk-norm and RoPE (not on the NoPE layers that
+`no_rope_freq` marks), core attention, output projection.
 
 linear_qkv is column-parallel and its output rows are interleaved per query group,
 [ng, (np/ng + 2) * hn] = per group its np/ng query heads, then one key and one value head, so a
@@ -38,9 +39,8 @@ class SelfAttention(torch.nn.Module):
                  attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__()
         if config.multi_latent_attention:
-            raise NotImplementedError(
-                "multi_latent_attention=True (MLA) is not built yet; set multi_latent_attention=False"
-            )
+            raise ValueError("SelfAttention was given a config with multi_latent_attention=True; MLA layers are "
+                             "MLASelfAttention (get_gpt_layer_local_spec(multi_latent_attention=True))")
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -86,6 +86,8 @@ class SelfAttention(torch.nn.Module):
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
         )
+        # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
+        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
 
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
@@ -104,7 +106,7 @@ class SelfAttention(torch.nn.Module):
         over the cache (`inference_context.attend(layer_number, q, k, v)`, Megatron's
         inference_context), instead of core_attention over this call's tokens."""
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and self.apply_rope:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
             query = rope(query, rotary_pos_emb, interleaved)

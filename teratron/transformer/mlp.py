@@ -1,7 +1,9 @@
 """The feed-forward block: h -> ffn (column-parallel) -> activation -> h (row-parallel).
 
 With `gated_linear_unit` linear_fc1 produces [gate; up] and the activation is
-act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu). The fused weight is
+act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu); with
+`activation_func_clamp_value` L the gate is clamped to at most L and up to [-L, L] first
+(gpt-oss's clamped SwiGLU; the same in MoE experts). The fused weight is
 `partition_stride=2`: each TP rank holds [gate_shard; up_shard], so the gate and up halves of a
 rank's output line up.
 """
@@ -51,11 +53,12 @@ class MLP(torch.nn.Module):
         self.fc1_offload_name, self.act_offload_name = ("expert_fc1", "moe_act") if is_expert else (None, None)
 
     def activation(self, x, bias=None):
-        """act(x + bias), gated: act(gate) * (up + glu_linear_offset); one fused kernel with
-        `bias_activation_fusion`."""
+        """act(x + bias), gated: act(gate) * (up + glu_linear_offset), clamped with
+        activation_func_clamp_value; one fused kernel with `bias_activation_fusion`."""
         c = self.config
         function = fusions.fused(bias_activation) if c.bias_activation_fusion else bias_activation
-        return function(x, bias, c.activation_func, c.gated_linear_unit, c.glu_linear_offset)
+        return function(x, bias, c.activation_func, c.gated_linear_unit, c.glu_linear_offset,
+                        c.activation_func_clamp_value)
 
     def forward(self, hidden_states):
         with activation_offload.offload(self.fc1_offload_name):
@@ -65,10 +68,13 @@ class MLP(torch.nn.Module):
         return self.linear_fc2(activated)
 
 
-def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float):
+def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float,
+                    clamp_value: float | None = None):
     if bias is not None:
         x = x + bias
     if not gated:
         return activation_func(x)
     gate, up = x.chunk(2, dim=-1)
+    if clamp_value is not None:
+        gate, up = gate.clamp(max=clamp_value), up.clamp(-clamp_value, clamp_value)
     return activation_func(gate) * (up + glu_linear_offset)

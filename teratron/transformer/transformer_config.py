@@ -30,16 +30,11 @@ from teratron.utils import init_method_normal, scaled_init_method_normal
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
-    "softmax_type": "off-by-one / learnable softmax",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "activation_func_clamp_value": "clamped activations",
-    "window_size": "sliding-window attention",
-    "window_attn_skip_freq": "sliding-window attention",
     "qk_clip": "QK-clip",
     "qk_clip_alpha": "QK-clip",
     "qk_clip_threshold": "QK-clip",
     "log_max_attention_logit": "max-attention-logit logging",
-    "no_rope_freq": "per-layer RoPE skipping (NoPE layers)",
     "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
     "masked_softmax_fusion": "fused masked softmax",
@@ -92,7 +87,7 @@ UNSUPPORTED = {
 ALSO_SUPPORTED = {"distribute_saved_activations": (False,)}
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
@@ -148,7 +143,8 @@ class TransformerConfig(ModelParallelConfig):
     """Scale of QK^T before softmax; None means 1/sqrt(kv_channels)."""
 
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
-    """Softmax variant of attention."""
+    """Softmax of attention: 'vanilla'; 'off-by-one' adds a zero logit to every softmax's
+    denominator; 'learnable' a learned logit per head (`softmax_offset`, an attention sink)."""
 
     num_query_groups: Optional[int] = None
     """Key/value head groups (GQA); None means num_attention_heads (plain multi-head)."""
@@ -196,7 +192,8 @@ class TransformerConfig(ModelParallelConfig):
     """Offset in the GLU: act(x[0]) * (x[1] + offset)."""
 
     activation_func_clamp_value: Optional[float] = None
-    """Clamp of the fc1 output inside the activation."""
+    """Gated MLPs: clamp the gate half of fc1's output to at most this and the linear half to
+    [-this, this] before act(gate) * (linear + glu_linear_offset) (gpt-oss's clamped SwiGLU)."""
 
     num_moe_experts: Optional[int] = None
     """Number of MoE experts; when set the MLP becomes an MoE layer."""
@@ -205,10 +202,12 @@ class TransformerConfig(ModelParallelConfig):
     """RoPE rotates (even, odd) pairs (RoFormer) instead of the two halves (Llama)."""
 
     window_size: Optional[Tuple[int, int]] = None
-    """Sliding-window attention size (left, right)."""
+    """Sliding-window attention (left, right): query i sees keys i - left .. i + right (-1: no
+    bound on that side); causal attention also hides every key after i."""
 
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
-    """Which layers use full attention among sliding-window layers."""
+    """Which layers keep full attention when window_size is set: N makes every N-th layer full
+    ((N-1) windowed, then one full); a list gives one entry per layer, 1 = windowed, 0 = full."""
 
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm'."""
@@ -238,7 +237,8 @@ class TransformerConfig(ModelParallelConfig):
     """Use multi-latent attention (see MLATransformerConfig)."""
 
     no_rope_freq: Optional[Union[int, List[int]]] = None
-    """Which layers skip RoPE."""
+    """Which layers skip RoPE (NoPE layers): N skips it in every N-th layer (num_layers must be a
+    multiple of N; resolved to the list), or a list with one entry per layer, 1 = skip."""
 
     ####################
     # initialization
@@ -628,6 +628,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_attention()
         self._check_recompute()
         self._check_offloading()
+        self._check_attention_variants()
         self._set_init_methods()
         self._check_moe()
         check_fp8_config(self)
@@ -719,6 +720,52 @@ class TransformerConfig(ModelParallelConfig):
                 "rotary_interleaved does not work with multi_latent_attention; set it to False"
             )
 
+    def _check_attention_variants(self):
+        """Sliding windows, attention sinks, NoPE layers and the clamped GLU."""
+        if self.window_size is not None:
+            window = self.window_size
+            if (not isinstance(window, (tuple, list)) or len(window) != 2
+                    or any(type(w) is not int or w < -1 for w in window)):
+                raise ValueError(f"window_size={window!r} must be two ints (left, right), each >= 0 or -1 "
+                                 "(unbounded), e.g. (4096, 0)")
+            self.window_size = tuple(window)
+        elif self.window_attn_skip_freq is not None:
+            raise ValueError("window_attn_skip_freq is set but window_size is None; set window_size")
+        self.window_attn_skip_freq = self._check_layer_pattern("window_attn_skip_freq", divides=False)
+        self.no_rope_freq = self._check_layer_pattern("no_rope_freq", divides=True)
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={self.softmax_type!r} is not valid; use 'vanilla', 'off-by-one' "
+                             "or 'learnable'")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None:
+            if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < float("inf"):
+                raise ValueError(f"activation_func_clamp_value={clamp!r} must be a finite number > 0 or None")
+            if not self.gated_linear_unit:
+                raise ValueError("activation_func_clamp_value clamps a gated MLP's fc1 output; set "
+                                 "gated_linear_unit (--swiglu) or leave activation_func_clamp_value None")
+
+    def _check_layer_pattern(self, name: str, divides: bool):
+        """A per-layer pattern field (None, an int N >= 1, or one 0/1 per layer); with `divides`
+        an int must divide num_layers and becomes the list [0]*(N-1)+[1] repeated (Megatron's
+        no_rope_freq). Returns the checked value."""
+        value = getattr(self, name)
+        if value is None:
+            return None
+        if type(value) is int:
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or a 0/1 list with one entry per layer)")
+            if not divides:
+                return value
+            if self.num_layers % value:
+                raise ValueError(f"{name}={value} must divide num_layers ({self.num_layers}); or give a 0/1 "
+                                 "list with one entry per layer")
+            return ([0] * (value - 1) + [1]) * (self.num_layers // value)
+        if (not isinstance(value, (list, tuple)) or len(value) != self.num_layers
+                or any(v not in (0, 1) or isinstance(v, float) for v in value)):
+            raise ValueError(f"{name}={value!r} must be an int >= 1 or a list of 0/1 with one entry per layer "
+                             f"({self.num_layers})")
+        return [int(v) for v in value]
+
     def _check_recompute(self):
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
@@ -773,9 +820,12 @@ class TransformerConfig(ModelParallelConfig):
             for module in self.recompute_modules:
                 if module not in SUPPORTED_RECOMPUTE_MODULES:
                     raise NotImplementedError(
-                        f"recompute_modules contains {module!r}: recomputing it needs MoE/MLA, which "
-                        f"is not supported yet; use {list(SUPPORTED_RECOMPUTE_MODULES)}"
+                        f"recompute_modules contains {module!r}: recomputing it is not supported yet; "
+                        f"use {list(SUPPORTED_RECOMPUTE_MODULES)}"
                     )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError("recompute_modules contains 'mla_up_proj' but multi_latent_attention is False; "
+                                 "drop it (it recomputes MLA's up projections)")
 
     def _check_offloading(self):
         from teratron.transformer.activation_offload import OFFLOAD_MODULES
@@ -992,8 +1042,8 @@ class MLATransformerConfig(TransformerConfig):
     multi_latent_attention: bool = True
     """Use multi-latent attention."""
 
-    q_lora_rank: int = 512
-    """Rank of the low-rank query projection."""
+    q_lora_rank: Optional[int] = 512
+    """Rank of the low-rank query projection; None projects the queries straight from the hidden state."""
 
     kv_lora_rank: int = 512
     """Rank of the low-rank key/value projection."""
@@ -1002,7 +1052,7 @@ class MLATransformerConfig(TransformerConfig):
     """Per-head QK dimension without the positional part (q_head_dim = this + qk_pos_emb_head_dim)."""
 
     qk_pos_emb_head_dim: int = 64
-    """Per-head dimension of the RoPE part of Q and K."""
+    """Per-head dimension of the RoPE part of Q and K (one RoPE key shared by all heads)."""
 
     v_head_dim: int = 128
     """Per-head V dimension."""
@@ -1011,16 +1061,16 @@ class MLATransformerConfig(TransformerConfig):
     """MLA models default to RMSNorm."""
 
     rope_type: str = "yarn"
-    """'rope' or 'yarn'."""
+    """'rope' or 'yarn' (the positional part of Q and K)."""
 
     rotary_base: float = 10000
     """RoPE base (rope and yarn)."""
 
     rotary_percent: float = 1.0
-    """Fraction of the head dimension rotated (rope)."""
+    """Fraction of qk_pos_emb_head_dim rotated (rope)."""
 
     rotary_scaling_factor: float = 40
-    """YaRN scaling factor."""
+    """YaRN scaling factor (also scales the softmax through mscale_all_dim, as Megatron does)."""
 
     original_max_position_embeddings: int = 4096
     """Context length of the original model (yarn)."""
@@ -1038,9 +1088,27 @@ class MLATransformerConfig(TransformerConfig):
     """YaRN mscale over all dimensions."""
 
     cache_mla_latents: bool = False
-    """Cache the MLA latents instead of the full KV at inference."""
+    """Cache the MLA latents (compressed KV and the RoPE key) instead of per-head keys and values
+    at inference, attending with the up projections absorbed into the query and output."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"rope_type={self.rope_type!r} is not valid; use 'rope' or 'yarn'")
+        if self.q_lora_rank is not None:
+            _check_positive_int(self, "q_lora_rank", " or None")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "original_max_position_embeddings"):
+            _check_positive_int(self, name)
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: RoPE turns channel "
+                             "pairs")
+        for name in ("rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def _check_positive_int(config, name: str, alternative: str = "") -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")

@@ -93,3 +93,32 @@ def test_mtp_flops_add_a_layer_a_projection_and_an_output_pass_per_depth():
     per_depth = 3 * (gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab))  # forward + two backward
     expected = _flops(as_moe_layers, 3) + 3 * 2 * per_depth  # 3 sequences, 2 depths
     assert math.isclose(_flops(with_mtp, 3), expected, rel_tol=1e-12)
+
+
+def test_mla_flops_match_hand_count():
+    """Every GEMM of multi-latent attention listed (Megatron counts each latent norm as one
+    multiply-accumulate per channel), with and without query compression; an MTP depth adds an
+    MLA layer, eh_proj with the three norms and an output layer pass."""
+    from teratron.transformer import MLATransformerConfig
+
+    s, h, n, layers, vocab = 32, 64, 4, 2, 256
+    for q_lora in (24, None):
+        def mla_model(**mtp):
+            config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
+                                          kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
+                                          ffn_hidden_size=96, gated_linear_unit=True, **mtp)
+            return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab)
+        gemm = lambda m, k, o: 2 * m * k * o  # noqa: E731 - [m, k] @ [k, o]
+        query = gemm(s, h, q_lora) + gemm(s, q_lora, n * 18) + 2 * s * q_lora if q_lora else gemm(s, h, n * 18)
+        layer = (query
+                 + gemm(s, h, 20 + 6) + 2 * s * 20    # kv down projection (latent + RoPE key), kv norm
+                 + gemm(s, 20, n * (12 + 10))         # kv up projection
+                 + n * gemm(s, 18, s) / 2             # Q K^T, causal half
+                 + n * gemm(s, s, 10) / 2             # P V, causal half
+                 + gemm(s, n * 10, h)                 # linear_proj
+                 + gemm(s, h, 2 * 96) + gemm(s, 96, h))
+        expected = 3 * (layers * layer + gemm(s, h, vocab)) * 3
+        assert math.isclose(num_floating_point_operations(mla_model(), s, 3), expected, rel_tol=1e-12), q_lora
+        depth = layer + gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab)
+        assert math.isclose(num_floating_point_operations(mla_model(mtp_num_layers=1), s, 3), expected + 3 * depth * 3,
+                            rel_tol=1e-12), q_lora

@@ -40,6 +40,9 @@ class GPTModelConfig:
         if self.transformer.mtp_num_layers and self.position_embedding_type == "learned_absolute":
             raise ValueError("mtp_num_layers needs position_embedding_type 'rope' or 'none' (as in Megatron), "
                              "not 'learned_absolute'")
+        if self.transformer.no_rope_freq is not None and self.position_embedding_type in ("learned_absolute", "none"):
+            raise ValueError(f"no_rope_freq picks layers that skip RoPE, but position_embedding_type="
+                             f"{self.position_embedding_type!r}; use position_embedding_type='rope'")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.padded_vocab_size is None:

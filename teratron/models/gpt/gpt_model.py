@@ -37,6 +37,7 @@ from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cr
 from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.topology import check_parallel_sizes, resolve_pg_collection
 from teratron.transformer.init_rng import component_rng
+from teratron.transformer.multi_latent_attention import mla_rotary_embedding
 from teratron.transformer.multi_token_prediction import MultiTokenPredictionBlock, attach_mtp_loss, roll_left
 from teratron.transformer.rope import RotaryEmbedding
 from teratron.transformer.transformer_block import TransformerBlock
@@ -91,7 +92,9 @@ class GPTModel(torch.nn.Module):
                                                         position_embedding_type=position_embedding_type,
                                                         tp_group=tp, unpadded_vocab_size=unpadded_vocab_size)
         self.rotary_pos_emb = None
-        if position_embedding_type == "rope":
+        if config.multi_latent_attention:  # MLA rotates its positional channels whatever the type (Megatron)
+            self.rotary_pos_emb = mla_rotary_embedding(config)
+        elif position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   config.rotary_interleaved, rotary_base)
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,

@@ -64,7 +64,8 @@ class SequentialMLP(torch.nn.Module):
 
 def _activation(config, x):
     function = fusions.fused(bias_activation) if config.bias_activation_fusion else bias_activation
-    return function(x, None, config.activation_func, config.gated_linear_unit, config.glu_linear_offset)
+    return function(x, None, config.activation_func, config.gated_linear_unit, config.glu_linear_offset,
+                    config.activation_func_clamp_value)
 
 
 def _grouped_mm_usable(x, weight) -> bool:

@@ -1,0 +1,116 @@
+"""Sliding-window attention against full causal attention: forward + backward time of the core
+attention alone (issue 20's target: a window of 1,024 at sequence 16,384 takes at most 1/6 of
+full causal attention's time; docs/performance.md).
+
+    python bench/sliding_window_bench.py [--seq-length 16384] [--window 1024] [--iters 20]
+
+One GPU, bf16, the benchmark model's heads (16 x 128; --groups for GQA). Every case is teratron's
+`DotProductAttention` as a training layer builds it: full causal attention runs SDPA (`auto`:
+SDPA's own choice, and pinned to `flash` and to cuDNN's `fused` kernel, so the window is compared
+with the fastest), the windowed layer FlexAttention, compiled, with its cached block mask; the
+windowed layer with learned sinks (`softmax_type learnable`) and FlexAttention over the full
+causal mask (the kernel's own cost, no window) are measured too. Each case runs --warmup steps
+first (compilation included), then --iters timed steps between CUDA events. Prints one RESULT
+line per case (ms per forward + backward, peak memory) and the ratios window / full causal,
+against the fastest full-causal kernel and against `auto`, next to the ratio of the key counts.
+"""
+
+import argparse
+
+import torch
+
+from teratron.transformer.dot_product_attention import DotProductAttention
+from teratron.transformer.transformer_config import TransformerConfig
+
+
+def build(args, window=None, softmax_type="vanilla", backend="auto"):
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.heads * args.head_dim, num_attention_heads=args.heads,
+        num_query_groups=args.groups, kv_channels=args.head_dim, window_size=window, softmax_type=softmax_type,
+        attention_backend=backend, attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
+        params_dtype=torch.bfloat16)
+    return DotProductAttention(config, layer_number=1)
+
+
+def flex_full_causal(args):
+    """The windowed layer's kernel over the whole causal mask: a window wider than the sequence."""
+    return build(args, window=(args.seq_length, 0))
+
+
+def time_forward_backward(attention, args):
+    """Milliseconds per forward + backward, and the peak memory (GiB) of one step."""
+    s, b = args.seq_length, args.batch
+    shape = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(s, b, args.heads, args.head_dim, **shape, requires_grad=True)
+    k, v = (torch.randn(s, b, args.groups, args.head_dim, **shape, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(s, b, args.heads * args.head_dim, **shape)
+
+    def step():
+        attention(q, k, v).backward(upstream)
+        for t in (q, k, v, *attention.parameters()):
+            t.grad = None
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / args.iters, torch.cuda.max_memory_allocated() / 2**30
+
+
+def visible_keys_ratio(seq_length: int, window: int) -> float:
+    """Keys the windowed queries see over the keys causal queries see."""
+    causal = seq_length * (seq_length + 1) // 2
+    windowed = sum(min(i, window) + 1 for i in range(seq_length))
+    return windowed / causal
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=1024, help="Keys before each query (window (W, 0)).")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=16, help="Key/value heads (GQA when fewer than --heads).")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sliding_window_bench: needs a CUDA GPU")
+    torch.manual_seed(0)
+    window = (args.window, 0)
+    cases = {
+        "full causal, SDPA auto": lambda: build(args),
+        "full causal, SDPA flash": lambda: build(args, backend="flash"),
+        "full causal, SDPA cuDNN (fused)": lambda: build(args, backend="fused"),
+        "full causal, FlexAttention": lambda: flex_full_causal(args),
+        f"window {args.window}, FlexAttention": lambda: build(args, window=window),
+        f"window {args.window} + learned sinks, FlexAttention": lambda: build(args, window, "learnable"),
+    }
+    shape = (f"seq {args.seq_length}, batch {args.batch}, heads {args.heads} (kv {args.groups}) x {args.head_dim}, "
+             f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    times = {}
+    for name, make in cases.items():
+        try:
+            ms, peak = time_forward_backward(make().cuda(), args)
+        except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
+            print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
+            continue
+        times[name] = ms
+        print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB ({shape})", flush=True)
+    windowed = times[f"window {args.window}, FlexAttention"]
+    full = {name: ms for name, ms in times.items() if name.startswith("full causal, SDPA")}
+    fastest = min(full, key=full.get)
+    print(f"RESULT window/full causal: {windowed / full[fastest]:.3f} (vs the fastest, {fastest}); "
+          f"{windowed / times['full causal, SDPA auto']:.3f} (vs SDPA auto); target <= {1 / 6:.3f}; "
+          f"visible keys {visible_keys_ratio(args.seq_length, args.window):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
