@@ -1108,6 +1108,13 @@ class MLATransformerConfig(TransformerConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
 
+def pattern_layer_number(config, layer_number: int) -> int:
+    """The layer whose entry of a per-layer pattern (window_attn_skip_freq, no_rope_freq) layer
+    `layer_number` (1-based, global) takes: its own, or for a multi-token-prediction layer
+    (numbered past num_layers) the last decoder layer's, which it is built like."""
+    return min(layer_number, config.num_layers)
+
+
 def _check_positive_int(config, name: str, alternative: str = "") -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -171,6 +171,31 @@ def test_freeze_base_model_for_mtp_leaves_only_the_mtp_layers_trainable():
     assert all(p.grad is not None for name, p in model.named_parameters() if name.startswith("mtp."))
 
 
+def test_mtp_layers_are_built_like_the_last_layer():
+    """Per-layer attention patterns give an MTP layer the last decoder layer's entry (layer 3 of 3
+    here: windowed, NoPE, where numbers 4 and 5 would say full attention and index past the
+    NoPE list); with multi-latent attention the MTP layers are MLA layers."""
+    from teratron.transformer.multi_latent_attention import MLASelfAttention
+    from teratron.transformer.transformer_config import MLATransformerConfig
+
+    model = build(make_config(num_layers=3, window_size=(3, 0), window_attn_skip_freq=2, no_rope_freq=[0, 0, 1]))
+    last = model.decoder.layers[-1].self_attention
+    assert (last.core_attention.window_size, last.apply_rope) == ((3, 0), False)
+    assert model.decoder.layers[1].self_attention.core_attention.window_size is None  # layer 2: full
+    for layer in model.mtp.layers:
+        attention = layer.transformer_layer.self_attention
+        assert (attention.core_attention.window_size, attention.apply_rope) == ((3, 0), False)
+    ids, labels, mask = batch()
+    assert model(ids, None, labels=labels, loss_mask=mask).shape == (BATCH, SEQ)
+    mla = MLATransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                               q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                               mtp_num_layers=2)
+    model = build(mla)
+    assert all(isinstance(layer.transformer_layer.self_attention, MLASelfAttention) for layer in model.mtp.layers)
+    assert model(ids, None, labels=labels, loss_mask=mask).shape == (BATCH, SEQ)
+
+
 @pytest.mark.parametrize("overrides, error, message", [
     (dict(mtp_num_layers=0), ValueError, r"mtp_num_layers must be a positive integer or None, got 0"),
     (dict(mtp_num_layers=None, mtp_loss_scaling_factor=0.1), ValueError,
