@@ -1,12 +1,17 @@
-"""MTPProposer: drafts from the target model's own multi-token-prediction layers (fp32, CPU).
+"""MTPProposer: drafts from the target model's own multi-token-prediction layers (fp32, CPU; one
+test on a GPU).
 
 Driven step by step as the engine drives a draft (the target's steps through its paged cache,
 proposals, verification, rollback), every proposal's distribution equals the MTP block's own
 training-time computation over the whole sequence (depth k at the next-to-last position, the
 earlier drafts as its tokens), whatever number of drafts was accepted or asked for, also for a
-request whose MTP history starts after a cached prefix. Through DynamicInferenceEngine (its
-draft replaced by the proposer, the wiring the engine will take) greedy output equals plain
-decoding and both caches are free at the end.
+request whose MTP history starts after a cached prefix; for a GQA model and for multi-latent
+attention (its MTP layers MLA too; per-head and latent caches). DynamicInferenceEngine with
+num_speculative_tokens and no draft model drafts with the MTP layers (at most one draft per
+depth): greedy output equals plain decoding, the target's cache holds the decoder's layers only,
+both caches are free at the end; on a GPU, decode steps replayed from CUDA graphs feed the
+proposer as eager ones do. `teratron generate --num-speculative-tokens` on an MTP checkpoint
+(no --draft-load) prints plain decoding's text.
 """
 
 import dataclasses
@@ -16,6 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from teratron import cli
+from teratron.inference import cli as inference_cli
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.engines import DynamicInferenceEngine
@@ -25,22 +32,32 @@ from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.tokenizers.null_tokenizer import NullTokenizer
-from teratron.transformer.transformer_config import TransformerConfig
+from teratron.training.arguments import ArgumentParser
+from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 VOCAB, DEPTHS = 60, 2
 CONFIG = InferenceConfig(buffer_size_gb=0.01, block_size=4, max_seq_length=64)
+COMMON = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, gated_linear_unit=True,
+              activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
+              attention_dropout=0.0, init_method_std=0.3, use_cpu_initialization=True, mtp_num_layers=DEPTHS)
+MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+           rotary_scaling_factor=4.0, original_max_position_embeddings=16, qk_layernorm=True)
+KINDS = ["gqa", "mla", "mla-latents"]
 
 
-@pytest.fixture(scope="module")
-def model():
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu,
-                               add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
-                               attention_dropout=0.0, init_method_std=0.3, use_cpu_initialization=True,
-                               mtp_num_layers=DEPTHS)
+def build(kind):
+    if kind == "gqa":
+        config = TransformerConfig(num_query_groups=2, **COMMON)
+    else:
+        config = MLATransformerConfig(cache_mla_latents=kind == "mla-latents", **MLA, **COMMON)
     torch.manual_seed(0)
     return build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
                                           position_embedding_type="rope")).eval()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    return build(request.param)
 
 
 def mtp_reference(model, tokens, start=0):
@@ -63,15 +80,19 @@ class Driver:
     def __init__(self, model):
         self.model = model
         self.context = DynamicInferenceContext.from_model(model, CONFIG)
+        self.context.keep_hidden_states = True
         self.proposer = MTPProposer(model, CONFIG, VOCAB)
         self.tokens, self.computed = {}, {}
 
     def target_step(self, request_id, tokens, start, end):
-        """Run tokens[start:end] through the target; the argmax after each of them."""
+        """Run tokens[start:end] through the target (the proposer observes it); the argmax after
+        each of them."""
         self.context.reserve(request_id, end)
-        ids, positions = self.context.initialize_attention_state([StepChunk(request_id, tokens, start, end)])
+        chunks = [StepChunk(request_id, tokens, start, end)]
+        ids, positions = self.context.initialize_attention_state(chunks)
         with torch.no_grad():
             logits = self.model(ids, positions, None, inference_context=self.context, runtime_gather_output=True)
+        self.proposer.observe(chunks, self.context.hidden_states)
         return logits[0, :, :VOCAB].argmax(-1).tolist()
 
     def prefill(self, request_id, prompt, cached=0):
@@ -140,20 +161,61 @@ def test_greedy_proposals_are_the_argmax_and_missing_history_gives_none(model):
     assert len(driver.proposer.propose([DraftRequest(0, list(driver.tokens[0]), 5, greedy, None)])[0].token_ids) == 2
 
 
+PROMPTS = [[5, 17, 3, 59, 42, 7, 7, 1, 44, 23, 11], [8, 2], [30, 31, 32, 33, 34, 35, 36]]
+GREEDY = SamplingParams(temperature=0, num_tokens_to_generate=12, ignore_eod=True)
+
+
 def test_engine_with_mtp_drafts_equals_plain_decoding(model):
-    prompts = [[5, 17, 3, 59, 42, 7, 7, 1, 44, 23, 11], [8, 2], [30, 31, 32, 33, 34, 35, 36]]
-    greedy = SamplingParams(temperature=0, num_tokens_to_generate=12, ignore_eod=True)
     plain = DynamicInferenceEngine(model, NullTokenizer(VOCAB), CONFIG)
-    reference = [o.token_ids for o in plain.generate(prompts, greedy)]
+    reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert plain.draft is None and not plain.context.keep_hidden_states
     for n in (1, 2, 3):
         config = dataclasses.replace(CONFIG, num_speculative_tokens=n)
-        engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config, draft_model=model)
-        engine.draft = MTPProposer(model, engine.config, engine.vocab_size)
-        assert [o.token_ids for o in engine.generate(prompts, greedy)] == reference, n
-        assert engine.num_draft_tokens_proposed > 0
+        engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config)
+        assert isinstance(engine.draft, MTPProposer) and engine.num_speculative_tokens == min(n, DEPTHS)
+        # The target's cache holds the decoder's layers (1, 2), the proposer's the MTP layers (3, 4).
+        assert list(engine.context.layer_slot) == [1, 2] and engine.context.memory_buffer.shape[1] == 2
+        assert list(engine.draft.context.layer_slot) == [3, 4]
+        assert engine.context.memory_buffer.shape[0] == engine.draft.context.memory_buffer.shape[0]
+        proposed = []
+        propose = engine.draft.propose
+        engine.draft.propose = lambda requests: proposed.append([r.count for r in requests]) or propose(requests)
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference, n
+        assert max(max(counts) for counts in proposed) == min(n, DEPTHS)
+        assert engine.num_draft_tokens_accepted <= engine.num_draft_tokens_proposed > 0
         assert engine.draft.histories == {}
         assert engine.draft.context.allocator.num_allocatable() == engine.draft.context.num_blocks
-        engine.draft.close()
+        assert engine.context.allocator.num_allocatable() == engine.context.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replayed_decode_steps_feed_the_proposer():
+    """Steps without drafts are decode steps that replay CUDA graphs; the proposer reads their
+    hidden states from the graphs' outputs, so the drafts after them are the eager engine's."""
+    model = build("gqa").cuda()
+
+    def run(num_cuda_graphs):
+        config = dataclasses.replace(CONFIG, num_speculative_tokens=2, max_requests=4, num_cuda_graphs=num_cuda_graphs)
+        engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config)
+        propose, calls, drafts = engine.draft.propose, [0], []
+
+        def every_third_step_without_drafts(requests):
+            calls[0] += 1
+            proposals = {} if calls[0] % 3 == 0 else propose(requests)
+            drafts.append({i: p.token_ids for i, p in proposals.items()})
+            return proposals
+
+        engine.draft.propose = every_third_step_without_drafts
+        outputs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        return engine, outputs, drafts
+
+    eager, expected, eager_drafts = run(0)
+    graphed, outputs, drafts = run(-1)
+    assert eager.cuda_graphs is None and graphed.cuda_graphs.num_replays > 0
+    assert outputs == expected
+    assert drafts == eager_drafts
+    assert graphed.num_draft_tokens_accepted == eager.num_draft_tokens_accepted > 0
 
 
 def test_a_model_without_mtp_layers_is_refused():
@@ -162,3 +224,33 @@ def test_a_model_without_mtp_layers_is_refused():
                                            position_embedding_type="rope"))
     with pytest.raises(ValueError, match="needs a model with multi-token-prediction layers"):
         MTPProposer(plain, CONFIG, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A `teratron train` checkpoint of a model with two MTP depths (two iterations)."""
+    path = tmp_path_factory.mktemp("mtp") / "ckpt"
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+             "--lr", "1e-3", "--train-iters", "2", "--num-workers", "0", "--no-progress-bar", "--eval-iters", "0",
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--init-method-std", "0.3",
+             "--mtp-num-layers", "2", "--save", str(path), "--save-interval", "2"]
+    assert cli.main(["train"] + flags) == 0
+    return str(path)
+
+
+def test_generate_with_the_mtp_layers_gives_plain_decoding_text(mtp_checkpoint, capsys):
+    argv = ["generate", "--load", mtp_checkpoint, "--prompt", "5 17 3 99 42", "--max-tokens", "10", "--temperature",
+            "0", "--inference-dynamic-batching-buffer-size-gb", "0.001", "--inference-dynamic-batching-block-size", "4"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert len(plain.split()) == 10
+    speculative = argv + ["--num-speculative-tokens", "3"]  # more than the depths: two drafts a step
+    assert cli.main(speculative) == 0
+    assert capsys.readouterr().out == plain
+    args = inference_cli.add_generate_arguments(ArgumentParser()).parse_args(speculative[1:])
+    engine, tokenizer = inference_cli._engine(args)
+    assert isinstance(engine.draft, MTPProposer) and engine.num_speculative_tokens == 2
+    output = engine.generate([tokenizer.tokenize("5 17 3 99 42")], SamplingParams(temperature=0,
+                                                                                 num_tokens_to_generate=10))[0]
+    assert output.text + "\n" == plain and engine.num_draft_tokens_proposed > 0

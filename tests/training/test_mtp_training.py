@@ -1,10 +1,12 @@
 """`teratron train` with multi-token prediction (--mtp-num-layers): the LM loss, the MTP loss and
 the grad norm of every iteration under TP 2 + SP, PP 2 (the default placement, and an interleaved
 layout with the MTP layers on a last stage of their own), TP 2 x PP 2, PP 2 x DP 2 with the
-distributed optimizer and EP 2 (an MoE MTP layer) equal the single process's; a TP 2 checkpoint
-resumes at TP 1 and at PP 2 with the single process's next losses and drafts for itself after
-`load_for_inference`; MTP-only training (--freeze-base-model-for-mtp) of a model checkpointed
-without MTP changes only the MTP layers; bad flag combinations fail with one line naming the flag."""
+distributed optimizer, EP 2 (an MoE MTP layer) and, for a multi-latent-attention model (an MLA MTP
+layer), TP 2 x PP 2 equal the single process's; a TP 2 checkpoint resumes at TP 1 and at PP 2
+with the single process's next losses and, loaded by `load_for_inference`, drafts for itself in
+the engine (no draft model); MTP-only training (--freeze-base-model-for-mtp) of a model
+checkpointed without MTP changes only the MTP layers; bad flag combinations fail with one line
+naming the flag."""
 
 import json
 import os
@@ -94,10 +96,10 @@ def test_dense_mtp_layouts_and_resharding_equal_single_process(tmp_path):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     plain = [o.token_ids for o in DynamicInferenceEngine(model, tokenizer, InferenceConfig(
         buffer_size_gb=0.01, block_size=4)).generate(prompts, greedy)]
-    engine = DynamicInferenceEngine(model, tokenizer, config, draft_model=model)
-    engine.draft = MTPProposer(model, config, engine.vocab_size)
+    engine = DynamicInferenceEngine(model, tokenizer, config)  # no draft model: the MTP layers draft
+    assert isinstance(engine.draft, MTPProposer)
     assert [o.token_ids for o in engine.generate(prompts, greedy)] == plain
-    engine.draft.close()
+    assert engine.num_draft_tokens_proposed > 0
 
 
 def test_untied_mtp_with_recompute_under_pipeline_and_data_parallel(tmp_path):
@@ -122,6 +124,22 @@ def test_moe_mtp_layer_under_expert_parallelism(tmp_path):
                   "alltoall"] + MOE, tmp_path, "ep2", 2)
     _assert_equal(reference, run, "ep2", keys)
     assert [r["tokens_per_expert_layer_3"] for r in run] == [r["tokens_per_expert_layer_3"] for r in reference]
+
+
+def test_mla_mtp_layers_under_tensor_and_pipeline_parallelism(tmp_path):
+    """Multi-latent attention (compressed queries, YaRN, latent norms): the MTP layer is an MLA
+    layer like the last one; TP 2 x PP 2 with sequence parallelism and mla_up_proj recompute
+    (the MTP stage's MLA layer recomputed too) equals the single process."""
+    flags = ["--mtp-num-layers", "1", "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12",
+             "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4",
+             "--mscale", "0.8", "--mscale-all-dim", "1", "--yarn-original-max-position-embeddings", "8",
+             "--qk-layernorm", "--disable-bias-linear"]
+    reference = _train(flags, tmp_path, "single")
+    assert reference[-1]["mtp_loss"] < reference[0]["mtp_loss"]
+    run = _train(flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--sequence-parallel", "--recompute-granularity", "selective", "--recompute-modules",
+                          "mla_up_proj", "core_attn"], tmp_path, "tp2-pp2-sp-recompute", 4)
+    _assert_equal(reference, run, "tp2-pp2-sp-recompute", ["lm_loss", "mtp_loss", "grad_norm"])
 
 
 def test_mtp_only_training_of_a_pretrained_model_changes_only_the_mtp_layers(tmp_path):

@@ -12,17 +12,15 @@ request, shared by the depths, no prefix caching) and computes each depth's posi
 depth k at position p needs h^{k-1}_p and x_{p+k}, both final for p < L - k, so depth k's keys
 there are kept (`ends[k]`), while positions L - k .. L - 2, fed drafts, are recomputed next step
 (their keys are overwritten). The hidden states each depth still needs stay per request (`rows`).
-The target's hidden states come from the target's own steps: a forward hook on its decoder
-(the final norm's output) reads them with the step's chunks from the engine's context
-(`observe`); a request whose hidden states have a gap (a CUDA-graph decode step, a cached
-prefix) restarts its MTP history after it (positions are relative to that start: RoPE depends
-only on distances). Drafts are checked by the target as any draft model's, so the output is the
-target's whatever the drafts.
+The target's hidden states come from the target's own steps: the engine hands each step's final
+hidden states (the decoder's output, which its context keeps: `keep_hidden_states`, CUDA-graph
+replays included) to `observe` with the step's chunks. A request whose hidden states have a gap
+(a cached prefix the target did not compute) restarts its MTP history after it (positions are
+relative to that start: RoPE depends only on distances). Drafts are checked by the target as any
+draft model's, so the output is the target's whatever the drafts.
 """
 
 import dataclasses
-import weakref
-from typing import Optional
 
 import torch
 
@@ -61,29 +59,12 @@ class MTPProposer:
             model.mtp, dataclasses.replace(config, prefix_caching=False, max_seq_length=max_seq_length))
         self.histories: dict[int, _History] = {}
         self.num_forwards = 0
-        proposer = weakref.ref(self)
-
-        def observe_hook(module, args, kwargs, output):
-            context = kwargs.get("inference_context")
-            if context is None:
-                return
-            if proposer() is None:  # the proposer is gone: stop listening
-                handle.remove()
-            else:
-                proposer().observe(context.chunks, output)
-
-        handle = model.decoder.register_forward_hook(observe_hook, with_kwargs=True)
-        self._hook = handle
-
-    def close(self) -> None:
-        """Stop reading the target's steps."""
-        self._hook.remove()
 
     # The target's hidden states.
 
     def observe(self, chunks: list[StepChunk], hidden_states: torch.Tensor) -> None:
         """The target's step: its final hidden states [t, 1, h] (the chunks' tokens back to back,
-        then padding)."""
+        then padding), called after each of its forwards."""
         first = 0
         for chunk in chunks:
             rows = hidden_states[first:first + chunk.end - chunk.start, 0].detach().clone()
