@@ -265,6 +265,9 @@ class DynamicInferenceEngine:
                                       if request.finish_reason is None])
         for (request, _, _), (new, log_probs, top_n) in zip(live, accepted):
             self._apply_tokens(request, new, log_probs, top_n)
+        if self.context.kv_window is not None:  # sliding windows on every layer: bounded KV
+            for request in self.running:
+                self.context.release_out_of_window(request.request_id, request.num_computed - self.context.kv_window)
 
     def _forward(self, chunks: list[StepChunk], output_rows: list[int]) -> torch.Tensor:
         """Run the step's chunks through the model; the logits [len(output_rows), V'] of the step
