@@ -107,7 +107,8 @@ def test_mla_flops_match_hand_count():
             config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
                                           kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
                                           ffn_hidden_size=96, gated_linear_unit=True, **mtp)
-            return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab)
+            return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
+                                  position_embedding_type="rope")
         gemm = lambda m, k, o: 2 * m * k * o  # noqa: E731 - [m, k] @ [k, o]
         query = gemm(s, h, q_lora) + gemm(s, q_lora, n * 18) + 2 * s * q_lora if q_lora else gemm(s, h, n * 18)
         layer = (query
