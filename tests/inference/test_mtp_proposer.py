@@ -11,16 +11,19 @@ num_speculative_tokens and no draft model drafts with the MTP layers (at most on
 depth): greedy output equals plain decoding, the target's cache holds the decoder's layers only,
 both caches are free at the end; on a GPU, decode steps replayed from CUDA graphs feed the
 proposer as eager ones do. `teratron generate --num-speculative-tokens` on an MTP checkpoint
-(no --draft-load) prints plain decoding's text.
+(no --draft-load) prints plain decoding's text, at TP 1 and TP 2.
 """
 
+import contextlib
 import dataclasses
+import io
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dist import run_distributed
 from teratron import cli
 from teratron.inference import cli as inference_cli
 from teratron.inference.config import InferenceConfig
@@ -254,3 +257,13 @@ def test_generate_with_the_mtp_layers_gives_plain_decoding_text(mtp_checkpoint, 
     output = engine.generate([tokenizer.tokenize("5 17 3 99 42")], SamplingParams(temperature=0,
                                                                                  num_tokens_to_generate=10))[0]
     assert output.text + "\n" == plain and engine.num_draft_tokens_proposed > 0
+    # Under tensor parallelism (the MTP layers split like the decoder's) rank 0 prints the same.
+    rank0, rank1 = run_distributed(_generate_on_ranks, 2, speculative + ["--tensor-model-parallel-size", "2"])
+    assert (rank0, rank1) == (plain, "")
+
+
+def _generate_on_ranks(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0
+    return out.getvalue()
