@@ -8,7 +8,7 @@ training flags' dest names (Megatron's); `model_args_from_config` writes the rec
 Only what shapes the model's weights or forward math is recorded; training-only MoE settings
 (load balancing, aux-loss coefficients, capacity, dispatcher) are not, so a fine-tune may change
 them. MoE keys default to Megatron's values (`MOE_DEFAULTS`) when a run or an older checkpoint
-lacks them.
+lacks them; `mtp_num_layers` (multi-token prediction) to None.
 """
 
 import torch
@@ -54,7 +54,7 @@ MODEL_ARG_NAMES = (
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
+    "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
 )
 
 
@@ -73,7 +73,7 @@ def model_args_from_config(model) -> dict:
         rotary_interleaved=c.rotary_interleaved,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
-        padded_vocab_size=model.padded_vocab_size, **MOE_DEFAULTS,
+        padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
         **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
         multi_latent_attention=c.multi_latent_attention,
     )
@@ -129,7 +129,8 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         gated_linear_unit=a["swiglu"] or a.get("quick_geglu", False), activation_func=_activation(a),
         add_bias_linear=a["add_bias_linear"], add_qkv_bias=a["add_qkv_bias"], qk_layernorm=a["qk_layernorm"],
         rotary_interleaved=a["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
+        params_dtype=torch.float32, mtp_num_layers=a.get("mtp_num_layers"),
+        **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
     )
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},

@@ -170,6 +170,18 @@ def _add_network_args(parser):
     _add_moe_args(parser)
     _add_attention_variant_args(parser)
     _add_mla_args(parser)
+    _add_mtp_args(parser)
+
+
+def _add_mtp_args(parser):
+    g = parser.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token-prediction depths (DeepSeek-V3's MTP), on the last pipeline stage; "
+                        "depth k predicts the token k + 1 after each position.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=None,
+                   help="Weight of the MTP loss (its mean over depths) in the gradient; default 0.1.")
+    g.add_argument("--freeze-base-model-for-mtp", action="store_true",
+                   help="Train only the MTP layers; every other parameter stays as loaded.")
 
 
 def window_size_type(text: str) -> tuple:
@@ -325,8 +337,9 @@ def _add_parallel_args(parser):
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the loss (final norm + output layer) as one layer of the last stage.")
     g.add_argument("--pipeline-model-parallel-layout", default=None,
-                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tL' (E embedding, t layer, "
-                        "L loss, | between stages, x*N repeats); sets the number of virtual stages.")
+                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tmL' (E embedding, t layer, "
+                        "m MTP layer, L loss, | between stages, x*N repeats); sets the number of "
+                        "virtual stages.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="CP size.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,

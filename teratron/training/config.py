@@ -568,7 +568,7 @@ def _virtual_stages(args, pp):
                              "both given; the layout already places every layer, drop the other")
         try:
             layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
-            layout.validate_layer_layout(args.num_layers, None)
+            layout.validate_layer_layout(args.num_layers, args.mtp_num_layers)
         except ValueError as e:
             raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
         from_layout = layout.virtual_pipeline_model_parallel_size

@@ -21,6 +21,7 @@ from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb, yarn_concentration_factor
 from teratron.transformer.spec_utils import ModuleSpec, build_module
+from teratron.transformer.transformer_config import pattern_layer_number
 
 
 @dataclass
@@ -88,7 +89,8 @@ class SelfAttention(torch.nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
         )
         # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
-        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
+        pattern_layer = pattern_layer_number(config, layer_number)  # an MTP layer takes the last layer's
+        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[pattern_layer - 1])
         # YaRN's concentration factor on the rotated channels (1 without YaRN).
         self.rope_mscale = yarn_concentration_factor(config.yarn_rotary_scaling_factor, config.yarn_mscale,
                                                      config.yarn_mscale_all_dim)

@@ -34,8 +34,6 @@ YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddi
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
-    "mtp_num_layers": "multi-token prediction",
-    "mtp_loss_scaling_factor": "multi-token prediction",
     "activation_func_fp8_input_store": "FP8 activation storage",
     "qk_clip": "QK-clip",
     "qk_clip_alpha": "QK-clip",
@@ -98,7 +96,9 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
 # The yarn_* fields are Megatron's too: config attributes its argument parser sets, not declared.
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
-                         "offload_modules", "min_offloaded_tensor_size", *YARN_FIELDS)
+                         "offload_modules", "min_offloaded_tensor_size",
+                         "freeze_base_model_for_mtp",  # Megatron's, newer than the reference
+                         *YARN_FIELDS)
 
 
 @dataclass
@@ -112,10 +112,14 @@ class TransformerConfig(ModelParallelConfig):
     """Number of transformer layers in the block (required)."""
 
     mtp_num_layers: Optional[int] = None
-    """Number of multi-token-prediction layers."""
+    """Number of multi-token-prediction layers (depths), on the last pipeline stage; None: no MTP."""
 
     mtp_loss_scaling_factor: Optional[float] = None
-    """Weight of the multi-token-prediction loss."""
+    """Weight of the multi-token-prediction loss (the mean over depths); None means Megatron's 0.1."""
+
+    freeze_base_model_for_mtp: bool = False
+    """Train only the MTP layers: every other parameter is frozen and the main model runs without
+    autograd (Megatron's MTP-only training, --freeze-base-model-for-mtp)."""
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
     """Layers on the first pipeline stage; None splits evenly."""
@@ -659,6 +663,7 @@ class TransformerConfig(ModelParallelConfig):
         check_fp8_config(self)
         check_cuda_graph_config(self)
         validate_pipeline_config(self)
+        self._check_mtp()
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -920,6 +925,29 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_router()
         self._check_moe_dispatch()
 
+    def _check_mtp(self):
+        depths = self.mtp_num_layers
+        if depths is None:
+            for name in ("mtp_loss_scaling_factor", "freeze_base_model_for_mtp"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is set but mtp_num_layers is None; set mtp_num_layers")
+            return
+        if not isinstance(depths, int) or isinstance(depths, bool) or depths < 1:
+            raise ValueError(f"mtp_num_layers must be a positive integer or None, got {depths!r}")
+        if self.mtp_loss_scaling_factor is None:
+            self.mtp_loss_scaling_factor = 0.1
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        unsupported = [("fp8", self.fp8 is not None, "FP8"),
+                       ("cuda_graph_impl", self.cuda_graph_impl == "local", "local CUDA graphs")]
+        for name, used, what in unsupported:
+            if used:
+                raise NotImplementedError(f"mtp_num_layers with {name}={getattr(self, name)!r}: multi-token "
+                                          f"prediction is not built for {what} yet; drop one")
+        if self.freeze_base_model_for_mtp and self.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("freeze_base_model_for_mtp needs pipeline_model_parallel_size 1: the "
+                                      "stages before the MTP layers would have nothing to train")
+
     def _check_moe_layer_freq(self):
         freq = self.moe_layer_freq
         if isinstance(freq, int) and not isinstance(freq, bool):
@@ -1111,6 +1139,13 @@ class MLATransformerConfig(TransformerConfig):
         for name in ("rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def pattern_layer_number(config, layer_number: int) -> int:
+    """The layer whose entry of a per-layer pattern (window_attn_skip_freq, no_rope_freq) layer
+    `layer_number` (1-based, global) takes: its own, or for a multi-token-prediction layer
+    (numbered past num_layers) the last decoder layer's, which it is built like."""
+    return min(layer_number, config.num_layers)
 
 
 def _check_positive_int(config, name: str, alternative: str = "") -> None:

@@ -59,3 +59,30 @@ def test_greedy_equals_recomputed_decoding(model, paged_query_limit):
     assert sorted(engine.context.layer_windows) == [1, 3] and sorted(engine.context.layer_sinks) == [1, 2, 3, 4]
     params = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == reference
+
+
+def test_windows_on_every_layer_bound_the_kv_cache(model):
+    """Window 3 on every layer: blocks wholly before a request's window are freed as it goes, so a
+    request holds at most the blocks of its window and next chunk; greedy output is unchanged."""
+    torch.manual_seed(1)
+    skip = FLAGS.index("--window-attn-skip-freq")
+    args = parse_train_args(FLAGS[:skip] + FLAGS[skip + 2:])
+    windowed = build_gpt_model(run_config_from_args(args, 1, VOCAB, cuda=False).model).eval()
+    windowed.load_state_dict(model.state_dict())
+    reference = [recomputed_greedy(windowed, p) for p in PROMPTS]
+    engine = DynamicInferenceEngine(windowed, NullTokenizer(VOCAB),
+                                    InferenceConfig(buffer_size_gb=0.01, block_size=2, max_tokens_per_step=5))
+    assert engine.context.kv_window == 3
+    params = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    final, most_held, freed = {}, 0, False
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        for request in engine.running:
+            held = [b for b in engine.context.block_tables[request.request_id] if b != engine.context.scratch_block]
+            freed |= len(held) < len(engine.context.block_tables[request.request_id])
+            most_held = max(most_held, len(held))
+    assert [final[i].token_ids for i in ids] == reference
+    # Keys 3 back, the next chunk of up to 5 tokens, a block boundary on each side: 10 tokens, 5 blocks.
+    assert freed and most_held <= 5
+    assert engine.context.allocator.num_allocatable() == engine.context.num_blocks

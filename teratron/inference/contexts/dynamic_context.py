@@ -134,13 +134,24 @@ class DynamicInferenceContext:
         """Sliding windows (left, right) of the layers that have one (from_model)."""
         self.layer_sinks: dict[int, torch.Tensor] = {}
         """Attention-sink logits [np] of the layers that have them (from_model)."""
+        self.keep_hidden_states = False
+        """Keep each step's final hidden states (`hidden_states`; the MTP proposer reads them)."""
+        self.hidden_states: torch.Tensor | None = None
+        """With keep_hidden_states: the last step's final hidden states [t, 1, h], every step token
+        (a CUDA-graph replay's: its graph's output, see DecodeCudaGraphs)."""
+        self.kv_window: int | None = None
+        """When every layer has a sliding window: the largest left window W. A query at position p
+        reads keys from p - W on, so the engine frees the blocks before (`release_out_of_window`)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
-        """A context for the attention layers of `model` (this stage's), in its dtype and device.
-        Multi-latent attention caches what its layer's `ng` and `hn` say (per-head keys and values
-        padded to one size, or one latent) under its own softmax scale."""
-        attentions = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
+        """A context for the attention layers of `model` (this stage's; a GPTModel's decoder's
+        only: its multi-token-prediction layers cache in a context of their own, the MTP
+        proposer's), in its dtype and device. Multi-latent attention caches what its layer's `ng`
+        and `hn` say (per-head keys and values padded to one size, or one latent) under its own
+        softmax scale."""
+        layers = getattr(model, "decoder", model)
+        attentions = [m for m in layers.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
@@ -156,6 +167,9 @@ class DynamicInferenceContext:
                 context.layer_windows[attention.layer_number] = tuple(core.window_size)
             if getattr(core, "softmax_offset", None) is not None:  # read at each step: refits update it
                 context.layer_sinks[attention.layer_number] = core.softmax_offset
+        lefts = [context.layer_windows.get(a.layer_number, (-1,))[0] for a in attentions]
+        if min(lefts) >= 0:  # every layer windowed: older keys can go
+            context.kv_window = max(lefts)
         return context
 
     # Requests' memory.
@@ -197,13 +211,28 @@ class DynamicInferenceContext:
         speculative tokens); keys and values written past `num_tokens` are overwritten later."""
         table = self.block_tables[request_id]
         keep = self.blocks_for(num_tokens)
-        self.allocator.release(table[keep:][::-1])
+        self.allocator.release(self._held(table[keep:][::-1]))
         del table[keep:]
 
     def release(self, request_id: int) -> None:
         """Free the request's blocks (cached ones stay cached while memory allows)."""
-        self.allocator.release(self.block_tables.pop(request_id)[::-1])
+        self.allocator.release(self._held(self.block_tables.pop(request_id)[::-1]))
         self.block_hashes.pop(request_id)
+
+    def release_out_of_window(self, request_id: int, first_position: int) -> None:
+        """Free the request's blocks wholly before `first_position`, which no layer attends to any
+        more (every layer's window starts at or after it: see `kv_window`); their table entries
+        become the scratch block, which nothing reads."""
+        table = self.block_tables[request_id]
+        index = min(first_position // self.block_size, len(table)) - 1
+        while index >= 0 and table[index] != self.scratch_block:  # the ones before went earlier
+            self.allocator.release([table[index]])
+            table[index] = self.scratch_block
+            index -= 1
+
+    def _held(self, blocks: Sequence[int]) -> list[int]:
+        """`blocks` less the scratch entries of released out-of-window blocks."""
+        return [block for block in blocks if block != self.scratch_block]
 
     def _hashes(self, token_ids: Sequence[int], first_block: int, end_block: int, parent: bytes | None = None):
         hashes = []
@@ -349,7 +378,10 @@ class DynamicInferenceContext:
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[t, 1, h] -> the tokens whose next token the step samples [r, 1, h]."""
+        """The step's final hidden states [t, 1, h] -> those of the tokens whose next token the
+        step samples [r, 1, h] (all of them kept as `self.hidden_states` with keep_hidden_states)."""
+        if self.keep_hidden_states:
+            self.hidden_states = hidden_states
         if self.output_token_index is None:
             return hidden_states
         return hidden_states.index_select(0, self.output_token_index)
