@@ -18,8 +18,8 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
-from teratron.convert.hf_deepseek import rope_layout_reader, warn_unconverted_mtp
-from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, teratron_to_hf
+from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_reader
+from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, mtp_copies, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.safetensors_io import HFWeights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
@@ -62,13 +62,23 @@ def expected_hf_shapes(model_args: dict, family: str) -> dict:
     return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
 
 
-def _read_hf(path, model_args, hf):
+def _model_args(path, hf, weights, make_vocab_size_divisible_by=1, tensor_model_parallel_size=1) -> dict:
+    """The model args of the HF folder: its config's, with DeepSeek-V3's MTP layers when the
+    files hold them."""
+    source = f"--hf-path {path}"
+    model_args = model_args_from_hf(hf, source, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    if hf["model_type"] == "deepseek_v3":
+        model_args.update(mtp_args(hf, weights.shapes, source))
+    return model_args
+
+
+def _read_hf(path, model_args, hf, weights):
     """The teratron state dict of the HF folder, read only after every file's header matched the
-    config (names and shapes); a DeepSeek-V3's MTP layers are left out with a warning."""
+    config (names and shapes)."""
     family, source = hf["model_type"], f"--hf-path {path}"
-    weights = HFWeights(path)
-    left_out = warn_unconverted_mtp(hf, weights.shapes, source) if family == "deepseek_v3" else ()
-    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source, left_out)
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source)
+    if family == "deepseek_v3":
+        check_mtp_copies(weights.read, weights.shapes, mtp_copies(model_args), source)
     read = rope_layout_reader(hf, weights.read) if family == "deepseek_v3" else weights.read
     return hf_to_teratron(read, model_args, family)
 
@@ -78,7 +88,8 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
     experts as GroupedMLP with `moe_grouped_gemm`, and the config carries the model's aux-loss
     coefficient for training it."""
     hf = read_hf_config(path)
-    model_args = model_args_from_hf(hf, f"--hf-path {path}")
+    weights = HFWeights(path)
+    model_args = _model_args(path, hf, weights)
     if moe_grouped_gemm and not model_args["num_experts"]:
         raise ValueError(f"from_hf({path!r}, moe_grouped_gemm=True): the model is dense; leave it False")
     overrides = {}
@@ -89,7 +100,7 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
                                               **overrides)
     config = model_config.transformer
     model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
-    model.load_state_dict(_read_hf(path, model_args, hf), strict=True)
+    model.load_state_dict(_read_hf(path, model_args, hf, weights), strict=True)
     return model.eval(), config
 
 
@@ -124,7 +135,8 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     with --moe-grouped-gemm), else per expert (SequentialMLP)."""
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     hf = read_hf_config(hf_path)
-    model_args = model_args_from_hf(hf, f"--hf-path {hf_path}", make_vocab_size_divisible_by, tp)
+    weights = HFWeights(hf_path)
+    model_args = _model_args(hf_path, hf, weights, make_vocab_size_divisible_by, tp)
     if not model_args["num_experts"] and (ep > 1 or moe_grouped_gemm):
         raise ValueError(f"--hf-path {hf_path} holds a dense model; --expert-model-parallel-size and "
                          "--moe-grouped-gemm apply to MoE models only")
@@ -140,7 +152,7 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
-    state = _read_hf(hf_path, model_args, hf)
+    state = _read_hf(hf_path, model_args, hf, weights)
     created = not os.path.exists(save)
     try:
         tmp = storage.temporary_dir(save, 0)

@@ -199,6 +199,9 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
                          "rotate-half RoPE); it has no Hugging Face counterpart to export to")
     hf = dict(base or {})
     family = export_family(a, hf.get("model_type"))
+    if a.get("mtp_num_layers") and family != "deepseek_v3":
+        raise ValueError(f"the checkpoint's model has mtp_num_layers={a['mtp_num_layers']}; of the Hugging Face "
+                         "families only deepseek_v3 holds multi-token-prediction layers, and the model is not one")
     for stale in ("rope_parameters", "rope_scaling", "rope_theta", "num_local_experts", "num_experts"):
         hf.pop(stale, None)
     hf.update({

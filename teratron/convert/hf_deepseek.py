@@ -17,9 +17,14 @@ reorders the positional rows of q_b_proj (q_proj) and kv_a_proj_with_mqa. Export
 interleaved (rope_interleave true, DeepSeek's own layout).
 
 The latent norms of transformers' DeepSeek-V3 use eps 1e-6 whatever rms_norm_eps says;
-teratron's use rms_norm_eps (a config with another value converts, with a warning). Multi-token
-prediction layers (num_nextn_predict_layers; their tensors are model.layers.{L}.* past the last
-layer) are not converted yet: their tensors are left out with a warning.
+teratron's use rms_norm_eps (a config with another value converts, with a warning).
+
+Multi-token prediction: the num_nextn_predict_layers MTP layers are model.layers.{L + k}.* past
+the last layer (DeepSeek's layout, which transformers' MtpModel reads): enorm, hnorm, eh_proj
+[h, 2h] on [enorm(embedding), hnorm(h)], a decoder layer (MoE), shared_head.norm (teratron's
+final_layernorm), and copies of the embedding and output head (embed_tokens,
+shared_head.head), which teratron's MTP shares with the model: read only to check they are
+copies, written back on export. A file set without those layers imports without MTP.
 """
 
 import re
@@ -110,20 +115,33 @@ def deepseek_args(hf: dict, source: str) -> dict:
             **_mla_args(hf, source), **_moe_args(hf, source)}
 
 
-def mtp_tensor_names(hf: dict, names) -> list:
-    """The HF tensors of multi-token-prediction layers (model.layers.{i} with i >= num_hidden_layers)."""
-    layers = hf["num_hidden_layers"]
-    return sorted(n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= layers)
+def mtp_args(hf: dict, names, source: str) -> dict:
+    """{"mtp_num_layers": n} when the files hold the num_nextn_predict_layers = n MTP layers
+    (model.layers.{L}.* to model.layers.{L + n - 1}.*); {} when they hold none (transformers saves
+    none, whatever its config says: a warning then)."""
+    layers, wanted = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers") or 0
+    found = sorted({int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))
+                    and int(m.group(1)) >= layers})
+    if not found:
+        if wanted:
+            warnings.warn(f"{source}: config.json says num_nextn_predict_layers={wanted} but the files hold no "
+                          f"multi-token-prediction layer (model.layers.{layers}.*); imported without", stacklevel=2)
+        return {}
+    if found != list(range(layers, layers + wanted)):
+        raise ValueError(f"{source}: the files hold layers {found} past num_hidden_layers={layers}, but "
+                         f"num_nextn_predict_layers={wanted} asks for layers {layers}..{layers + wanted - 1}; the "
+                         "files and config.json disagree")
+    return {"mtp_num_layers": wanted}
 
 
-def warn_unconverted_mtp(hf: dict, names, source: str) -> list:
-    """Warn that the MTP layers' tensors are left out (one line); returns their names."""
-    mtp = mtp_tensor_names(hf, names)
-    if mtp:
-        warnings.warn(f"{source}: the {len(mtp)} tensors of the multi-token-prediction layer(s) "
-                      f"(num_nextn_predict_layers={hf.get('num_nextn_predict_layers')}, {mtp[0]}, ...) are not "
-                      "converted: teratron imports deepseek_v3 without its MTP layers for now", stacklevel=2)
-    return mtp
+def check_mtp_copies(read, names, copies: dict, source: str) -> None:
+    """DeepSeek's MTP layers carry copies of the embedding and output head (`copies`: copy name ->
+    the model's tensor name); teratron's MTP uses the model's own, so a copy present in the files
+    must equal it."""
+    for copy, original in copies.items():
+        if copy in names and not torch.equal(read(copy), read(original)):
+            raise ValueError(f"{source}: {copy} differs from {original}; teratron's multi-token prediction shares "
+                             "the model's embedding and output layer, so it cannot hold another")
 
 
 def _halves_to_pairs(rows: torch.Tensor, d: int) -> torch.Tensor:
@@ -191,4 +209,4 @@ def deepseek_hf_fields(a: dict) -> dict:
             "qk_nope_head_dim": a["qk_head_dim"], "qk_rope_head_dim": a["qk_pos_emb_head_dim"],
             "v_head_dim": a["v_head_dim"], "head_dim": a["qk_pos_emb_head_dim"],
             "qk_head_dim": a["qk_head_dim"] + a["qk_pos_emb_head_dim"], "rope_interleave": True,
-            "attention_bias": False, "num_nextn_predict_layers": 0, **_moe_fields(a)}
+            "attention_bias": False, "num_nextn_predict_layers": a.get("mtp_num_layers") or 0, **_moe_fields(a)}

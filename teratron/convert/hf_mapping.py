@@ -18,6 +18,8 @@ MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's
 the shared experts and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
 weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
 gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
+DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
+rows as a decoder layer, their transformer layer's (`mtp.layers.{k}.transformer_layer.*`).
 
 No RoPE permutation: HF Llama-style checkpoints and teratron both rotate halves (i, i + d/2), and
 DeepSeek's (2i, 2i + 1) pairs are MLA's (a rotate-half DeepSeek checkpoint is reordered on
@@ -104,6 +106,14 @@ STACKED_GROUPED_EXPERTS_TABLE = [  # GroupedMLP
     (_L + "mlp.experts.bias1", [_X + "gate_up_proj_bias"], "grouped_interleaved"),
     (_L + "mlp.experts.weight2", [_X + "down_proj"], "stack"),
     (_L + "mlp.experts.bias2", [_X + "down_proj_bias"], "stack"),
+]
+# Multi-token prediction (DeepSeek-V3): depth k + 1 is HF layer L + k (i), its transformer layer
+# those rows under mtp.layers.{k}.transformer_layer.
+MTP_TABLE = [
+    ("mtp.layers.{k}.enorm.weight", [_H + "enorm.weight"], None),
+    ("mtp.layers.{k}.hnorm.weight", [_H + "hnorm.weight"], None),
+    ("mtp.layers.{k}.eh_proj.weight", [_H + "eh_proj.weight"], None),
+    ("mtp.layers.{k}.final_layernorm.weight", [_H + "shared_head.norm.weight"], None),
 ]
 STACKED_EXPERTS = {"gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
 _Q = dict(moe="mlp.", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj")
@@ -222,13 +232,36 @@ def _moe_rows(a, family, i):
         yield from _expand(STACKED_EXPERT_TABLE if stacked else EXPERT_TABLE, i=i, e=e, **words)
 
 
+def _layer_rows(a, family, i, moe: bool):
+    yield from _expand(NORM_TABLE, i=i)
+    yield from _attention_rows(a, i)
+    yield from _moe_rows(a, family, i) if moe else _expand(DENSE_MLP_TABLE, i=i)
+
+
+def _mtp_rows(a, family, moe: bool):
+    """Depth k + 1's rows (HF layer L + k): its own tensors, then its transformer layer's."""
+    layers = a["num_layers"]
+    for k in range(a.get("mtp_num_layers") or 0):
+        yield from _expand(MTP_TABLE, i=layers + k, k=k)
+        decoder, mtp = f"decoder.layers.{layers + k}.", f"mtp.layers.{k}.transformer_layer."
+        for name, hf_names, transform in _layer_rows(a, family, layers + k, moe):
+            yield name.replace(decoder, mtp), hf_names, transform
+
+
 def _all_rows(a, family):
     yield from TABLE
     moe = moe_layer_pattern(a["num_layers"], moe_arg(a, "moe_layer_freq")) if moe_arg(a, "num_experts") else []
     for i in range(a["num_layers"]):
-        yield from _expand(NORM_TABLE, i=i)
-        yield from _attention_rows(a, i)
-        yield from _moe_rows(a, family, i) if moe and moe[i] else _expand(DENSE_MLP_TABLE, i=i)
+        yield from _layer_rows(a, family, i, bool(moe and moe[i]))
+    yield from _mtp_rows(a, family, bool(moe and moe[-1]))  # an MTP layer is the last layer's kind
+
+
+def mtp_copies(a) -> dict:
+    """DeepSeek's copies of the embedding and output head in each MTP layer: copy -> original."""
+    head = "lm_head.weight" if a["untie_embeddings_and_output_weights"] else "model.embed_tokens.weight"
+    return {copy.format(i=a["num_layers"] + k): original for k in range(a.get("mtp_num_layers") or 0)
+            for copy, original in ((_H + "embed_tokens.weight", "model.embed_tokens.weight"),
+                                   (_H + "shared_head.head.weight", head))}
 
 
 _EXPERT_SLICE = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<name>\w+)$")
@@ -265,19 +298,19 @@ def _stack_experts(tensors: dict, family) -> dict:
     return out
 
 
-def check_hf_tensors(weights, expected: dict, a, source: str, left_out=()) -> None:
-    """Refuse HF files whose tensors are not exactly the model's: one missing, one unknown (but
-    those `left_out`, which the caller has warned about), or one whose shape differs from
-    `expected` (HF name -> shape, from the config). `weights` has the files' `shapes` and `files`
-    (name -> shape / file name); nothing is read but the headers."""
+def check_hf_tensors(weights, expected: dict, a, source: str) -> None:
+    """Refuse HF files whose tensors are not exactly the model's: one missing, one unknown, or one
+    whose shape differs from `expected` (HF name -> shape, from the config; the MTP layers'
+    copies of the embedding and head may be absent). `weights` has the files' `shapes` and
+    `files` (name -> shape / file name); nothing is read but the headers."""
     allowed = dict(expected)
     if not a["untie_embeddings_and_output_weights"]:  # a tied copy of the embedding, if saved
         allowed["lm_head.weight"] = expected["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(weights.shapes))
+    missing = sorted(set(expected) - set(weights.shapes) - set(mtp_copies(a)))
     if missing:
         raise ValueError(f"{source}: {missing[0]} is missing{_more(missing)} (config.json says the model has "
                          "it); the files are incomplete or do not match the config")
-    unknown = sorted(n for n in set(weights.shapes) - set(allowed) - set(left_out) if not _IGNORED_HF.match(n))
+    unknown = sorted(n for n in set(weights.shapes) - set(allowed) if not _IGNORED_HF.match(n))
     if unknown:
         raise ValueError(f"{source}: {len(unknown)} tensors have no teratron counterpart, e.g. {unknown[0]}; "
                          "the model has parts this converter does not know, or config.json describes another model")
@@ -313,4 +346,5 @@ def teratron_to_hf(state: dict, a, family: str) -> dict:
     if left:
         raise ValueError(f"checkpoint tensor {sorted(left)[0]} has no Hugging Face counterpart; "
                          "the model has parts the converter does not know")
+    out.update({copy: out[original].clone() for copy, original in mtp_copies(a).items()})  # files hold copies
     return {k: v.contiguous() for k, v in _stack_experts(out, family).items()}

@@ -8,16 +8,18 @@ gpt_oss: YaRN with fractional ramp bounds, sliding windows of 4 (biting on 12 to
 0 and 2, sinks, biases, clamped quick-GEGLU experts; gpt_oss_rope: plain RoPE, every layer
 windowed, tied embeddings. deepseek_v3: MLA with query compression and YaRN (mscale /
 mscale_all_dim), one dense layer then MoE with group-limited sigmoid routing, expert bias,
-scaling, two shared experts; deepseek_v3_halves: no query compression, RoPE in rotate-half
-layout (rope_interleave false, reordered on import; exported interleaved), top-1 routing without
-groups, every layer MoE."""
+scaling, two shared experts (and, in its own tests, an MTP layer: depth-1 logits equal
+transformers' MtpModel's, the engine drafts with it); deepseek_v3_halves: no query compression,
+RoPE in rotate-half layout (rope_interleave false, reordered on import; exported interleaved),
+top-1 routing without groups, every layer MoE. Both families fine-tune through `teratron train`
+with Megatron's flags for them and export the result."""
 
 import json
-import warnings
 
 import pytest
 import torch
-from safetensors.torch import save_file
+import transformers
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from convert.hf_testing import (VOCAB, TOKENIZER_FILES, convert, finetune, hf_logits, hf_tensors,
@@ -26,9 +28,15 @@ from dist import run_distributed
 from teratron import parallel_state as ps
 from teratron.convert.hf import from_hf
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.convert.safetensors_io import INDEX_FILENAME
 from teratron.dist_checkpointing import load_checkpoint, storage
 from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.inference.config import InferenceConfig
+from teratron.inference.engines import DynamicInferenceEngine
+from teratron.inference.engines.mtp_proposer import MTPProposer
+from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
+from teratron.tokenizers.null_tokenizer import NullTokenizer
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16,
@@ -135,29 +143,117 @@ def test_expert_and_tensor_parallel_loads(family, tmp_path):
         assert_close(rank_logits, reference, rtol=0, atol=1e-4)
 
 
-def test_deepseek_mtp_layers_are_left_out_with_a_warning(tmp_path):
-    """A checkpoint holding its MTP layer (model.layers.3.*) imports without it, saying so in one
-    line; the tensors of the other layers still must match exactly."""
+def add_mtp_layer(src):
+    """Give the saved tiny deepseek_v3 at `src` one random MTP layer (transformers' MtpModel, its
+    tensors written under DeepSeek's names model.layers.3.*, with copies of the embedding and
+    head) and num_nextn_predict_layers 1; returns transformers' MtpModel read back from `src`."""
+    from transformers.modeling_layers import MtpModel
+
+    (src / "config.json").write_text(json.dumps({**read_config(src), "num_nextn_predict_layers": 1}))
+    main = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    mtp = MtpModel(main, 1)
+    tensors, prefix = {}, "model.layers.3."
+    with torch.no_grad():
+        for name, t in mtp.state_dict().items():
+            if name.startswith(("embed_tokens", "shared_head")):  # the main model's, shared
+                continue
+            t = torch.randn_like(t) * 0.3
+            name = prefix + name.removeprefix("layers.0.").removeprefix("mtp_block.").replace(
+                "post_norm", "shared_head.norm")
+            if name.endswith("experts.gate_up_proj"):  # per expert in the files, as the main layers
+                for e, (gate, up) in enumerate(w.chunk(2) for w in t):
+                    tensors.update({name.replace("gate_up_proj", f"{e}.gate_proj.weight"): gate,
+                                    name.replace("gate_up_proj", f"{e}.up_proj.weight"): up})
+            elif name.endswith("experts.down_proj"):
+                tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): w for e, w in enumerate(t)})
+            else:
+                tensors[name] = t
+    original = hf_tensors(src)
+    tensors.update({prefix + "embed_tokens.weight": original["model.embed_tokens.weight"],
+                    prefix + "shared_head.head.weight": original["lm_head.weight"]})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(src / "mtp.safetensors"))
+    index = json.loads((src / INDEX_FILENAME).read_text())
+    index["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+    (src / INDEX_FILENAME).write_text(json.dumps(index))
+    # transformers looks for DeepSeek-V3's MTP layer at index 61 only: point it at this model's.
+    main = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]
+    return main, MtpModel.from_pretrained(main).eval()
+
+
+def mtp_logits(model, ids, positions):
+    """teratron's depth-1 logits [b, s, V] (the last position's next-next token is past the end)."""
+    with torch.no_grad():
+        embeddings = model.embedding(ids, positions)
+        rotary = model._rotary_pos_emb(embeddings, positions)
+        hidden = model.decoder(embeddings, attention_mask=None, rotary_pos_emb=rotary)
+        depth1 = model.mtp(ids, positions, hidden, model.embedding, None, rotary)[0]
+        return model.output_logits(depth1).transpose(0, 1)
+
+
+def test_deepseek_mtp_layer_imports_exports_and_drafts(tmp_path):
+    """DeepSeek-V3's MTP layer: teratron's depth-1 logits equal transformers' MtpModel's (its
+    embedding of token t + 1 and the main model's final hidden state at t); import-hf ->
+    export-hf gives back every tensor (the copies included) and config.json; the engine drafts
+    with it and still gives transformers' greedy output."""
+    src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    make_model("deepseek_v3", src)
+    main, hf_mtp = add_mtp_layer(src)
+    ids, positions = ids_and_positions()
+    with torch.no_grad():
+        final_hidden = main(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        hidden = hf_mtp.forward_layer(0, final_hidden[:, :-1], positions[:, 1:], None, input_ids=ids[:, 1:])
+        reference = hf_mtp._project_to_logits(hidden)
+    model, config = from_hf(str(src))
+    assert config.mtp_num_layers == 1
+    assert_close(mtp_logits(model, ids, positions)[:, :-1], reference, rtol=0, atol=1e-4)
+
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), "--tensor-model-parallel-size", "2")
+    convert("export-hf", "--load", str(ckpt), "--out", str(out))
+    original, exported = hf_tensors(src), hf_tensors(out)
+    assert set(original) == set(exported) and any(".layers.3." in name for name in exported)
+    for name in original:
+        assert torch.equal(original[name], exported[name]), name
+    assert read_config(out) == read_config(src)
+
+    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), InferenceConfig(
+        buffer_size_gb=0.01, block_size=4, max_seq_length=64, num_speculative_tokens=1))
+    assert isinstance(engine.draft, MTPProposer)
+    prompts, greedy = [[5, 17, 3, 59, 42, 7], [8, 2]], SamplingParams(temperature=0, num_tokens_to_generate=8,
+                                                                       ignore_eod=True)
+    main.generation_config.eos_token_id, main.generation_config.pad_token_id = None, 0
+    expected = [main.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(p):].tolist()
+                for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == expected
+    assert engine.num_draft_tokens_proposed > 0
+
+
+def test_deepseek_mtp_refusals(tmp_path):
+    """A config naming MTP layers the files lack imports without them (a one-line warning); files
+    with MTP layers the config does not name, or an MTP copy of the embedding that is not a copy,
+    are refused."""
     src = tmp_path / "hf"
     reference = make_model("deepseek_v3", src)
-    (src / "config.json").write_text(json.dumps({**read_config(src), "num_nextn_predict_layers": 1}))
-    save_file({"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32)},
-              str(src / "mtp.safetensors"))
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({"model.layers.3.eh_proj.weight": "mtp.safetensors",
-                                "model.layers.3.enorm.weight": "mtp.safetensors"})
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.warns(UserWarning, match=r"the 2 tensors of the multi-token-prediction layer\(s\) "
-                                         r"\(num_nextn_predict_layers=1, model.layers.3.eh_proj.weight, \.\.\.\) "
-                                         "are not converted") as record:
+    config = read_config(src)
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.warns(UserWarning, match=r"num_nextn_predict_layers=1 but the files hold no multi-token-prediction "
+                                         r"layer \(model.layers.3.\*\); imported without") as record:
         model, _ = from_hf(str(src))
-    assert all("\n" not in str(w.message) for w in record)
+    assert len(record) == 1 and "\n" not in str(record[0].message)
     with torch.no_grad():
         assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
-    del index["weight_map"]["model.layers.0.self_attn.kv_b_proj.weight"]
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="kv_b_proj.weight is missing"):
-        warnings.simplefilter("ignore")
+    add_mtp_layer(src)
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"the files hold layers \[3\] past num_hidden_layers=3, but "
+                                         r"num_nextn_predict_layers=0"):
+        from_hf(str(src))
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    copy = load_file(str(src / "mtp.safetensors"))
+    copy["model.layers.3.embed_tokens.weight"] = copy["model.layers.3.embed_tokens.weight"] + 1
+    save_file(copy, str(src / "mtp.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.3.embed_tokens.weight differs from model.embed_tokens.weight"):
         from_hf(str(src))
 
 
@@ -247,7 +343,7 @@ TRAINING_SHAPES = {
         "--moe-router-topk", "4", "--moe-layer-freq", "[0,1,1]", "--moe-shared-expert-intermediate-size", "32",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
-        "--moe-router-load-balancing-type", "none"),
+        "--moe-router-load-balancing-type", "none", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"),
 }
 
 
@@ -255,16 +351,18 @@ TRAINING_SHAPES = {
 def test_finetune_an_imported_model_and_export_it(family, tmp_path):
     """import-hf -> `teratron train --load --finetune` with Megatron's flags for the model (the run
     refuses another model) -> export-hf: transformers loads the trained weights (DeepSeek's expert
-    bias moved by its update rule) and agrees with teratron's logits for them."""
+    bias moved by its update rule, its MTP layer trained too) and agrees with teratron's logits."""
     src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
     make_model(family, src)
+    if family == "deepseek_v3":
+        add_mtp_layer(src)
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
     finetune(ckpt, trained, shape=TRAINING_SHAPES[family])
     convert("export-hf", "--load", str(trained), "--out", str(out))
     changed = ["model.layers.2.mlp.experts.down_proj" if family == "gpt_oss" else
                "model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
     if family == "deepseek_v3":
-        changed.append("model.layers.1.mlp.gate.e_score_correction_bias")
+        changed += ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.3.eh_proj.weight"]
     for name in changed:
         assert not torch.equal(hf_tensors(out)[name], hf_tensors(src)[name]), name
     if family == "gpt_oss":
