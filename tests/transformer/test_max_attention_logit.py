@@ -116,3 +116,29 @@ def test_qk_clip_factors_per_query_group(qkv_bias):
     for rows in factors.values():
         torch.testing.assert_close(rows, expected, rtol=1e-6, atol=0)
         assert torch.equal(rows[32:], torch.ones(32))  # exactly 1 where nothing is clipped
+
+
+def test_compiled_layers_record_what_eager_layers_record():
+    """--torch-compile compiles each layer whole, the record's update included."""
+    from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+    from teratron.transformer.torch_compile import compile_transformer_layers
+
+    torch.manual_seed(0)
+    model = GPTModel(_config(window_size=(5, 0), init_method_std=0.3), get_gpt_layer_local_spec(), 48, SQ,
+                     position_embedding_type="rope")
+    ids = torch.randint(0, 48, (B, SQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SQ).expand(B, SQ)
+
+    def records():
+        out = [layer.self_attention.core_attention.current_max_attn_logits.clone() for layer in model.decoder.layers]
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.current_max_attn_logits.fill_(-INF)
+        return out
+
+    model(ids, positions).sum().backward()
+    eager = records()
+    assert compile_transformer_layers(model) == 2
+    model(ids, positions).sum().backward()
+    for compiled, expected in zip(records(), eager):
+        assert torch.isfinite(expected).all()
+        torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=0)
