@@ -243,7 +243,8 @@ class MegatronOptimizer(ABC):
             factors = factors.to(device=main.device, dtype=main.dtype)
             _scale_rows_of_flat(main.view(-1), start, model.numel() // model.shape[0], factors)
             model_piece = model.view(-1)[start:end]
-            if model_piece.numel() and (model_piece.device, model_piece.data_ptr()) != (main.device, main.data_ptr()):
+            stepped_in_place = (model_piece.device, model_piece.data_ptr()) == (main.device, main.data_ptr())
+            if model_piece.numel() and not stepped_in_place:
                 model_piece.copy_(main.view(-1))
 
     def _update_params(self):

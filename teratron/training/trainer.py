@@ -74,9 +74,9 @@ class LogWindow:
     max_attention_logit: float | None = None  # the largest of the window's steps
 
     def add(self, result: StepResult, global_batch: int) -> None:
-        logit = result.max_attention_logit
+        logit, largest = result.max_attention_logit, self.max_attention_logit
         if logit is not None:
-            self.max_attention_logit = logit if self.max_attention_logit is None else max(self.max_attention_logit, logit)
+            self.max_attention_logit = logit if largest is None else max(largest, logit)
         if not result.skipped:
             for key, value in result.losses.items():
                 self.losses[key] = self.losses.get(key, 0.0) + value

@@ -87,7 +87,8 @@ def _distributed_scaling(dtype):
     _step_with_scaling(model, ddp, optimizer)
     ranges = {id(s.model_param): s.flat_range for s in optimizer.main_param_shards()}
     masters = {id(s.model_param): s.main_param.detach().clone() for s in optimizer.main_param_shards()}
-    return before, [p.detach().clone() for p in model.parameters()], ranges[id(model.weight)], masters[id(model.weight)]
+    after = [p.detach().clone() for p in model.parameters()]
+    return before, after, ranges[id(model.weight)], masters[id(model.weight)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -171,8 +172,9 @@ def test_a_step_clips_the_query_and_key_rows_of_the_groups_over_the_threshold():
             assert torch.equal(weight[group, 3], old[group, 3])  # values
     assert 0 < clipped < 4
     # The records were taken: the next step's maxima start afresh.
-    assert all(torch.equal(layer.self_attention.core_attention.current_max_attn_logits, torch.full((4,), -float("inf")))
-               for layer in model.decoder.layers)
+    for layer in model.decoder.layers:
+        record = layer.self_attention.core_attention.current_max_attn_logits
+        assert torch.equal(record, torch.full((4,), -float("inf")))
     # After the clip, the first layer (whose input the clip leaves unchanged) has on the same batch
     # the threshold as the largest logit of each clipped group, and the old one elsewhere.
     seen.clear()

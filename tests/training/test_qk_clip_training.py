@@ -59,7 +59,8 @@ def test_qk_clip_bites_and_logging_alone_changes_nothing(muon_reference, tmp_pat
     assert none_logged == [None] * 4
     logged_losses, logged = train(MUON + ["--log-max-attention-logit"], str(tmp_path / "logged.jsonl"))
     assert logged_losses == plain  # recording the logits changes nothing
-    # The first forward precedes any clip; afterwards the clipped heads start each step near 6 (the update after the clip moves them a little).
+    # The first forward precedes any clip; afterwards the clipped heads start each step near 6 (the
+    # update after the clip moves them a little).
     assert logged[0] == pytest.approx(logits[0], rel=1e-6) and logged[0] > 12
     assert all(value < 8 for value in logits[1:]) and all(value > 12 for value in logged[1:])
     assert losses[4] != pytest.approx(plain[4], rel=1e-3)
