@@ -4,12 +4,11 @@ Llama 2/3, Mistral, Qwen2 and Qwen3 are one architecture to teratron: RMSNorm, S
 (rotate-half, as Megatron's default), grouped-query attention, no position table. They differ in
 biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection), qk-norm
 (Qwen3) and tied embeddings. Mixtral (Mistral's attention) and Qwen3-MoE (Qwen3's) replace MLPs
-by MoE layers; their MoE fields map in `hf_moe`. Features teratron does not build (RoPE scaling,
-sliding windows that bite, other activations, Qwen2-MoE's gated shared expert) are refused with
-the field's name.
+by MoE layers; their MoE fields map in `hf_moe`. Mistral's and Mixtral's
+sliding window becomes `window_size` on every layer. Features teratron does not convert (RoPE
+scaling, other families' sliding windows, other activations, Qwen2-MoE's gated shared expert) are
+refused with the field's name.
 """
-
-import warnings
 
 from teratron.convert.hf_moe import (MOE_FAMILIES, REFUSED, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
@@ -41,12 +40,33 @@ def _biases(hf: dict, family: str, source: str) -> tuple:
     return attention_bias, False
 
 
-def _check_window(hf: dict, source: str) -> None:
+WINDOW_FAMILIES = ("mistral", "mixtral")
+
+
+def _window_args(hf: dict, family: str, source: str) -> dict:
+    """Mistral's and Mixtral's `sliding_window` W (each query sees itself and the W - 1 tokens
+    before it, as transformers masks it) as window_size (W - 1, 0) on every layer; nothing when the
+    window never bites (W >= max_position_embeddings) or is off."""
     window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", hf.get("model_type") in ("mistral", "mixtral"))
-    if uses_window and window is not None and window < hf.get("max_position_embeddings", 0):
-        warnings.warn(f"{source}: sliding_window={window} is ignored; teratron attends over the full "
-                      f"sequence, which equals the model for sequences up to {window} tokens")
+    if not hf.get("use_sliding_window", family in WINDOW_FAMILIES) or window is None \
+            or window >= hf.get("max_position_embeddings", 0):
+        return {}
+    if family not in WINDOW_FAMILIES:
+        raise ValueError(f"{source}: use_sliding_window with sliding_window={window} ({family}); teratron "
+                         f"converts the sliding windows of {' and '.join(WINDOW_FAMILIES)} only")
+    return {"window_size": [window - 1, 0]}
+
+
+def _export_window(a: dict, family: str) -> int | None:
+    """The HF `sliding_window` of the model's window_size, or None without one."""
+    window = a.get("window_size")
+    if window is None:
+        return None
+    if family not in WINDOW_FAMILIES or a.get("window_attn_skip_freq") is not None or window[1] != 0:
+        raise ValueError(f"the checkpoint's model has window_size={list(window)} with window_attn_skip_freq="
+                         f"{a.get('window_attn_skip_freq')}; Hugging Face's {' and '.join(WINDOW_FAMILIES)} hold "
+                         "one causal window on every layer, the export writes only that")
+    return window[0] + 1
 
 
 def require_fields(hf: dict, source: str, names) -> None:
@@ -73,7 +93,6 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
     if family in MOE_FAMILIES:
         required += ["num_experts_per_tok"] + (["moe_intermediate_size"] if family == "qwen3_moe" else [])
     require_fields(hf, source, required)
-    _check_window(hf, source)
     heads = hf["num_attention_heads"]
     add_bias_linear, add_qkv_bias = _biases(hf, family, source)
     vocab = hf["vocab_size"]
@@ -91,6 +110,7 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
         **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else MOE_DEFAULTS),
+        **_window_args(hf, family, source),
     }
 
 
@@ -108,7 +128,8 @@ def export_family(a: dict, base_type) -> str:
     """The imported family when the model still fits it, else the first that does."""
     if a["num_experts"]:
         return moe_export_family(a)
-    for family in ((base_type,) if base_type in DENSE_FAMILIES else ()) + ("llama", "qwen2", "qwen3"):
+    windowed = ("mistral",) if a.get("window_size") is not None else ()  # the dense family with a window
+    for family in ((base_type,) if base_type in DENSE_FAMILIES else ()) + windowed + ("llama", "qwen2", "qwen3"):
         if _fits(family, a):
             return family
     raise ValueError("the checkpoint combines qk-layernorm with a QKV-only bias; no Hugging Face "
@@ -125,16 +146,21 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
     a = {**MOE_DEFAULTS, **a}
+    if a.get("multi_latent_attention"):
+        raise ValueError("the checkpoint's model uses multi-latent attention, which has no Hugging Face export yet "
+                         "(deepseek_v3 is not supported)")
     if a["normalization"] != "RMSNorm" or not a["swiglu"] or a["position_embedding_type"] != "rope" \
             or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
         raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
                          "rotate-half RoPE); it has no Hugging Face counterpart to export to")
-    variants = [name for name, default in VARIANT_DEFAULTS.items() if a.get(name, default) != default]
+    hf = dict(base or {})
+    family = export_family(a, hf.get("model_type"))
+    variants = [name for name, default in VARIANT_DEFAULTS.items()
+                if a.get(name, default) != default and name not in ("window_size", "window_attn_skip_freq")]
     if variants:
         raise ValueError(f"the checkpoint's model sets {', '.join(variants)}; the Hugging Face export does not "
                          "write these yet")
-    hf = dict(base or {})
-    family = export_family(a, hf.get("model_type"))
+    sliding_window = _export_window(a, family)
     for stale in ("rope_parameters", "num_local_experts", "num_experts"):
         hf.pop(stale, None)
     hf.update({
@@ -152,4 +178,6 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
         hf["attention_bias"] = a["add_bias_linear"]
     if family == "llama":
         hf["mlp_bias"] = a["add_bias_linear"]
+    if family in WINDOW_FAMILIES:
+        hf["sliding_window"] = sliding_window
     return hf

@@ -8,7 +8,7 @@ training flags' dest names (Megatron's); `model_args_from_config` writes the rec
 Only what shapes the model's weights or forward math is recorded; training-only MoE settings
 (load balancing, aux-loss coefficients, capacity, dispatcher) are not, so a fine-tune may change
 them. MoE keys default to Megatron's values (`MOE_DEFAULTS`) when a run or an older checkpoint
-lacks them.
+lacks them; `mtp_num_layers` (multi-token prediction) to None.
 """
 
 import torch
@@ -28,12 +28,21 @@ VARIANT_DEFAULTS = {
     "activation_func_clamp_value": None,
 }
 
+# Multi-latent attention: the flag dest -> its MLATransformerConfig field; recorded for MLA models only.
+MLA_ARGS = {
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_head_dim",
+    "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim", "rope_type": "rope_type",
+    "rotary_scaling_factor": "rotary_scaling_factor", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+}
+
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    *MOE_DEFAULTS, *VARIANT_DEFAULTS,
+    "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS,
 )
 
 
@@ -50,9 +59,12 @@ def model_args_from_config(model) -> dict:
         rotary_interleaved=c.rotary_interleaved,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
-        padded_vocab_size=model.padded_vocab_size, **MOE_DEFAULTS,
+        padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
         **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
+        multi_latent_attention=c.multi_latent_attention,
     )
+    if c.multi_latent_attention:
+        out.update({arg: getattr(c, field) for arg, field in MLA_ARGS.items()})
     if c.num_moe_experts:
         out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
                    num_experts=c.num_moe_experts,
@@ -85,7 +97,7 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
     fields, e.g. the layout) say otherwise; the recorded padded vocabulary unless another is given
     (another TP size pads differently)."""
     from teratron.models.gpt.gpt_config import GPTModelConfig
-    from teratron.transformer.transformer_config import TransformerConfig
+    from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     a = model_args
     kwargs = dict(
@@ -95,14 +107,20 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         gated_linear_unit=a["swiglu"], activation_func=F.silu if a["swiglu"] else F.gelu,
         add_bias_linear=a["add_bias_linear"], add_qkv_bias=a["add_qkv_bias"], qk_layernorm=a["qk_layernorm"],
         rotary_interleaved=a["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
+        params_dtype=torch.float32, mtp_num_layers=a.get("mtp_num_layers"),
+        **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
     )
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},
                       num_moe_experts=a["num_experts"])
+    config_class = TransformerConfig
+    if a.get("multi_latent_attention"):
+        config_class = MLATransformerConfig
+        kwargs.update({field: a[arg] for arg, field in MLA_ARGS.items()}, rotary_base=a["rotary_base"],
+                      rotary_percent=a["rotary_percent"])
     kwargs.update(overrides)
     return GPTModelConfig(
-        TransformerConfig(**kwargs), vocab_size=a["vocab_size"] or a["padded_vocab_size"],
+        config_class(**kwargs), vocab_size=a["vocab_size"] or a["padded_vocab_size"],
         max_position_embeddings=a["max_position_embeddings"],
         position_embedding_type=a["position_embedding_type"], rotary_percent=a["rotary_percent"],
         rotary_base=a["rotary_base"],

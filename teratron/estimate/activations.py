@@ -40,6 +40,13 @@ The last stage keeps the output layer's input and, with the unfused loss, the lo
 recomputes the softmax in backward; its passes are compiled kernels on CUDA, eager elsewhere); with
 `cross_entropy_loss_fusion` the int64 targets only, the logits living one chunk at a time
 (`fused_loss_transients`).
+
+Each multi-token-prediction depth (on the last stage) keeps what its embedding lookup keeps
+(the shifted int64 ids), enorm's and hnorm's storages (hnorm's input is the previous output,
+which its output layer keeps), the [Tn, 2h] concatenation eh_proj keeps (gathered under SP), a
+transformer layer, its final norm, an output layer pass like the main one and the shifted fp32
+loss mask; under full recompute only the checkpoint's inputs (the embeddings, and under SP
+h_{k-1}) and the output layer's.
 """
 
 import math
@@ -49,7 +56,7 @@ from teratron.estimate.kernels import KernelProfile
 from teratron.estimate.params import ModelShape
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
 from teratron.transformer.enums import AttnBackend
-from teratron.transformer.moe.moe_logging import moe_layer_pattern
+from teratron.transformer.moe.moe_logging import moe_layer_indices
 
 # Gradients alive while backward runs through one layer: the gradient of its largest saved
 # tensor and of the tensor it came from (e.g. d(fc1 output) and d(act)), so twice the largest.
@@ -195,6 +202,72 @@ def _attention_storages(config, kernels, d: Dims, rope_dim: int, recompute_core:
     return out
 
 
+def _mla_attention_storages(config, kernels, d: Dims, rope_dim: int, recompute_core: bool,
+                            recompute_up: bool) -> list:
+    """Multi-latent attention (n = heads / tp, d_c kv_lora_rank, d_q q_lora_rank, q_head = d_n + d_r):
+    the down projections' input [Tn, h]; the latent norms; the up projections' inputs [T, d_q] and
+    [T, d_c] (gathered under SP; the kv one is a view of the down projection's [Tn, d_c + d_r]
+    output where nothing copies it); RoPE's cos/sin; core attention's q, k [T, n q_head] and v
+    [T, n d_v] (fresh tensors: the up projections' outputs are dropped), its output and
+    logsumexp. 'mla_up_proj' keeps the up projections' (ungathered) inputs and the RoPE key
+    instead of their outputs, q, k and v (freed until backward). Padded heads (the flash
+    backend): core attention keeps padded copies of q, k, v and its padded output."""
+    T, Tn, a, h = d.tokens, d.norm_tokens, d.a, config.hidden_size
+    n = config.num_attention_heads // d.tp
+    dn, dr, dv, dc = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim, config.kv_lora_rank
+    q_head = dn + dr
+    norms, keeps_input = config.qk_layernorm, _norm_keeps_input(config, kernels, a)
+    out = [_saved("qkv input", a * Tn * h, Tn * h, "qkv_linear")]
+    # Queries: the up projection's input, and the norm before it.
+    if config.q_lora_rank is None:
+        if d.sp and not recompute_up:  # linear_q_proj's gathered input (else the input above)
+            out.append(_saved("latents", a * T * h, T * h, "qkv_linear"))
+    else:
+        dq = config.q_lora_rank
+        if norms:
+            out += norm_storages(config, kernels, "latent norms", Tn * dq, Tn, a, True, "qkv_linear")
+        rows = Tn if recompute_up else T  # the checkpoint keeps the ungathered input
+        out.append(_saved("latents", a * rows * dq, rows * dq, "qkv_linear"))
+    # Keys and values: the down projection's output K [Tn, d_c + d_r] is kept whole by whoever keeps
+    # a view of it: the kv norm (if it keeps its input), the kv up projection without the norm
+    # (ungathered, i.e. without SP), the recompute checkpoint (c_kv without the norm, the RoPE key
+    # without SP).
+    if norms:
+        kv_norm = norm_storages(config, kernels, "latent norms", Tn * dc, Tn, a, True, "qkv_linear")
+        if keeps_input:
+            kv_norm[0] = _saved("latent norms", a * Tn * (dc + dr), Tn * (dc + dr), "qkv_linear")
+        out += kv_norm
+    k_kept = (not d.sp and (not norms or recompute_up)) or (recompute_up and not norms)
+    if k_kept and not (norms and keeps_input):
+        out.append(_saved("latents", a * Tn * (dc + dr), Tn * (dc + dr), "qkv_linear"))
+    if norms:  # the kv up projection's input: the norm's output (gathered under SP)
+        rows = Tn if recompute_up else T
+        out.append(_saved("latents", a * rows * dc, rows * dc, "qkv_linear"))
+    elif d.sp and not recompute_up:
+        out.append(_saved("latents", a * T * dc, T * dc, "qkv_linear"))
+    if recompute_up and d.sp:
+        out.append(_saved("latents", a * T * dr, T * dr, "qkv_linear"))  # the gathered RoPE key
+    if rope_dim and not recompute_up:
+        out.append(_saved("rope tables", 4 * a * T * rope_dim, T * rope_dim, "qkv_linear"))
+    # Core attention.
+    pad = config.attention_backend == AttnBackend.flash and q_head != dv
+    head = max(q_head, dv) if pad else None
+    core = OTHER if recompute_core else "core_attn"
+    qkv = 3 * n * head if pad else 0 if recompute_up else n * (2 * q_head + dv)
+    if qkv:
+        out.append(_saved("q, k, v", a * T * qkv, T * qkv, core))
+    if pad:  # SDPA keeps its padded output, linear_proj the unpadded copy
+        if not recompute_core:
+            out.append(_saved("core attention", a * T * n * head, T * n * head, "core_attn"))
+        out.append(_saved("core attention", a * T * n * dv, T * n * dv, "attn_proj"))
+    else:
+        out_savers = ["attn_proj"] + ([] if recompute_core else ["core_attn"])
+        out.append(_saved("core attention", a * T * n * dv, T * n * dv, *out_savers))
+    if not recompute_core:
+        out.append(_saved("core attention", 4 * T * n, T * n, "core_attn"))
+    return out
+
+
 def _moe_storages(config, d: Dims) -> list:
     """MoE layer under balanced routing: every rank's experts get k tokens per local token."""
     h, a, k, experts = config.hidden_size, d.a, config.moe_router_topk, config.num_moe_experts
@@ -243,7 +316,11 @@ def layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_mo
     else:
         out = (norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, input_is_new, "attn_norm")
                + norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, True, "mlp_norm"))
-    attention = _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
+    if config.multi_latent_attention:
+        attention = _mla_attention_storages(config, kernels, d, rope_dim, "core_attn" in selective,
+                                            "mla_up_proj" in selective)
+    else:
+        attention = _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
     out += [s for s in attention if not (compiled and s.part == "rope tables")]
     if ("moe" if is_moe else "mlp") in selective:
         out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
@@ -278,9 +355,9 @@ def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: 
     return parts, host
 
 
-def _keeps_layer_input(config, kernels: KernelProfile) -> bool:
+def _keeps_layer_input(config, kernels: KernelProfile, residual_bytes: int) -> bool:
     return (config.recompute_granularity == "full" or "layernorm" in _selective(config)
-            or config.normalization == "LayerNorm" or kernels.fused_rms_norm)
+            or _norm_keeps_input(config, kernels, residual_bytes))
 
 
 def _layer_input_offloaded(config, numel: int) -> bool:
@@ -290,6 +367,9 @@ def _layer_input_offloaded(config, numel: int) -> bool:
 
 
 def rope_dim_for(config, shape: ModelShape) -> int:
+    if config.multi_latent_attention:  # rotates its positional channels whatever the type
+        percent = config.rotary_percent if config.rope_type == "rope" else 1.0
+        return int(config.qk_pos_emb_head_dim * percent)
     if shape.position_embedding_type != "rope":
         return 0
     return int(config.kv_channels * shape.rotary_percent)
@@ -303,9 +383,12 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     if config.attention_backend in _REFERENCE_BACKENDS:
         raise NotModelled(f"attention_backend={config.attention_backend.name}: the estimate models SDPA "
                          "attention (auto/flash/fused); the reference path keeps s x s scores")
+    if config.multi_latent_attention and config.fine_grained_activation_offloading:
+        raise NotModelled("fine_grained_activation_offloading with multi_latent_attention: the estimate does not "
+                          "model which latents each module offloads; drop one")
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
-    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq) if config.num_moe_experts else None
+    moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
     result = ChunkActivations()
     hidden = d.r * Tn * h  # one [Tn, h] tensor of the residual stream
     if pre_process:
@@ -314,7 +397,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
         result.extra["embedding"] = 8 * d.tokens * ids + (d.tokens if d.tp > 1 else 0)
         if config.hidden_dropout > 0:
             result.extra["embedding"] += kernels.dropout_bytes_per_element(d.a) * Tn * h
-        elif d.sp and d.tp > 1 and (compiled or _keeps_layer_input(config, kernels)):
+        elif d.sp and d.tp > 1 and (compiled or _keeps_layer_input(config, kernels, d.r)):
             # The first layer's input is a view of the whole embedding output before the
             # sequence scatter; keeping it keeps all s tokens (on the host when offloaded).
             whole = d.r * (d.tokens - Tn) * h
@@ -329,16 +412,16 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
 
     layers, host = [], []
     for i, n in enumerate(layer_numbers):
-        parts, offloaded = layer_bytes(config, kernels, d, rope, bool(pattern and pattern[n - 1]),
+        parts, offloaded = layer_bytes(config, kernels, d, rope, n in moe_layers,
                                        input_is_new=pre_process or i > 0, compiled=compiled)
         layers.append(parts)
         host.append(offloaded)
-    if layers:
-        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, pattern)
+    if layers or (post_process and config.mtp_num_layers):
+        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, bool(moe_layers))
     if config.recompute_granularity == "full":
         layers = _full_recompute(config, result, layers, hidden, pre_process, rope, d)
         host = host[len(host) - (len(layers) - 1):]  # recomputed layers offload nothing
-    if compiled and rope and layers and config.recompute_granularity != "full":
+    if rope and layers and config.recompute_granularity != "full" and (compiled or "mla_up_proj" in _selective(config)):
         result.extra["rope angles"] = 4 * d.tokens * rope  # fp32 [s, b, 1, rot], one tensor for all layers
     result.layers = layers
     if any(host):
@@ -350,21 +433,67 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
 
     if post_process:
         vocab = shape.padded_vocab_size // d.tp
-        logits = d.tokens * vocab
-        output = norm_bytes(config, kernels, Tn * h, Tn, d.r, True) + d.a * d.tokens * h  # + output layer input
-        if config.cross_entropy_loss_fusion:  # keeps the int64 targets, no logits
-            result.extra["output"] = output + 8 * d.tokens
+        result.extra["output"] = norm_bytes(config, kernels, Tn * h, Tn, d.r, True) + _output_bytes(config, d, vocab)
+        if config.cross_entropy_loss_fusion:
             chunk = min(default_chunk_size(vocab), d.tokens)
             forward, result.loss_backward_transient = fused_loss_transients(
                 d.a, d.tokens, h, vocab, chunk, kernels.compiled_loss)
-            result.forward_transient = max(result.forward_transient, forward)
         else:
-            # The logits themselves, and per token the max, log-sum-exp (fp32), target (int64), mask.
-            result.extra["output"] = output + d.a * logits + 17 * d.tokens
             forward, backward = _cross_entropy_working(d.a, kernels.compiled_loss, d.tokens, vocab)
-            result.forward_transient = max(result.forward_transient, forward)
             result.backward_transient = max(result.backward_transient, backward)
+        result.forward_transient = max(result.forward_transient, forward)
+        if config.mtp_num_layers:
+            result.layers += _mtp_depths(config, kernels, d, rope, moe_layers, vocab, compiled, result)
+            result.extra["mtp loss"] = 4  # the fp32 scalar joined to the LM loss's backward
     return result
+
+
+def _output_bytes(config, d: Dims, vocab: int) -> int:
+    """The output layer's input and, unfused, the logits and per token the max, log-sum-exp
+    (fp32), target (int64) and mask; fused, the int64 targets only."""
+    kept = d.a * d.tokens * config.hidden_size
+    if config.cross_entropy_loss_fusion:
+        return kept + 8 * d.tokens
+    return kept + d.a * d.tokens * vocab + 17 * d.tokens
+
+
+def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int, compiled: bool,
+                result: ChunkActivations) -> list:
+    """{part: bytes} of each multi-token-prediction depth (see the module docstring); adds a
+    recomputed depth's storages to the backward transient under full recompute."""
+    h, T, Tn = config.hidden_size, d.tokens, d.norm_tokens
+    ids = 8 * T + (T if d.tp > 1 else 0)  # the shifted ids the lookup keeps (and its TP mask)
+    dropout = kernels.dropout_bytes_per_element(d.a) * Tn * h if config.hidden_dropout > 0 else 0
+    # Under SP the embeddings are a view of the whole lookup output before the scatter (unless
+    # dropout copied them): what keeps them (the checkpoint, or an enorm keeping its input) keeps it.
+    whole = d.sp and d.tp > 1 and not dropout
+    layer_kernels = replace(kernels, fused_rms_norm=True) if compiled else kernels
+    depths = []
+    for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
+        # The loss: the shifted fp32 mask of the masked sum, and the clamped token count.
+        kept = {"mtp ids and mask": ids + 4 * T + 4, "mtp output": _output_bytes(config, d, vocab)}
+        if config.recompute_granularity == "full":
+            # The checkpoint keeps the embeddings and h_{k-1} (under SP the output layer keeps
+            # only its gathered copy).
+            kept["mtp checkpoint input"] = (d.r * (T if whole else Tn) * h + dropout
+                                            + (d.a * Tn * h if d.sp and d.tp > 1 else 0))
+        else:
+            norms = (norm_storages(config, kernels, "n", Tn * h, Tn, d.r, True)
+                     + norm_storages(config, kernels, "n", Tn * h, Tn, d.a, d.sp and d.tp > 1))
+            whole_kept = whole and _norm_keeps_input(config, kernels, d.r)
+            kept["mtp norms"] = sum(x.nbytes for x in norms if x.counted) + dropout + (
+                d.r * (T - Tn) * h if whole_kept else 0)
+            kept["mtp eh_proj input"] = d.a * (T if d.sp else Tn) * 2 * h
+            layer, offloaded = layer_bytes(config, kernels, d, rope, number in moe_layers, compiled=compiled)
+            kept.update(layer)
+            result.host += offloaded
+            result.forward_transient = max(result.forward_transient, offloaded)
+            if d.sp and d.tp > 1 and ("layernorm" in _selective(config)
+                                      or _norm_keeps_input(config, layer_kernels, d.a)):
+                kept["mtp eh_proj input"] += d.a * (T - Tn) * h  # the layer's input: a view of eh_proj's output
+            kept["mtp norms"] += norm_bytes(config, kernels, Tn * h, Tn, d.r, True)  # the final norm
+        depths.append(kept)
+    return depths
 
 
 def _cross_entropy_working(a: int, compiled: bool, tokens: int, vocab: int) -> tuple:
@@ -402,14 +531,17 @@ def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: i
     return a * elements + loss_forward, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
 
 
-def _largest_tensor(config, d: Dims, pattern) -> int:
+def _largest_tensor(config, d: Dims, has_moe: bool) -> int:
     """Bytes of the biggest activation of a layer: the fc1 output, the QKV output or [T, h]."""
     gate = 2 if config.gated_linear_unit else 1
     hn = config.kv_channels
     sizes = [d.tokens * config.hidden_size,
              d.tokens * (config.num_attention_heads + 2 * config.num_query_groups) * hn // d.tp,
              d.tokens * gate * config.ffn_hidden_size // d.tp]
-    if pattern and any(pattern):
+    if config.multi_latent_attention:  # the kv up projection's output, q or k
+        sizes[1] = d.tokens * config.num_attention_heads // d.tp * max(
+            config.qk_head_dim + config.v_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim)
+    if has_moe:
         etp = config.expert_tensor_parallel_size
         local_tokens = d.tokens // d.tp if d.tp > 1 else d.tokens
         expert_tokens = local_tokens * config.moe_router_topk * etp

@@ -20,7 +20,7 @@ RECIPES = ("tensorwise", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # Recompute modules that rerun linear layers: delayed scaling would quantise them again with a
 # scale its history has moved on from (see check_fp8_config).
-_RECOMPUTED_LINEARS = ("mlp", "moe")
+_RECOMPUTED_LINEARS = ("mlp", "moe", "mla_up_proj")
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def check_fp8_config(config) -> None:
         and any(m in _RECOMPUTED_LINEARS for m in config.recompute_modules))
     if config.fp8_recipe == "delayed" and recomputed:
         raise ValueError("fp8_recipe='delayed' cannot recompute linear layers (recompute_granularity='full' "
-                         "or recompute_modules 'mlp'/'moe'): the recompute would quantise with a newer scale; "
-                         "use fp8_recipe='tensorwise' or recompute only 'core_attn'/'layernorm'")
+                         "or recompute_modules 'mlp'/'moe'/'mla_up_proj'): the recompute would quantise with a "
+                         "newer scale; use fp8_recipe='tensorwise' or recompute only 'core_attn'/'layernorm'")
 
 
 def layer_uses_fp8(config, layer_number: int) -> bool:

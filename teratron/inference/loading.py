@@ -38,11 +38,12 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1, dtype: torch.dtype | None = None,
-                       device=None, flag: str = "--load"):
+                       device=None, flag: str = "--load", cache_mla_latents: bool = False):
     """(GPTModel in eval mode, tokenizer) of the checkpoint in `checkpoint_dir` (a save directory,
     whose latest iteration loads, or an iteration folder). `dtype`: the parameters' (default: the
     saved weights'); `device`: where they live (default: CUDA when available, else the CPU);
-    `flag`: the option the path came from, for error messages.
+    `flag`: the option the path came from, for error messages; `cache_mla_latents`: a
+    multi-latent-attention model caches its latents (MLATransformerConfig.cache_mla_latents).
     Tensor parallelism needs torch.distributed initialised with that many ranks per group."""
     folder = storage.resolve_checkpoint_dir(checkpoint_dir, flag)
     metadata = storage.read_metadata(folder)
@@ -52,9 +53,19 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
                          "load a checkpoint saved by `teratron train`, import-hf or merge")
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or saved_dtype(folder)
-    model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder, flag)
+    if cache_mla_latents and not model_args.get("multi_latent_attention"):
+        raise ValueError(f"--cache-mla-latents: the model of {flag} {folder} has no multi-latent attention; "
+                         "drop the flag")
+    overrides = dict(cache_mla_latents=True) if cache_mla_latents else {}
+    model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder, flag, **overrides)
     _, common = load_checkpoint(folder, [model], optimizer=None, load_optimizer=False, load_rng=False)
     return model.to(device).eval(), _load_tokenizer(folder, metadata, common, flag)
+
+
+def mtp_num_layers(checkpoint_dir: str, flag: str = "--load") -> int:
+    """The multi-token-prediction depths of the checkpoint's model (0: none), from its metadata."""
+    folder = storage.resolve_checkpoint_dir(checkpoint_dir, flag)
+    return (storage.read_metadata(folder).get("model_args") or {}).get("mtp_num_layers") or 0
 
 
 def saved_dtype(checkpoint_dir: str) -> torch.dtype:
@@ -83,7 +94,8 @@ def _pg_collection(tp: int, folder: str) -> ProcessGroupCollection:
     return pg
 
 
-def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.device, folder: str, flag: str):
+def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.device, folder: str, flag: str,
+                 **overrides):
     pg = _pg_collection(tp, folder)
     padded = model_args.get("padded_vocab_size")
     if not padded or padded % tp:  # the vocabulary rows are resharded on load: any padding loads
@@ -92,7 +104,7 @@ def _build_model(model_args: dict, tp: int, dtype: torch.dtype, device: torch.de
         config = gpt_config_from_model_args(
             model_args, padded_vocab_size=padded, tensor_model_parallel_size=tp, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, perform_initialization=False,
-            use_cpu_initialization=device.type == "cpu")
+            use_cpu_initialization=device.type == "cpu", **overrides)
     except KeyError as e:
         raise ValueError(f"{flag} {folder}: metadata.json's model_args lack {e}; the checkpoint is damaged or from "
                          "an older teratron: save it again with `teratron train`") from None

@@ -1,5 +1,5 @@
-"""Sliding windows and attention sinks for the inference engine's reference attention (the padded
-SDPA batches of `DynamicInferenceContext._attend_batch`), for the engine to wire in.
+"""Sliding windows and attention sinks in the inference engine's padded prefill batches
+(`DynamicInferenceContext._attend_batch`; decode and short chunks take them in the paged kernel).
 
 What a layer needs, read once from its core attention (`SelfAttention.core_attention`, a
 `DotProductAttention`) when the context is built:

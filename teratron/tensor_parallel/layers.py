@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, DuplicatedLinear (replicated
+over TP), VocabParallelEmbedding.
 
 Initialisation is LAYOUT-INVARIANT (a project decision, see docs/design.md): with
 `config.perform_initialization`, each layer builds the FULL fp32 master weight on the
@@ -288,6 +289,51 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
+
+
+class DuplicatedLinear(nn.Module):
+    """Y = X A^T (+ b) with the whole A on every TP rank (Megatron's TELinear with
+    parallel_mode='duplicated'); it never communicates.
+
+    Each rank multiplies the input it has: under sequence parallelism its own [s/tp, b, in] slice
+    of the sequence, so the weight gradients differ across TP ranks and carry
+    `sequence_parallel=True` (finalize_model_grads sums them over TP, as for the norms); else the
+    whole [s, b, in], the same on every rank, and the caller makes the output's gradient whole
+    on every rank too (an up projection's own copy_to_tensor_model_parallel_region, or one of
+    its own), so the weight gradients agree without a reduction. The parameters are not
+    tensor-parallel: checkpoints hold one copy.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = False,
+                 skip_bias_add: bool = False, tp_group=None):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.is_expert = False
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        self.sequence_parallel = config.sequence_parallel and get_pg_size(self.tp_group) > 1
+        device = param_device(config)
+        self.fp8 = None
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            _init_weight(self.weight, (output_size, input_size), 0, 1, init_method, 0, 1, False)
+        _fuse_grad_accumulation(self.weight, config)
+        self.bias = _zero_bias(output_size, config, device) if bias else None
+        for param in self.parameters():
+            param.sequence_parallel = self.sequence_parallel
+
+    def enable_fp8(self, recipe, name: str) -> None:
+        self.weight.fuse_wgrad_accumulation = False  # the FP8 GEMM returns dW itself
+        # Under sequence parallelism the input and the output gradient are each rank's own slice;
+        # otherwise every tensor is the same on all ranks.
+        self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size, name=name,
+                           tp_group=self.tp_group if self.sequence_parallel else None, reduce_input=True,
+                           reduce_weight=False, reduce_grad_output=True, device=param_device(self.config))
+
+    def forward(self, input_):
+        bias = None if self.skip_bias_add else self.bias
+        return _matmul(self.fp8, input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -197,3 +197,76 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
     if distribute_saved_activations:
         tp_group = resolve_tp_group(tp_group)
     return CheckpointFunction.apply(function, distribute_saved_activations, tp_group, *args)
+
+
+class CheckpointWithoutOutput:
+    """Recompute whose outputs are freed once their consumer has saved what it needs (Megatron's
+    CheckpointWithoutOutput): `checkpoint(fn, *args)` runs fn keeping only its inputs;
+    `discard_output_and_register_recompute(hook_tensor)` then empties the outputs' storages
+    (the consumer keeps references to them, not copies) and, when backward reaches
+    `hook_tensor` (an output of the consumer), reruns fn and writes the results back into those
+    storages before the consumer's backward reads them. fn must return contiguous tensors that
+    own their storages, and the consumer must save its inputs, not copies of them."""
+
+    def __init__(self):
+        self.run_function = None
+        self.ctx = None
+        self.outputs = None
+        self.recomputed = None
+
+    def checkpoint(self, run_function, *args):
+        self.run_function = run_function
+        self.rng_states = (_get_device_rng_state(), _RNG_STATE_TRACKER.get_states())
+        outputs = _CheckpointWithoutOutputFunction.apply(self, *args)
+        self.outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return outputs
+
+    def discard_output_and_register_recompute(self, hook_tensor) -> None:
+        if not (torch.is_grad_enabled() and hook_tensor.requires_grad):
+            return  # no backward will come: nothing to recompute
+        for output in self.outputs:
+            output.untyped_storage().resize_(0)
+        hook_tensor.register_hook(self._recompute)
+
+    def _recompute(self, grad):
+        outputs, inputs = self._rerun()
+        for stored, new in zip(self.outputs, outputs):
+            stored.untyped_storage().resize_(new.untyped_storage().nbytes())
+            stored.untyped_storage().copy_(new.untyped_storage())
+        self.recomputed = (outputs, inputs)
+        return grad
+
+    def _rerun(self):
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None
+                  for t in self.ctx.saved_tensors]
+        current = (_get_device_rng_state(), _RNG_STATE_TRACKER.get_states())
+        _set_device_rng_state(self.rng_states[0])
+        _RNG_STATE_TRACKER.set_states(self.rng_states[1])
+        try:
+            with torch.enable_grad():
+                outputs = self.run_function(*inputs)
+        finally:
+            _set_device_rng_state(current[0])
+            _RNG_STATE_TRACKER.set_states(current[1])
+        return (outputs if isinstance(outputs, tuple) else (outputs,)), inputs
+
+
+class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, checkpoint, *args):
+        with torch.no_grad():
+            outputs = checkpoint.run_function(*args)
+        ctx.checkpoint = checkpoint
+        ctx.save_for_backward(*args)
+        checkpoint.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        checkpoint = ctx.checkpoint
+        # Recomputed by the hook, or now when the outputs were never discarded.
+        outputs, inputs = checkpoint.recomputed or checkpoint._rerun()
+        checkpoint.recomputed = checkpoint.ctx = None
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(None if x is None else x.grad for x in inputs)

@@ -20,6 +20,7 @@ import os
 import yaml
 
 from teratron.transformer.activation_offload import OFFLOAD_MODULES
+from teratron.transformer.transformer_config import RECOMPUTE_MODULES
 
 _DATA_SOURCE_FLAGS = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -128,6 +129,9 @@ def _add_network_args(parser):
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--recompute-modules", nargs="+", default=None, choices=RECOMPUTE_MODULES, metavar="MODULE",
+                   help="What --recompute-granularity selective recomputes: core_attn (default), mlp, layernorm, "
+                        "moe, mla_up_proj.")
     g.add_argument("--fine-grained-activation-offloading", action="store_true",
                    help="Copy what --offload-modules save for backward to host memory, overlapped with compute.")
     g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
@@ -161,7 +165,20 @@ def _add_network_args(parser):
 
     _add_moe_args(parser)
     _add_attention_variant_args(parser)
+    _add_mla_args(parser)
+    _add_mtp_args(parser)
     _add_qk_clip_args(parser)
+
+
+def _add_mtp_args(parser):
+    g = parser.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token-prediction depths (DeepSeek-V3's MTP), on the last pipeline stage; "
+                        "depth k predicts the token k + 1 after each position.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=None,
+                   help="Weight of the MTP loss (its mean over depths) in the gradient; default 0.1.")
+    g.add_argument("--freeze-base-model-for-mtp", action="store_true",
+                   help="Train only the MTP layers; every other parameter stays as loaded.")
 
 
 def window_size_type(text: str) -> tuple:
@@ -190,6 +207,43 @@ def _add_attention_variant_args(parser):
     g.add_argument("--activation-func-clamp-value", type=float, default=None,
                    help="Gated MLPs: clamp the gate to at most this and the linear half to [-this, this] "
                         "(gpt-oss's clamped SwiGLU).")
+
+
+# Multi-latent attention's flags and Megatron's defaults for them (the YaRN ones: None keeps
+# MLATransformerConfig's); without --multi-latent-attention they must keep these values.
+MLA_FLAG_DEFAULTS = dict(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                         rope_type=None, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                         yarn_original_max_position_embeddings=None, yarn_beta_fast=None, yarn_beta_slow=None)
+
+
+def _add_mla_args(parser):
+    g = parser.add_argument_group("multi-latent attention")
+    d = MLA_FLAG_DEFAULTS
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="Multi-latent attention (DeepSeek-V2/V3): low-rank queries, keys and values, decoupled RoPE.")
+    g.add_argument("--q-lora-rank", type=int, default=d["q_lora_rank"],
+                   help="Rank of the query compression (None: queries projected straight from the hidden state).")
+    g.add_argument("--kv-lora-rank", type=int, default=d["kv_lora_rank"], help="Rank of the key/value compression.")
+    g.add_argument("--qk-head-dim", type=int, default=d["qk_head_dim"],
+                   help="Per-head query/key size without the RoPE part.")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=d["qk_pos_emb_head_dim"],
+                   help="Per-head size of the RoPE part of queries and keys (one RoPE key for all heads).")
+    g.add_argument("--v-head-dim", type=int, default=d["v_head_dim"], help="Per-head value size.")
+    g.add_argument("--rope-type", default=d["rope_type"], choices=["rope", "yarn"],
+                   help="RoPE of MLA's positional part (default yarn).")
+    g.add_argument("--rotary-scaling-factor", type=float, default=d["rotary_scaling_factor"],
+                   help="YaRN's context-extension factor.")
+    g.add_argument("--mscale", type=float, default=d["mscale"], help="YaRN mscale (scales the rotated channels).")
+    g.add_argument("--mscale-all-dim", type=float, default=d["mscale_all_dim"],
+                   help="YaRN mscale_all_dim (scales the rotated channels down and the softmax up).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int,
+                   default=d["yarn_original_max_position_embeddings"],
+                   help="YaRN: context length of the original model (default 4096).")
+    g.add_argument("--yarn-beta-fast", type=float, default=d["yarn_beta_fast"],
+                   help="YaRN: RoPE pairs turning more often than this over the original length keep "
+                        "their frequency (default 32).")
+    g.add_argument("--yarn-beta-slow", type=float, default=d["yarn_beta_slow"],
+                   help="YaRN: pairs turning less often than this are interpolated (default 1).")
 
 
 def _add_qk_clip_args(parser):
@@ -287,8 +341,9 @@ def _add_parallel_args(parser):
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the loss (final norm + output layer) as one layer of the last stage.")
     g.add_argument("--pipeline-model-parallel-layout", default=None,
-                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tL' (E embedding, t layer, "
-                        "L loss, | between stages, x*N repeats); sets the number of virtual stages.")
+                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tmL' (E embedding, t layer, "
+                        "m MTP layer, L loss, | between stages, x*N repeats); sets the number of "
+                        "virtual stages.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="CP size.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from teratron.distributed import DistributedDataParallelConfig
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.optimizer import OptimizerConfig
-from teratron.training.arguments import flag, flags_by_dest, inverted_dests
+from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, inverted_dests
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
-from teratron.transformer.transformer_config import TransformerConfig
+from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def _at_least(section, minimum, names) -> None:
@@ -317,6 +317,7 @@ SECTIONS = {
     "scheduler": SchedulerConfig, "training": TrainingConfig, "data": DataConfig,
     "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
     "profiling": ProfilingConfig, "distributed": DistributedConfig, "model": GPTModelConfig,
+    "mla": MLATransformerConfig,  # the transformer section of --multi-latent-attention runs
 }
 
 # Flags whose field has another name: flag dest -> (section, field, how the value converts).
@@ -330,6 +331,9 @@ RENAMED = {
     "ddp_bucket_size": ("ddp", "bucket_size", None),
     "ddp_average_in_collective": ("ddp", "average_in_collective", None),
     "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
+    "yarn_original_max_position_embeddings": ("mla", "original_max_position_embeddings", None),
+    "yarn_beta_fast": ("mla", "beta_fast", None),
+    "yarn_beta_slow": ("mla", "beta_slow", None),
 }
 
 # Values filled in from others (see `_derived`): field -> what it defaults to.
@@ -424,8 +428,8 @@ _LIST_FIELDS = ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_los
                 "window_attn_skip_freq", "no_rope_freq")
 
 
-def _section_kwargs(section: str, values: dict) -> dict:
-    cls = SECTIONS[section]
+def _section_kwargs(section: str, values: dict, cls=None) -> dict:
+    cls = cls or SECTIONS[section]
     kwargs = {f.name: values[f.name] for f in fields(cls) if f.init and f.name in values}
     for dest, (target, fld, convert) in RENAMED.items():
         if target == section and dest in values:
@@ -433,8 +437,20 @@ def _section_kwargs(section: str, values: dict) -> dict:
     return kwargs
 
 
+def _transformer_config(values: dict) -> TransformerConfig:
+    """MLATransformerConfig with --multi-latent-attention (its YaRN flags left None keep the
+    config's defaults, as in Megatron), else TransformerConfig."""
+    if not values.get("multi_latent_attention"):
+        return TransformerConfig(**_section_kwargs("transformer", values))
+    kwargs = {**_section_kwargs("transformer", values, MLATransformerConfig), **_section_kwargs("mla", values)}
+    for name in ("rope_type", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)
+    return MLATransformerConfig(**kwargs)
+
+
 def _build(values: dict, vocab_size: int) -> RunConfig:
-    transformer = TransformerConfig(**_section_kwargs("transformer", values))
+    transformer = _transformer_config(values)
     model_kwargs = _section_kwargs("model", values)
     model_kwargs.pop("vocab_size", None)  # the flag is the NullTokenizer's; the model takes the tokenizer's
     model = GPTModelConfig(transformer=transformer, vocab_size=vocab_size, **model_kwargs)
@@ -493,7 +509,25 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     fast = cuda and graphs != "local"  # fast by default: the fastest correct path of today
     for name in ("torch_compile", "gradient_accumulation_fusion"):
         out[name] = fast if getattr(args, name) is None else getattr(args, name)
+    _check_mla_flags(args, out["torch_compile"] and not cuda)
     return out
+
+
+def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
+    if args.multi_latent_attention:
+        if args.group_query_attention:
+            raise ValueError("--group-query-attention does not apply to --multi-latent-attention (its keys and "
+                             "values come from one latent); drop one")
+        # Inductor (torch 2.13) fails to compile CPU SDPA whose value head differs from the query's.
+        if (compiled_on_cpu and args.v_head_dim != args.qk_head_dim + args.qk_pos_emb_head_dim
+                and args.attention_backend != "flash"):
+            raise ValueError("--torch-compile on the CPU cannot compile multi-latent attention whose --v-head-dim "
+                             "differs from --qk-head-dim + --qk-pos-emb-head-dim; add --attention-backend flash "
+                             "(pads the heads to one size) or drop --torch-compile")
+        return
+    changed = [flag(name) for name, default in MLA_FLAG_DEFAULTS.items() if getattr(args, name) != default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set without --multi-latent-attention; add it or drop them")
 
 
 def _virtual_stages(args, pp):
@@ -509,7 +543,7 @@ def _virtual_stages(args, pp):
                              "both given; the layout already places every layer, drop the other")
         try:
             layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
-            layout.validate_layer_layout(args.num_layers, None)
+            layout.validate_layer_layout(args.num_layers, args.mtp_num_layers)
         except ValueError as e:
             raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
         from_layout = layout.virtual_pipeline_model_parallel_size

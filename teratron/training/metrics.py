@@ -38,28 +38,55 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
       mlp       = 6 * h * (3 if SwiGLU else 2) * (ffn in a dense layer; in an MoE layer
                   moe_ffn * experts routed to + shared-expert ffn)
     with MoE layers where --moe-layer-freq puts them, plus the output layer,
-    6 * h * padded_vocab, once per token.
+    6 * h * padded_vocab, once per token. Multi-latent attention: see `_mla_attention_flops`.
+    Each of the --mtp-num-layers multi-token-prediction depths adds a layer like the last one
+    (MoE when it is, MLA with the model's), its eh_proj, 6 * (2 * h * h + 3 * h) (Megatron
+    counts the three norms too), and another pass through the output layer.
     """
     fb_fma = 3 * 2
     t = model.transformer
     h, s = t.hidden_size, seq_length
+    mtp = t.mtp_num_layers or 0
     q_size = t.kv_channels * t.num_attention_heads
     kv_size = t.kv_channels * t.num_query_groups
     attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
+    if t.multi_latent_attention:
+        attention = _mla_attention_flops(t, s)
 
     ffn_factor = 3 if t.gated_linear_unit else 2
     moe_layers = 0
     moe_ffn = 0
     if t.num_moe_experts:
-        from teratron.transformer.moe import moe_layer_pattern
+        from teratron.transformer.moe.moe_logging import moe_layer_indices
 
-        moe_layers = sum(moe_layer_pattern(t.num_layers, t.moe_layer_freq))
+        moe_layers = len(moe_layer_indices(t))  # the MTP layers' included
         moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
-    dense_layers = t.num_layers - moe_layers
+    dense_layers = t.num_layers + mtp - moe_layers
     mlp = fb_fma * h * ffn_factor * (t.ffn_hidden_size * dense_layers + moe_ffn * moe_layers)
 
-    logits = fb_fma * h * model.padded_vocab_size
-    return batch_size * s * (t.num_layers * attention + mlp + logits)
+    mtp_projection = fb_fma * mtp * (2 * h * h + 3 * h)
+    logits = fb_fma * h * model.padded_vocab_size * (1 + mtp)
+    return batch_size * s * ((t.num_layers + mtp) * attention + mlp + mtp_projection + logits)
+
+
+def _mla_attention_flops(t, s: int) -> float:
+    """Per token and layer, Megatron's MLA count (n heads, q_head = qk_head_dim + qk_pos_emb_head_dim):
+      6 * (q_lora * (h + n * q_head + 1)   query down and up projections (+1: Megatron's norm term;
+                                           without q_lora_rank h * n * q_head)
+           + kv_lora * (h + n * (qk_head_dim + v_head_dim) + 1) + h * qk_pos_emb_head_dim
+                                           key/value down and up projections, the RoPE key
+           + n * v_head_dim * h            output projection
+           + n * (q_head + v_head_dim) * s / 2)   QK^T and PV, a causal mask halving the s x s work
+    """
+    heads, q_head = t.num_attention_heads, t.qk_head_dim + t.qk_pos_emb_head_dim
+    h = t.hidden_size
+    if t.q_lora_rank is None:
+        query = h * heads * q_head
+    else:
+        query = t.q_lora_rank * (h + heads * q_head + 1)
+    key_value = t.kv_lora_rank * (h + heads * (t.qk_head_dim + t.v_head_dim) + 1) + h * t.qk_pos_emb_head_dim
+    core = heads * (q_head + t.v_head_dim) * s / 2
+    return 3 * 2 * (query + key_value + heads * t.v_head_dim * h + core)
 
 
 def device_peak_tflops() -> Optional[float]:
@@ -175,10 +202,11 @@ class TrainingLogger:
                     self.writer.add_scalar(f"train/{key}", value, iteration)
             self.writer.flush()
         self.print(self._console_line(record, time_per_iter, global_batch_size,
-                                      consumed_samples, loss_scale, moe_metrics or {}))
+                                      consumed_samples, loss_scale, moe_metrics or {}, losses))
         return record
 
-    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale, moe_metrics):
+    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale, moe_metrics,
+                      losses):
         tflops = r["tflops_per_gpu"]
         parts = [
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/"
@@ -192,6 +220,7 @@ class TrainingLogger:
         ]
         if r["lm_loss"] is not None:
             parts.append(f"lm loss: {r['lm_loss']:.6E}")
+        parts += [f"{key}: {value:.6E}" for key, value in losses.items() if key != "lm loss"]  # mtp loss
         # The MoE means over layers; the per-layer values go to the metrics file and TensorBoard.
         parts += [f"{key}: {value:.6E}" for key, value in moe_metrics.items() if "_layer_" not in key]
         if loss_scale is not None:

@@ -23,6 +23,7 @@ from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.rope import apply_rotary_pos_emb
 from teratron.transformer.spec_utils import ModuleSpec, build_module
+from teratron.transformer.transformer_config import pattern_layer_number
 
 
 def qk_clip_eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -48,9 +49,8 @@ class SelfAttention(torch.nn.Module):
                  attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__()
         if config.multi_latent_attention:
-            raise NotImplementedError(
-                "multi_latent_attention=True (MLA) is not built yet; set multi_latent_attention=False"
-            )
+            raise ValueError("SelfAttention was given a config with multi_latent_attention=True; MLA layers are "
+                             "MLASelfAttention (get_gpt_layer_local_spec(multi_latent_attention=True))")
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -97,16 +97,8 @@ class SelfAttention(torch.nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
         )
         # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
-        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
-
-    def _check_served_by(self, inference_context):
-        """The inference context's `attend` knows plain causal attention only (see
-        teratron/inference/windowed_attention.py for what windows and sinks need)."""
-        core = self.core_attention
-        if getattr(core, "window_size", None) is not None or getattr(core, "softmax_offset", None) is not None:
-            raise NotImplementedError(
-                f"layer {self.layer_number} uses a sliding window (window_size) or an attention sink (softmax_type); "
-                "the inference engine does not serve such layers yet")
+        pattern_layer = pattern_layer_number(config, layer_number)  # an MTP layer takes the last layer's
+        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[pattern_layer - 1])
 
     def qk_clip_scales(self, max_logits: torch.Tensor) -> dict:
         """QK-clip's factors for the rows of linear_qkv's weight (and bias), given this rank's
@@ -146,7 +138,6 @@ class SelfAttention(torch.nn.Module):
             query = rope(query, rotary_pos_emb, interleaved)
             key = rope(key, rotary_pos_emb, interleaved)
         if inference_context is not None:
-            self._check_served_by(inference_context)
             context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
         elif self.recompute_core_attention:
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)

@@ -48,6 +48,7 @@ from teratron.tensor_parallel.layers import param_device, set_tensor_model_paral
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.topology import resolve_pg_collection
 from teratron.transformer.enums import AttnBackend, AttnMaskType
+from teratron.transformer.transformer_config import pattern_layer_number
 
 _REFERENCE_BACKENDS = (AttnBackend.unfused, AttnBackend.local)
 # On CUDA, `flash` pins SDPA to the flash kernel and `fused` to cuDNN's fused attention (what
@@ -220,7 +221,8 @@ class DotProductAttention(torch.nn.Module):
         # Query-key layer scaling divides the scores by the layer number before the softmax input
         # is upcast and multiplies it back afterwards: the same math, a smaller fp16 range.
         self.layer_scale = max(1, layer_number) if config.apply_query_key_layer_scaling else 1
-        use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                               pattern_layer_number(config, layer_number))
         self.window_size = config.window_size if use_window else None
         tp = resolve_pg_collection(pg_collection).tp
         self._build_softmax_offset(config, tp)

@@ -1,9 +1,19 @@
-"""Rotary position embedding (RoPE) for q and k in the `[s, b, np, hn]` layout.
+"""Rotary position embedding (RoPE) for q and k in the `[s, b, np, hn]` layout, and YaRN.
 
 The first `rot_dim = kv_channels * rotary_percent` channels of each head rotate, the rest pass
 through. Channel pairs are (i, i + rot_dim/2) by default (Llama) or (2i, 2i + 1) with
 `rotary_interleaved` (RoFormer); pair i turns by angle position * base^(-2i / rot_dim).
+
+YaRN (Peng et al. 2023, `YarnRotaryEmbedding`) stretches a model trained on
+`original_max_position_embeddings` positions by `scaling_factor`: pair i keeps its frequency
+f_i = base^(-2i / d) where its wavelength is short (more than `beta_fast` turns over the original
+length), takes f_i / scaling_factor where it is long (fewer than `beta_slow` turns), and a linear
+blend in between; the rotated channels are multiplied by the concentration factor
+`yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all_dim)`, and multi-latent attention multiplies
+its softmax scale by `yarn_mscale(s, mscale_all_dim)^2` (DeepSeek-V2/V3, Megatron's MLA).
 """
+
+import math
 
 import torch
 
@@ -34,6 +44,50 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             emb = torch.cat([angles, angles], dim=-1)  # f0 f1 ... f0 f1 ...
         return emb.unsqueeze(2)
+
+
+def yarn_mscale(scaling_factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature factor 0.1 * mscale * ln(scaling_factor) + 1 (1 without scaling)."""
+    if scaling_factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scaling_factor) + 1.0
+
+
+def yarn_concentration_factor(scaling_factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The factor YaRN multiplies the rotated channels (cos and sin) by."""
+    return yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim)
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_max_positions: int) -> float:
+    """The pair index (fractional) whose wavelength fits `num_rotations` times in the original length."""
+    return dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_inv_freq(dim: int, base: float, scaling_factor: float, original_max_position_embeddings: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """YaRN's frequencies [dim / 2] (fp32): pairs below the correction range keep base^(-2i/dim),
+    pairs above it are divided by scaling_factor, a linear ramp in between (range bounds rounded
+    outwards to whole pairs, as Megatron and DeepSeek do)."""
+    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    interpolated = extrapolated / scaling_factor
+    low = max(math.floor(_yarn_correction_dim(beta_fast, dim, base, original_max_position_embeddings)), 0)
+    high = min(math.ceil(_yarn_correction_dim(beta_slow, dim, base, original_max_position_embeddings)), dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair range: a step instead of a ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding with YaRN's frequencies over all `kv_channels` channels; the caller
+    multiplies the rotated channels by `yarn_concentration_factor` (see the module docstring)."""
+
+    def __init__(self, kv_channels: int, rotary_interleaved: bool = False, rotary_base: float = 10000.0,
+                 scaling_factor: float = 1.0, original_max_position_embeddings: int = 4096,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0):
+        super().__init__(kv_channels, 1.0, rotary_interleaved, rotary_base)
+        self.inv_freq.copy_(yarn_inv_freq(kv_channels, rotary_base, scaling_factor, original_max_position_embeddings,
+                                          beta_fast, beta_slow))
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

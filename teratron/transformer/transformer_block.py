@@ -54,7 +54,8 @@ def apply_fp8(layer: torch.nn.Module, config, layer_number: int) -> None:
     if not layer_uses_fp8(config, layer_number):
         return
     recipe = Fp8Recipe.from_config(config)
-    linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
+               tensor_parallel.DuplicatedLinear)
     for name, module in layer.named_modules():
         if isinstance(module, linears) and not module.is_expert:
             module.enable_fp8(recipe, name=f"layer {layer_number} {name}")

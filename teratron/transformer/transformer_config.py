@@ -30,8 +30,6 @@ from teratron.utils import init_method_normal, scaled_init_method_normal
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
-    "mtp_num_layers": "multi-token prediction",
-    "mtp_loss_scaling_factor": "multi-token prediction",
     "activation_func_fp8_input_store": "FP8 activation storage",
     "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
@@ -85,11 +83,12 @@ UNSUPPORTED = {
 ALSO_SUPPORTED = {"distribute_saved_activations": (False,)}
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
-                         "offload_modules", "min_offloaded_tensor_size")
+                         "offload_modules", "min_offloaded_tensor_size",
+                         "freeze_base_model_for_mtp")  # Megatron's, newer than the reference
 
 
 @dataclass
@@ -103,10 +102,14 @@ class TransformerConfig(ModelParallelConfig):
     """Number of transformer layers in the block (required)."""
 
     mtp_num_layers: Optional[int] = None
-    """Number of multi-token-prediction layers."""
+    """Number of multi-token-prediction layers (depths), on the last pipeline stage; None: no MTP."""
 
     mtp_loss_scaling_factor: Optional[float] = None
-    """Weight of the multi-token-prediction loss."""
+    """Weight of the multi-token-prediction loss (the mean over depths); None means Megatron's 0.1."""
+
+    freeze_base_model_for_mtp: bool = False
+    """Train only the MTP layers: every other parameter is frozen and the main model runs without
+    autograd (Megatron's MTP-only training, --freeze-base-model-for-mtp)."""
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
     """Layers on the first pipeline stage; None splits evenly."""
@@ -631,6 +634,7 @@ class TransformerConfig(ModelParallelConfig):
         check_fp8_config(self)
         check_cuda_graph_config(self)
         validate_pipeline_config(self)
+        self._check_mtp()
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -834,9 +838,12 @@ class TransformerConfig(ModelParallelConfig):
             for module in self.recompute_modules:
                 if module not in SUPPORTED_RECOMPUTE_MODULES:
                     raise NotImplementedError(
-                        f"recompute_modules contains {module!r}: recomputing it needs MoE/MLA, which "
-                        f"is not supported yet; use {list(SUPPORTED_RECOMPUTE_MODULES)}"
+                        f"recompute_modules contains {module!r}: recomputing it is not supported yet; "
+                        f"use {list(SUPPORTED_RECOMPUTE_MODULES)}"
                     )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError("recompute_modules contains 'mla_up_proj' but multi_latent_attention is False; "
+                                 "drop it (it recomputes MLA's up projections)")
 
     def _check_offloading(self):
         from teratron.transformer.activation_offload import OFFLOAD_MODULES
@@ -902,6 +909,29 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_layer_freq()
         self._check_moe_router()
         self._check_moe_dispatch()
+
+    def _check_mtp(self):
+        depths = self.mtp_num_layers
+        if depths is None:
+            for name in ("mtp_loss_scaling_factor", "freeze_base_model_for_mtp"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is set but mtp_num_layers is None; set mtp_num_layers")
+            return
+        if not isinstance(depths, int) or isinstance(depths, bool) or depths < 1:
+            raise ValueError(f"mtp_num_layers must be a positive integer or None, got {depths!r}")
+        if self.mtp_loss_scaling_factor is None:
+            self.mtp_loss_scaling_factor = 0.1
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        unsupported = [("fp8", self.fp8 is not None, "FP8"),
+                       ("cuda_graph_impl", self.cuda_graph_impl == "local", "local CUDA graphs")]
+        for name, used, what in unsupported:
+            if used:
+                raise NotImplementedError(f"mtp_num_layers with {name}={getattr(self, name)!r}: multi-token "
+                                          f"prediction is not built for {what} yet; drop one")
+        if self.freeze_base_model_for_mtp and self.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("freeze_base_model_for_mtp needs pipeline_model_parallel_size 1: the "
+                                      "stages before the MTP layers would have nothing to train")
 
     def _check_moe_layer_freq(self):
         freq = self.moe_layer_freq
@@ -1030,8 +1060,8 @@ class MLATransformerConfig(TransformerConfig):
     multi_latent_attention: bool = True
     """Use multi-latent attention."""
 
-    q_lora_rank: int = 512
-    """Rank of the low-rank query projection."""
+    q_lora_rank: Optional[int] = 512
+    """Rank of the low-rank query projection; None projects the queries straight from the hidden state."""
 
     kv_lora_rank: int = 512
     """Rank of the low-rank key/value projection."""
@@ -1040,7 +1070,7 @@ class MLATransformerConfig(TransformerConfig):
     """Per-head QK dimension without the positional part (q_head_dim = this + qk_pos_emb_head_dim)."""
 
     qk_pos_emb_head_dim: int = 64
-    """Per-head dimension of the RoPE part of Q and K."""
+    """Per-head dimension of the RoPE part of Q and K (one RoPE key shared by all heads)."""
 
     v_head_dim: int = 128
     """Per-head V dimension."""
@@ -1049,16 +1079,16 @@ class MLATransformerConfig(TransformerConfig):
     """MLA models default to RMSNorm."""
 
     rope_type: str = "yarn"
-    """'rope' or 'yarn'."""
+    """'rope' or 'yarn' (the positional part of Q and K)."""
 
     rotary_base: float = 10000
     """RoPE base (rope and yarn)."""
 
     rotary_percent: float = 1.0
-    """Fraction of the head dimension rotated (rope)."""
+    """Fraction of qk_pos_emb_head_dim rotated (rope)."""
 
     rotary_scaling_factor: float = 40
-    """YaRN scaling factor."""
+    """YaRN scaling factor (also scales the softmax through mscale_all_dim, as Megatron does)."""
 
     original_max_position_embeddings: int = 4096
     """Context length of the original model (yarn)."""
@@ -1076,9 +1106,34 @@ class MLATransformerConfig(TransformerConfig):
     """YaRN mscale over all dimensions."""
 
     cache_mla_latents: bool = False
-    """Cache the MLA latents instead of the full KV at inference."""
+    """Cache the MLA latents (compressed KV and the RoPE key) instead of per-head keys and values
+    at inference, attending with the up projections absorbed into the query and output."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"rope_type={self.rope_type!r} is not valid; use 'rope' or 'yarn'")
+        if self.q_lora_rank is not None:
+            _check_positive_int(self, "q_lora_rank", " or None")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "original_max_position_embeddings"):
+            _check_positive_int(self, name)
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: RoPE turns channel "
+                             "pairs")
+        for name in ("rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def pattern_layer_number(config, layer_number: int) -> int:
+    """The layer whose entry of a per-layer pattern (window_attn_skip_freq, no_rope_freq) layer
+    `layer_number` (1-based, global) takes: its own, or for a multi-token-prediction layer
+    (numbered past num_layers) the last decoder layer's, which it is built like."""
+    return min(layer_number, config.num_layers)
+
+
+def _check_positive_int(config, name: str, alternative: str = "") -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")

@@ -30,6 +30,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, attention_bias=True, mlp_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # A window of 4 tokens (each query sees itself and 3 before) on sequences of 12: it bites.
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, num_key_value_heads=4)),
 }
@@ -53,6 +55,7 @@ def test_import_export_round_trip(family, tmp_path):
         assert_close(model(ids, positions), reference, rtol=0, atol=1e-4)
     assert config.qk_layernorm == (family == "qwen3") and config.num_query_groups == FAMILIES[family][2].get(
         "num_key_value_heads", 2)
+    assert config.window_size == ((3, 0) if family == "mistral_window" else None)
 
     assert cli.main(["convert", "import-hf", "--hf-path", str(src), "--save", str(ckpt),
                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]) == 0
@@ -102,6 +105,9 @@ def test_refusals(tmp_path):
         from_hf(str(src))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         (src / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+        from_hf(str(src))
+    with pytest.raises(ValueError, match="converts the sliding windows of mistral and mixtral only"):
+        (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 8}))
         from_hf(str(src))
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_query_groups \\(2\\) is not divisible"):

@@ -80,7 +80,8 @@ def main() -> None:
             case.query = torch.cat([case.query, case.query], dim=-1)[..., :head_dim]
             torch.testing.assert_close(module.paged_attention(*case.args()), expected, atol=1e-5, rtol=1e-5)
         if block_size == 4:  # the interpreter is slow: split half of the cases
-            torch.testing.assert_close(module.paged_attention_triton(*case.args(), 3), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(module.paged_attention_triton(*case.args(), num_splits=3), expected,
+                                       atol=1e-5, rtol=1e-5)
         checked += 1
     # 16-bit inputs: the same to within one rounding of the output.
     for dtype in (torch.bfloat16, torch.float16):
@@ -88,6 +89,16 @@ def main() -> None:
         output = module.paged_attention(*case.args())
         assert output.dtype == dtype
         torch.testing.assert_close(output.float(), reference(*case.args()).float(), atol=1e-3, rtol=2 ** -7)
+        checked += 1
+    # Sliding windows and attention sinks, in one program per query and split over 3.
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    for window_left, with_sinks in ((5, False), (0, True), (40, True), (-1, True)):
+        case = make_case(8, 2, 64, 4, lengths_for(4), seed=40 + window_left)
+        options = dict(window_left=window_left, sinks=sinks if with_sinks else None)
+        expected = reference(*case.args(), **options)
+        torch.testing.assert_close(module.paged_attention(*case.args(), **options), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(module.paged_attention_triton(*case.args(), **options, num_splits=3), expected,
+                                   atol=1e-5, rtol=1e-5)
         checked += 1
     print(f"checked {checked} cases on the Triton path")
 

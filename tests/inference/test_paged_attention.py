@@ -13,21 +13,25 @@ from teratron.inference.kernels.paged_attention import (paged_attention, paged_a
                                                         paged_attention_triton)
 
 
-def loop_attention(case) -> torch.Tensor:
-    """softmax(q k^T * scale) v over each query's first kv_lengths keys, one query head at a
-    time, in fp64; [n, np, hn]."""
+def loop_attention(case, window_left=-1, sinks=None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each query's first kv_lengths keys (its last window_left + 1
+    of them with a window; with sinks, exp(sink) added to each head's denominator), one query head
+    at a time, in fp64; [n, np, hn]."""
     n, heads, head_dim = case.query.shape
     block_size, groups = case.key_cache.shape[1:3]
     output = torch.empty(n, heads, head_dim, dtype=torch.float64)
     for i in range(n):
-        positions = torch.arange(int(case.kv_lengths[i]))
+        length = int(case.kv_lengths[i])
+        positions = torch.arange(max(0, length - 1 - window_left) if window_left >= 0 else 0, length)
         blocks = case.block_table[i, positions // block_size].long()
         keys = case.key_cache[blocks, positions % block_size].double()  # [L, ng, hn]
         values = case.value_cache[blocks, positions % block_size].double()
         for head in range(heads):
             group = head // (heads // groups)
-            weights = torch.softmax(keys[:, group] @ case.query[i, head].double() * case.softmax_scale, dim=0)
-            output[i, head] = weights @ values[:, group]
+            scores = keys[:, group] @ case.query[i, head].double() * case.softmax_scale
+            exp = torch.exp(scores - scores.max())
+            denominator = exp.sum() + (0 if sinks is None else torch.exp(sinks[head].double() - scores.max()))
+            output[i, head] = (exp / denominator) @ values[:, group]
     return output
 
 
@@ -37,6 +41,15 @@ def test_reference_matches_a_loop_over_queries(heads, groups, head_dim, block_si
     output = paged_attention(*case.args())  # on the CPU without TRITON_INTERPRET: the reference
     assert output.dtype == torch.float32 and output.shape == case.query.shape
     torch.testing.assert_close(output, loop_attention(case).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window_left", [-1, 0, 5, 40])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_reference_with_windows_and_sinks_matches_a_loop(window_left, with_sinks):
+    case = make_case(8, 2, 64, 4, lengths_for(4), seed=11 + window_left)
+    sinks = torch.linspace(-2.0, 3.0, 8) if with_sinks else None
+    output = paged_attention(*case.args(), window_left=window_left, sinks=sinks)
+    torch.testing.assert_close(output, loop_attention(case, window_left, sinks).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_reference_returns_the_query_dtype():
@@ -52,7 +65,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_reference():
     result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 2} cases on the Triton path"
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 2 + 4} cases on the Triton path"
 
 
 @pytest.mark.parametrize("problem", [
@@ -94,8 +107,8 @@ GPU_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict
 def test_triton_kernel_on_gpu_matches_the_reference(n, heads, groups, head_dim, dtype):
     case = make_case(heads, groups, head_dim, 16, random_lengths(n, 2048, seed=n), dtype=dtype, device="cuda")
     expected = paged_attention_reference(*case.args())
-    for output in (paged_attention(*case.args()), paged_attention_triton(*case.args(), 1),
-                   paged_attention_triton(*case.args(), 7)):
+    for output in (paged_attention(*case.args()), paged_attention_triton(*case.args(), num_splits=1),
+                   paged_attention_triton(*case.args(), num_splits=7)):
         assert output.dtype == dtype
         torch.testing.assert_close(output, expected, **GPU_TOLERANCE[dtype])
 

@@ -254,19 +254,6 @@ def test_flags_parse_and_errors_name_the_flags():
             run(*argv)
 
 
-def test_inference_context_refuses_window_and_sink_layers():
-    """Until the engine serves them, a context must not attend without the window or the sink."""
-    class Context:
-        def attend(self, *args):
-            raise AssertionError("attended without the window")
-
-    x = torch.randn(3, 1, 32)
-    for fields in (dict(window_size=(2, 0)), dict(softmax_type="off-by-one")):
-        layer = build_module(get_gpt_layer_local_spec(), config=make_config(**fields), layer_number=1)
-        with pytest.raises(NotImplementedError, match="^layer 1 uses a sliding window"):
-            layer.self_attention(x, inference_context=Context())
-
-
 def needs_cuda(test):
     """A GPU test: skipped without CUDA, and marked `gpu` so conftest.py leaves CUDA visible."""
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))

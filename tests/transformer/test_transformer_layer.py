@@ -159,7 +159,7 @@ def test_attention_rejects_mla_and_splits_heads_into_groups():
     from teratron.transformer.attention import SelfAttention
 
     spec = get_gpt_layer_local_spec().submodules.self_attention
-    with pytest.raises(NotImplementedError, match="multi_latent_attention"):
+    with pytest.raises(ValueError, match="multi_latent_attention=True; MLA layers are MLASelfAttention"):
         SelfAttention(make_config(multi_latent_attention=True), spec.submodules, 1,
                       pg_collection=ProcessGroupCollection())
     attention = SelfAttention(make_config(), spec.submodules, 1, attn_mask_type=AttnMaskType.causal)

@@ -2,8 +2,9 @@
 being run (Megatron's `inference.contexts.dynamic_context`).
 
 Memory: one buffer [2 (K, V), local layers, num_blocks + 1, block_size, ng, hn] in the model's
-dtype, sized from `InferenceConfig.buffer_size_gb`; the last block is the scratch block, where
-padding tokens write their keys and values. A request owns a block table, the ids of the blocks
+dtype (keys only, [1, ...], when the values are the keys: MLA's latent cache), sized from
+`InferenceConfig.buffer_size_gb`; the last block is the scratch block, where padding tokens write
+their keys and values. A request owns a block table, the ids of the blocks
 holding its tokens' keys and values in order (token p is in block table[p // block_size] at
 offset p % block_size). With prefix caching, full blocks are registered under the hash of the
 tokens up to their end, and a new request shares the blocks of its longest cached prefix.
@@ -18,7 +19,7 @@ that a CUDA graph captured for its row count replays it (`inference.cuda_graphs`
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -29,8 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
 from teratron.inference.kernels.paged_attention import paged_attention
+from teratron.inference.windowed_attention import attend as attend_padded, window_mask
 from teratron.process_groups import get_pg_size
 from teratron.transformer.attention import SelfAttention
+from teratron.transformer.multi_latent_attention import MLASelfAttention
 
 # Not cuDNN: its host-side setup for each new shape (a prefill batch's shape changes from step to
 # step) took 3.5 ms per layer on an H200, seven times the kernel (bench/RESULTS.md, 2026-12-01).
@@ -55,11 +58,20 @@ class StepChunk:
 class _AttentionBatch:
     """Prefill chunks whose queries attend as one padded batch: R chunks, up to Q queries each,
     keys from up to B blocks each."""
-    token_index: torch.Tensor   # [n] the step tokens of this batch (index into t)
-    padded_index: torch.Tensor  # [n] where each sits in the padded queries [R * Q]
-    block_table: torch.Tensor   # [R, B] (padding: the scratch block, masked out)
-    mask: torch.Tensor          # bool [R, 1, Q, B * block_size], True = attend
-    shape: tuple                # (R, Q)
+    token_index: torch.Tensor      # [n] the step tokens of this batch (index into t)
+    padded_index: torch.Tensor     # [n] where each sits in the padded queries [R * Q]
+    block_table: torch.Tensor      # [R, B] (padding: the scratch block, masked out)
+    query_positions: torch.Tensor  # [R, Q] (padding queries: position 0)
+    num_keys: int                  # B * block_size
+    shape: tuple                   # (R, Q)
+    masks: dict = field(default_factory=dict)  # window -> bool [R, 1, Q, B * block_size], True = attend
+
+    def mask(self, window: tuple | None) -> torch.Tensor:
+        """Causal, within `window` (left, right) when given; built once per window a step."""
+        if window not in self.masks:
+            key_positions = torch.arange(self.num_keys, device=self.query_positions.device)
+            self.masks[window] = window_mask(self.query_positions[:, None, :], key_positions, window)
+        return self.masks[window]
 
 
 @dataclass
@@ -74,10 +86,11 @@ class _PagedQueries:
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, layer_numbers: Sequence[int], num_query_groups: int,
                  head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None,
-                 token_multiple: int = 1, max_seq_length: int | None = None):
+                 token_multiple: int = 1, max_seq_length: int | None = None, values_are_keys: bool = False):
         """token_multiple: a step's tokens are padded to a multiple of it (the tensor-parallel size:
         an MoE layer under TP splits them over the ranks). max_seq_length: the longest request
-        (config.max_seq_length when None; one of them must be given)."""
+        (config.max_seq_length when None; one of them must be given). values_are_keys: the values
+        are the keys themselves (MLA's latent cache), so the buffer holds keys only, [1, ...]."""
         if not layer_numbers:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         self.config = config
@@ -86,7 +99,9 @@ class DynamicInferenceContext:
         self.layer_slot = {number: slot for slot, number in enumerate(layer_numbers)}
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
+        self.values_are_keys = values_are_keys
+        kinds = 1 if values_are_keys else 2
+        self.bytes_per_block = kinds * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
         # One block of the budget is the scratch block: padding tokens write their keys there.
         self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1
         if self.num_blocks < 1:
@@ -94,7 +109,7 @@ class DynamicInferenceContext:
                              "bytes besides the scratch block; raise --inference-dynamic-batching-buffer-size-gb")
         self.scratch_block = self.num_blocks
         # Zeros, not empty: masked keys of padding blocks get weight 0, and 0 * NaN would be NaN.
-        self.memory_buffer = torch.zeros(2, len(layer_numbers), self.num_blocks + 1, self.block_size,
+        self.memory_buffer = torch.zeros(kinds, len(layer_numbers), self.num_blocks + 1, self.block_size,
                                          num_query_groups, head_dim, dtype=dtype, device=device)
         self.device = self.memory_buffer.device
         self.allocator = KVBlockAllocator(self.num_blocks)
@@ -115,18 +130,47 @@ class DynamicInferenceContext:
                                              dtype=torch.int32, device=self.device)
         self.output_token_index: torch.Tensor | None = None
         self.paged_query_limit = PAGED_QUERY_LIMIT
+        self.layer_windows: dict[int, tuple] = {}
+        """Sliding windows (left, right) of the layers that have one (from_model)."""
+        self.layer_sinks: dict[int, torch.Tensor] = {}
+        """Attention-sink logits [np] of the layers that have them (from_model)."""
+        self.keep_hidden_states = False
+        """Keep each step's final hidden states (`hidden_states`; the MTP proposer reads them)."""
+        self.hidden_states: torch.Tensor | None = None
+        """With keep_hidden_states: the last step's final hidden states [t, 1, h], every step token
+        (a CUDA-graph replay's: its graph's output, see DecodeCudaGraphs)."""
+        self.kv_window: int | None = None
+        """When every layer has a sliding window: the largest left window W. A query at position p
+        reads keys from p - W on, so the engine frees the blocks before (`release_out_of_window`)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
-        """A context for the attention layers of `model` (this stage's), in its dtype and device."""
-        attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        """A context for the attention layers of `model` (this stage's; a GPTModel's decoder's
+        only: its multi-token-prediction layers cache in a context of their own, the MTP
+        proposer's), in its dtype and device. Multi-latent attention caches what its layer's `ng`
+        and `hn` say (per-head keys and values padded to one size, or one latent) under its own
+        softmax scale."""
+        layers = getattr(model, "decoder", model)
+        attentions = [m for m in layers.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
         weight = next(first.parameters())
-        return cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                   first.config.softmax_scale, token_multiple=get_pg_size(first.pg_collection.tp),
-                   max_seq_length=config.max_seq_length or model.max_sequence_length)
+        context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
+                      getattr(first, "softmax_scale", first.config.softmax_scale),
+                      token_multiple=get_pg_size(first.pg_collection.tp),
+                      max_seq_length=config.max_seq_length or model.max_sequence_length,
+                      values_are_keys=getattr(first, "cache_mla_latents", False))
+        for attention in attentions:
+            core = attention.core_attention
+            if getattr(core, "window_size", None) is not None:
+                context.layer_windows[attention.layer_number] = tuple(core.window_size)
+            if getattr(core, "softmax_offset", None) is not None:  # read at each step: refits update it
+                context.layer_sinks[attention.layer_number] = core.softmax_offset
+        lefts = [context.layer_windows.get(a.layer_number, (-1,))[0] for a in attentions]
+        if min(lefts) >= 0:  # every layer windowed: older keys can go
+            context.kv_window = max(lefts)
+        return context
 
     # Requests' memory.
 
@@ -167,13 +211,28 @@ class DynamicInferenceContext:
         speculative tokens); keys and values written past `num_tokens` are overwritten later."""
         table = self.block_tables[request_id]
         keep = self.blocks_for(num_tokens)
-        self.allocator.release(table[keep:][::-1])
+        self.allocator.release(self._held(table[keep:][::-1]))
         del table[keep:]
 
     def release(self, request_id: int) -> None:
         """Free the request's blocks (cached ones stay cached while memory allows)."""
-        self.allocator.release(self.block_tables.pop(request_id)[::-1])
+        self.allocator.release(self._held(self.block_tables.pop(request_id)[::-1]))
         self.block_hashes.pop(request_id)
+
+    def release_out_of_window(self, request_id: int, first_position: int) -> None:
+        """Free the request's blocks wholly before `first_position`, which no layer attends to any
+        more (every layer's window starts at or after it: see `kv_window`); their table entries
+        become the scratch block, which nothing reads."""
+        table = self.block_tables[request_id]
+        index = min(first_position // self.block_size, len(table)) - 1
+        while index >= 0 and table[index] != self.scratch_block:  # the ones before went earlier
+            self.allocator.release([table[index]])
+            table[index] = self.scratch_block
+            index -= 1
+
+    def _held(self, blocks: Sequence[int]) -> list[int]:
+        """`blocks` less the scratch entries of released out-of-window blocks."""
+        return [block for block in blocks if block != self.scratch_block]
 
     def _hashes(self, token_ids: Sequence[int], first_block: int, end_block: int, parent: bytes | None = None):
         hashes = []
@@ -273,37 +332,40 @@ class DynamicInferenceContext:
             token_index += range(first, first + count)
             padded_index += range(row * num_queries, row * num_queries + count)
             query_positions[row, :count] = torch.arange(chunk.start, chunk.end)
-        key_positions = torch.arange(num_blocks * self.block_size)
-        mask = key_positions[None, None, None, :] <= query_positions[:, None, :, None]  # [R, 1, Q, B * bs]
         index = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         table = torch.from_numpy(tables[:, :num_blocks].astype(np.int64)).to(self.device)
-        return _AttentionBatch(index(token_index), index(padded_index), table, mask.to(self.device),
-                               (len(chunks), num_queries))
+        return _AttentionBatch(index(token_index), index(padded_index), table, query_positions.to(self.device),
+                               num_blocks * self.block_size, (len(chunks), num_queries))
 
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Store this step's keys and values of layer `layer_number` and attend: q [t, 1, np, hn],
         k and v [t, 1, ng, hn] -> [t, 1, np * hn]; each query sees its request's keys up to its
-        own position (causal), cached and new."""
-        keys, values = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks + 1, bs, ng, hn] each
+        own position (causal), cached and new. With values_are_keys `value` is not stored."""
+        cache = self.memory_buffer[:, self.layer_slot[layer_number]]  # [num_blocks + 1, bs, ng, hn] each
+        keys, values = cache[0], cache[-1]
         t, _, heads, head_dim = query.shape
         groups = key.shape[2]
         keys.view(-1, groups, head_dim).index_copy_(0, self.write_slots, key[:, 0])
-        values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
+        if not self.values_are_keys:
+            values.view(-1, groups, head_dim).index_copy_(0, self.write_slots, value[:, 0])
+        window, sinks = self.layer_windows.get(layer_number), self.layer_sinks.get(layer_number)
+        options = dict(window_left=-1 if window is None else window[0], sinks=sinks)
         paged = self.paged
         if paged is not None and paged.token_index is None:  # every token (a decode step)
             context = paged_attention(query[:, 0], keys, values, paged.block_table, paged.kv_lengths,
-                                      self.softmax_scale)
+                                      self.softmax_scale, **options)
             return context.view(t, 1, heads * head_dim)
         output = query.new_zeros(t, heads, head_dim)  # padding tokens keep zeros
         if paged is not None:
             output[paged.token_index] = paged_attention(query[paged.token_index, 0], keys, values, paged.block_table,
-                                                        paged.kv_lengths, self.softmax_scale)
+                                                        paged.kv_lengths, self.softmax_scale, **options)
         for batch in self.attention_batches:
-            output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values)
+            output[batch.token_index] = self._attend_batch(batch, query[:, 0], keys, values, window, sinks)
         return output.view(t, 1, heads * head_dim)
 
-    def _attend_batch(self, batch: _AttentionBatch, query, keys, values) -> torch.Tensor:
-        """query [t, np, hn] -> the context of the batch's tokens [n, np, hn]."""
+    def _attend_batch(self, batch: _AttentionBatch, query, keys, values, window=None, sinks=None) -> torch.Tensor:
+        """query [t, np, hn] -> the context of the batch's tokens [n, np, hn] (causal, within the
+        layer's `window`, with its attention `sinks` [np])."""
         rows, num_queries = batch.shape
         heads, head_dim = query.shape[1:]
         padded = query.new_zeros(rows * num_queries, heads, head_dim)
@@ -312,12 +374,14 @@ class DynamicInferenceContext:
         # [R, B, bs, ng, hn] -> [R, ng, B * bs, hn]
         k, v = (cache[batch.block_table].flatten(1, 2).transpose(1, 2) for cache in (keys, values))
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.softmax_scale,
-                                                     enable_gqa=heads != k.shape[1])
+            context = attend_padded(q, k, v, batch.mask(window), self.softmax_scale, sinks)
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[t, 1, h] -> the tokens whose next token the step samples [r, 1, h]."""
+        """The step's final hidden states [t, 1, h] -> those of the tokens whose next token the
+        step samples [r, 1, h] (all of them kept as `self.hidden_states` with keep_hidden_states)."""
+        if self.keep_hidden_states:
+            self.hidden_states = hidden_states
         if self.output_token_index is None:
             return hidden_states
         return hidden_states.index_select(0, self.output_token_index)

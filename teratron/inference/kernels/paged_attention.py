@@ -39,40 +39,57 @@ KERNEL_OPTIONS = dict(num_warps=4, num_stages=3)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_table: torch.Tensor, kv_lengths: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, kv_lengths: torch.Tensor, softmax_scale: float,
+                    window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of n queries over their requests' cached keys and values.
 
     query [n, np, hn]; key_cache, value_cache [num_blocks, block_size, ng, hn] (np % ng == 0: query
     head h uses kv head h // (np // ng)); block_table int32 [n, max_blocks] (row i: the blocks of
     query i's request in order; entries past the used ones are any valid block ids); kv_lengths
     int32 [n], from 1 to max_blocks * block_size: query i attends to keys 0 .. kv_lengths[i] - 1 of
-    its row (nothing checks the values: that would sync with the GPU).
+    its row (nothing checks the values: that would sync with the GPU). window_left >= 0: a sliding
+    window, query i attends only to its last window_left + 1 keys (from position kv_lengths[i] - 1 -
+    window_left); -1: no window. sinks [np] (logits) or None: attention sinks, one more logit per
+    head in every softmax's denominator (with no value).
     Returns [n, np, hn] in query's dtype; scores, softmax and sums in fp32.
     """
     _check_shapes(query, key_cache, value_cache, block_table, kv_lengths)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} must be [{query.shape[1]}], one per query head")
+    args = (query, key_cache, value_cache, block_table, kv_lengths, softmax_scale, window_left, sinks)
     if triton is not None and (query.is_cuda or INTERPRETED):
-        return paged_attention_triton(query, key_cache, value_cache, block_table, kv_lengths, softmax_scale)
-    return paged_attention_reference(query, key_cache, value_cache, block_table, kv_lengths, softmax_scale)
+        return paged_attention_triton(*args)
+    return paged_attention_reference(*args)
 
 
-def paged_attention_reference(query, key_cache, value_cache, block_table, kv_lengths, softmax_scale) -> torch.Tensor:
+def paged_attention_reference(query, key_cache, value_cache, block_table, kv_lengths, softmax_scale,
+                              window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` in plain PyTorch: gathers every row's blocks [n, max_blocks * block_size]
     and masks the keys past kv_lengths."""
     n, heads, head_dim = query.shape
     groups = key_cache.shape[2]
     # [n, max_blocks, block_size, ng, hn] -> [n, L, ng, hn], L = max_blocks * block_size
     keys, values = (cache[block_table.long()].flatten(1, 2).float() for cache in (key_cache, value_cache))
-    valid = torch.arange(keys.shape[1], device=query.device) < kv_lengths[:, None]  # [n, L]
+    positions = torch.arange(keys.shape[1], device=query.device)
+    valid = positions < kv_lengths[:, None]  # [n, L]
+    if window_left >= 0:
+        valid &= positions >= kv_lengths[:, None] - 1 - window_left
     # Masked keys may be anything (NaN too): their scores become -inf, their values zeros.
     values = values.masked_fill(~valid[:, :, None, None], 0)
     q = query.float().reshape(n, groups, heads // groups, head_dim)  # [n, ng, np / ng, hn]
     scores = torch.einsum("ngqd,nlgd->ngql", q, keys) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    context = torch.einsum("ngql,nlgd->ngqd", torch.softmax(scores, dim=-1), values)
+    if sinks is not None:  # a column of sink logits joins the softmax, then leaves it
+        sink_column = sinks.float().view(1, groups, heads // groups, 1).expand(n, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    context = torch.einsum("ngql,nlgd->ngqd", probs, values)
     return context.reshape(n, heads, head_dim).to(query.dtype)
 
 
 def paged_attention_triton(query, key_cache, value_cache, block_table, kv_lengths, softmax_scale,
+                           window_left: int = -1, sinks: torch.Tensor | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
     """`paged_attention` by the Triton kernel, each (query, kv head)'s keys split over `num_splits`
     programs (1: one kernel, no merge; None: as many as fill the GPU, `_num_splits`)."""
@@ -94,14 +111,16 @@ def paged_attention_triton(query, key_cache, value_cache, block_table, kv_length
     else:
         partial = query.new_empty(n, heads, num_splits, head_dim_pad, dtype=torch.float32)
         lse = query.new_empty(n, heads, num_splits, dtype=torch.float32)
+    sink_logits = sinks.float().contiguous() if sinks is not None else output  # unused without sinks
     _paged_attention_kernel[(n, groups, num_splits)](
-        query, key_cache, value_cache, block_table, kv_lengths, output, partial, lse,
-        softmax_scale * math.log2(math.e), *query.stride(), *key_cache.stride(), *value_cache.stride(),
-        block_table.stride(0), *output.stride(), NUM_SPLITS=num_splits, **meta, **KERNEL_OPTIONS)
+        query, key_cache, value_cache, block_table, kv_lengths, output, partial, lse, sink_logits,
+        softmax_scale * math.log2(math.e), window_left, *query.stride(), *key_cache.stride(), *value_cache.stride(),
+        block_table.stride(0), *output.stride(), NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None, **meta,
+        **KERNEL_OPTIONS)
     if num_splits > 1:
-        _merge_splits_kernel[(n, heads)](partial, lse, output, *output.stride(), HEAD_DIM=head_dim,
+        _merge_splits_kernel[(n, heads)](partial, lse, output, sink_logits, *output.stride(), HEAD_DIM=head_dim,
                                          HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-                                         SPLITS_PAD=triton.next_power_of_2(num_splits))
+                                         SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)
     return output
 
 
@@ -135,13 +154,15 @@ def _sm_count(device: torch.device) -> int:
 if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
-            query, key_cache, value_cache, block_table, kv_lengths, output, partial, lse, scale_log2,
-            stride_qn, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
+            query, key_cache, value_cache, block_table, kv_lengths, output, partial, lse, sinks, scale_log2,
+            window_left, stride_qn, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, stride_table, stride_on, stride_oh, stride_od,
             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr,
-            ROWS: tl.constexpr, TILE_KEYS: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+            ROWS: tl.constexpr, TILE_KEYS: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            HAS_SINKS: tl.constexpr):
         """Program (i, g, s): query i's heads g * GROUP_SIZE ... (g + 1) * GROUP_SIZE - 1 (tile rows,
-        padded to ROWS) over the s-th of NUM_SPLITS equal runs of tiles of its keys."""
+        padded to ROWS) over the s-th of NUM_SPLITS equal runs of tiles of its keys (those of its
+        window: from kv_length - 1 - window_left when window_left >= 0)."""
         i = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -154,8 +175,9 @@ if triton is not None:
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [ROWS, HEAD_DIM_PAD]
 
         kv_length = tl.load(kv_lengths + i)
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_length, TILE_KEYS), NUM_SPLITS)
-        start = s * tiles_per_split * TILE_KEYS
+        first_key = tl.where(window_left >= 0, tl.maximum(kv_length - 1 - window_left, 0), 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_length - first_key, TILE_KEYS), NUM_SPLITS)
+        start = first_key + s * tiles_per_split * TILE_KEYS
         end = tl.minimum(start + tiles_per_split * TILE_KEYS, kv_length)
 
         row_max = tl.full([ROWS], float("-inf"), tl.float32)  # in log2 units
@@ -182,6 +204,9 @@ if triton is not None:
             row_max = new_max
 
         if NUM_SPLITS == 1:
+            if HAS_SINKS:  # the sink's exp(z) joins the denominator (z in log2 units: times log2(e))
+                sink = tl.load(sinks + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+                row_sum += tl.exp2(sink - row_max)
             tl.store(output + i * stride_on + heads[:, None] * stride_oh + dims[None, :] * stride_od,
                      (acc / row_sum[:, None]).to(output.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
         else:
@@ -193,10 +218,11 @@ if triton is not None:
             tl.store(lse + split_row, row_max + tl.log2(safe_sum), mask=row_ok)
 
     @triton.jit
-    def _merge_splits_kernel(partial, lse, output, stride_on, stride_oh, stride_od, HEAD_DIM: tl.constexpr,
-                             HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    def _merge_splits_kernel(partial, lse, output, sinks, stride_on, stride_oh, stride_od, HEAD_DIM: tl.constexpr,
+                             HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                             HAS_SINKS: tl.constexpr):
         """Program (i, h): output[i, h] = the splits' partial results weighted by their sums of
-        exponentials (2 ** log-sum-exp)."""
+        exponentials (2 ** log-sum-exp), over that total plus the sink's exp(z) with sinks."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         splits = tl.arange(0, SPLITS_PAD)
@@ -206,6 +232,10 @@ if triton is not None:
         split_lse = tl.load(lse + split_row, mask=split_ok, other=float("-inf"))
         weights = tl.exp2(split_lse - tl.max(split_lse, 0))  # split 0 is never empty: the max is finite
         values = tl.load(partial + split_row[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
-        merged = tl.sum(values * weights[:, None], 0) / tl.sum(weights, 0)
+        split_max = tl.max(split_lse, 0)
+        total = tl.sum(weights, 0)
+        if HAS_SINKS:
+            total += tl.exp2(tl.load(sinks + h) * 1.4426950408889634 - split_max)
+        merged = tl.sum(values * weights[:, None], 0) / total
         tl.store(output + i * stride_on + h * stride_oh + dims * stride_od, merged.to(output.dtype.element_ty),
                  mask=dims < HEAD_DIM)

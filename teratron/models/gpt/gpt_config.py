@@ -37,6 +37,9 @@ class GPTModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.transformer.mtp_num_layers and self.position_embedding_type == "learned_absolute":
+            raise ValueError("mtp_num_layers needs position_embedding_type 'rope' or 'none' (as in Megatron), "
+                             "not 'learned_absolute'")
         if self.transformer.no_rope_freq is not None and self.position_embedding_type in ("learned_absolute", "none"):
             raise ValueError(f"no_rope_freq picks layers that skip RoPE, but position_embedding_type="
                              f"{self.position_embedding_type!r}; use position_embedding_type='rope'")

@@ -28,7 +28,7 @@ from teratron.tensor_parallel.mappings import (gather_from_sequence_parallel_reg
                                                reduce_from_tensor_model_parallel_region)
 from teratron.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from teratron.topology import resolve_pg_collection
-from teratron.transformer.moe.moe_logging import save_to_aux_losses_tracker
+from teratron.transformer.moe.moe_logging import num_tracked_layers, save_to_aux_losses_tracker
 from teratron.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, apply_router_token_dropping,
                                                 compute_routing_scores_for_aux_loss,
                                                 quantile_balancing_estimate, sinkhorn,
@@ -206,7 +206,7 @@ class TopKRouter(torch.nn.Module):
         if training:
             tokens_per_expert = routing_map.sum(dim=0)
             save_to_aux_losses_tracker("tokens_per_expert", tokens_per_expert, self.layer_number,
-                                       config.num_layers)
+                                       num_tracked_layers(config))
             if self.expert_bias is not None:
                 with torch.no_grad():
                     self.local_tokens_per_expert += tokens_per_expert
@@ -253,7 +253,7 @@ class TopKRouter(torch.nn.Module):
         if coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
         z_loss = z_loss_func(logits, coeff / get_pg_size(self.seq_group))
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, num_tracked_layers(self.config))
         if self.config.calculate_per_token_loss:
             z_loss = z_loss * logits.shape[0]
         return MoEAuxLossAutoScaler.apply(logits, z_loss)
@@ -296,7 +296,7 @@ class TopKRouter(torch.nn.Module):
         return self._attach(probs, coeff, aux_loss, "global_load_balancing_loss")
 
     def _attach(self, probs, coeff, aux_loss, name):
-        save_to_aux_losses_tracker(name, aux_loss / coeff, self.layer_number, self.config.num_layers)
+        save_to_aux_losses_tracker(name, aux_loss / coeff, self.layer_number, num_tracked_layers(self.config))
         if self.config.calculate_per_token_loss:
             # The per-token schedule divides grads by the global token count: undo it for the aux
             # loss, which is already a per-token mean.
@@ -315,11 +315,16 @@ def update_moe_routers(model_chunks) -> None:
     by +-moe_router_bias_update_rate towards the mean load of the step's global token counts
     (summed over sequence partitions and data-parallel ranks), set each quantile-balancing bias
     from the step's estimates (averaged over micro-batches and data-parallel ranks, blended with
-    moe_router_quantile_balancing_ema, centred), and restart global-aux-loss counting."""
+    moe_router_quantile_balancing_ema, centred), and restart global-aux-loss counting. A frozen
+    router (--freeze-base-model-for-mtp) keeps its biases; its counts restart."""
     routers = _routers(model_chunks)
     if not routers:
         return
     first = routers[0]
+    for router in routers:
+        if not router.weight.requires_grad:
+            _restart_counts(router)
+    routers = [r for r in routers if r.weight.requires_grad]
     biased = [r for r in routers if r.expert_bias is not None]
     if biased:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
@@ -342,3 +347,11 @@ def update_moe_routers(model_chunks) -> None:
         if router.global_tokens_per_expert is not None:
             router.global_tokens_per_expert.zero_()
             router.ga_steps.zero_()
+
+
+def _restart_counts(router) -> None:
+    """What a step counted, dropped: a frozen router's statistics move nothing."""
+    for counts in (router.local_tokens_per_expert, router.qb_beta_accum, router.qb_beta_count,
+                   router.global_tokens_per_expert, router.ga_steps):
+        if counts is not None:
+            counts.zero_()
