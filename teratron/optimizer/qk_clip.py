@@ -13,10 +13,10 @@ layers, so those need no reduction for clipping), and resets the records; the mo
 logit, which it returns for logging, is further max-reduced over tensor and pipeline ranks, so
 every rank holds the same value. `clip` then asks each attention for the factors of its
 query and key rows (`qk_clip_scales`: eta = threshold / max logit for the heads over
-qk_clip_threshold, queries scaled by eta ** alpha and keys by eta ** (1 - alpha)) and has the
-optimizer scale its main params and refresh the model params from them (`scale_param_rows`),
-so fp32 masters, the distributed optimizer's shards and the bf16 weights agree. Nothing waits
-for the device: heads within the threshold get the factor 1.
+qk_clip_threshold, queries scaled by eta ** alpha and keys by eta ** (1 - alpha); MLA's RoPE
+query rows by eta) and has the optimizer scale its main params and refresh the model params
+from them (`scale_param_rows`), so fp32 masters, the distributed optimizer's shards and the bf16
+weights agree. Nothing waits for the device: heads within the threshold get the factor 1.
 """
 
 import torch

@@ -2,7 +2,12 @@
 distributed-optimizer slice cutting rows) and refreshes the model params from them (fp32, bf16
 with fp32 masters, DP=2 distributed optimizer); and a GPT step with QKClip scales the query and
 key weights of the groups whose max logit (computed here from the attention inputs) exceeds the
-threshold by (threshold / max) ** alpha and ** (1 - alpha), leaving the others untouched."""
+threshold by (threshold / max) ** alpha and ** (1 - alpha), leaving the others untouched; on a
+multi-latent-attention model, whose MTP layer is MLA too, the rows of Megatron's MLA rule per head
+(queries' RoPE rows by eta, values and down projections untouched), the MTP layer's included; an
+attention without `qk_clip_scales` is refused."""
+
+import math
 
 import pytest
 import torch
@@ -11,12 +16,13 @@ import torch.nn.functional as F
 from dist import run_distributed
 from teratron import parallel_state
 from teratron.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from teratron.optimizer import OptimizerConfig, get_megatron_optimizer
 from teratron.optimizer.optimizer import _scale_rows_of_flat
 from teratron.optimizer.qk_clip import QKClip
 from teratron.training.build import build_qk_clip
-from teratron.transformer.transformer_config import TransformerConfig
+from teratron.transformer.dot_product_attention import DotProductAttention
+from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 ROWS, COLS = 40, 13
 
@@ -196,3 +202,121 @@ def test_log_max_attention_logit_alone_does_not_clip():
     assert qk_clip.reduce().item() > 1.0
     assert optimizer.step()[0]
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# ----- a GPT step with QK-clip on multi-latent attention (and its MTP layer) -----------------
+
+MLA_DIMS = dict(qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+
+
+def _mla_gpt(q_lora_rank):
+    """Two MLA layers and one MTP depth (an MLA layer too), YaRN with mscale_all_dim (so the softmax
+    scale is not 1 / sqrt(head size)) and the latent norms."""
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=10, **MLA_DIMS,
+        rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=8, mscale=0.9,
+        mscale_all_dim=0.6, qk_layernorm=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        ffn_hidden_size=48, use_cpu_initialization=True, init_method_std=0.3, mtp_num_layers=1, qk_clip=True,
+        qk_clip_alpha=ALPHA)
+    torch.manual_seed(0)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True)
+    return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type="rope",
+                    mtp_block_spec=get_gpt_mtp_block_spec(config))
+
+
+def _mla_attentions(model):
+    layers = list(model.decoder.layers) + [depth.transformer_layer for depth in model.mtp.layers]
+    return [layer.self_attention for layer in layers]
+
+
+def _mla_softmax_scale(config):
+    """DeepSeek's: mscale(mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+    mscale = 0.1 * config.mscale_all_dim * math.log(config.rotary_scaling_factor) + 1
+    return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
+def _head_max_logits(query, key, scale):
+    """[np] largest causal logit of each head, from the full score matrix: q, k [s, b, np, hd]."""
+    scores = torch.einsum("qbnd,kbnd->bnqk", query, key) * scale
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, -float("inf")).amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_a_step_clips_the_mla_rows_of_the_heads_over_the_threshold(q_lora_rank):
+    model = _mla_gpt(q_lora_rank)
+    attentions = _mla_attentions(model)
+    seen = []
+    for attention in attentions:
+        attention.core_attention.register_forward_pre_hook(
+            lambda module, args: seen.append((args[0].detach().clone(), args[1].detach().clone())))
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.0), [model])  # lr 0: only the clip moves weights
+    qk_clip = QKClip([model], model.config)
+    assert qk_clip.attentions == attentions  # the MTP layer's attention included
+    optimizer.register_param_update_hook(qk_clip.clip)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    model(ids, torch.arange(SEQ).expand(BATCH, SEQ), labels=labels).sum().backward()
+    scale = _mla_softmax_scale(model.config)
+    head_max = [_head_max_logits(q, k, scale) for q, k in seen]  # per attention [np]
+    assert len(head_max) == 3
+    for attention, maxima in zip(attentions, head_max):  # the records: RoPE part and MLA's softmax scale in
+        torch.testing.assert_close(attention.core_attention.current_max_attn_logits, maxima, rtol=1e-6, atol=0)
+    threshold = head_max[0].sort().values[1:3].mean().item()  # the first layer's heads on both sides of it
+    model.config.qk_clip_threshold = threshold
+    query_name = "linear_q_proj" if q_lora_rank is None else "linear_q_up_proj"
+    clipped_names = {f"{query_name}.weight", "linear_kv_up_proj.weight"}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    largest = qk_clip.reduce()
+    torch.testing.assert_close(largest, torch.cat(head_max).max(), rtol=1e-6, atol=0)
+    assert optimizer.step()[0]
+
+    dn, dr, dv = MLA_DIMS["qk_head_dim"], MLA_DIMS["qk_pos_emb_head_dim"], MLA_DIMS["v_head_dim"]
+    clipped = 0
+    for attention, maxima in zip(attentions, head_max):
+        query = getattr(attention, query_name).weight.detach().view(4, dn + dr, -1)  # [np, q rows, in]
+        kv_up = attention.linear_kv_up_proj.weight.detach().view(4, dn + dv, -1)  # [np, k and v rows, d_c]
+        old_query = before[_name_of(model, getattr(attention, query_name).weight)].view_as(query)
+        old_kv_up = before[_name_of(model, attention.linear_kv_up_proj.weight)].view_as(kv_up)
+        for head, logit in enumerate(maxima.tolist()):
+            if logit <= threshold:
+                assert torch.equal(query[head], old_query[head]) and torch.equal(kv_up[head], old_kv_up[head])
+                continue
+            clipped += 1
+            eta = threshold / logit
+            torch.testing.assert_close(query[head, :dn], old_query[head, :dn] * eta ** ALPHA, rtol=1e-6, atol=0)
+            torch.testing.assert_close(query[head, dn:], old_query[head, dn:] * eta, rtol=1e-6, atol=0)
+            torch.testing.assert_close(kv_up[head, :dn], old_kv_up[head, :dn] * eta ** (1 - ALPHA), rtol=1e-6,
+                                       atol=0)
+            assert torch.equal(kv_up[head, dn:], old_kv_up[head, dn:])  # values
+    assert 0 < clipped < 12 and (head_max[2] > threshold).any()  # the MTP layer's heads clip too
+    for name, param in model.named_parameters():  # the down projections (shared RoPE key) and the rest
+        if name.rsplit("self_attention.", 1)[-1] not in clipped_names:
+            assert torch.equal(param.detach(), before[name]), name
+    # After the clip the first layer (whose input the clip leaves unchanged) has on the same batch
+    # the threshold as the largest logit of each clipped head, RoPE part included.
+    seen.clear()
+    with torch.no_grad():
+        model(ids, torch.arange(SEQ).expand(BATCH, SEQ))
+    assert (head_max[0] > threshold).any() and (head_max[0] <= threshold).any()
+    after = _head_max_logits(*seen[0], scale)
+    torch.testing.assert_close(after, torch.minimum(head_max[0], torch.tensor(threshold)), rtol=1e-5, atol=0)
+
+
+def _name_of(model, param):
+    return next(name for name, p in model.named_parameters() if p is param)
+
+
+def test_an_attention_without_qk_clip_scales_is_refused():
+    """A custom attention spec whose core attention records max logits but which does not say how
+    to clip its weights."""
+    config = _gpt().config
+
+    class PlainAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.core_attention = DotProductAttention(config, layer_number=1)
+
+    with pytest.raises(NotImplementedError, match="PlainAttention does not say how to clip"):
+        QKClip([torch.nn.Sequential(PlainAttention())], config)

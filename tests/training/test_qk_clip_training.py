@@ -1,9 +1,10 @@
 """QK-clip through `teratron train` (in process, gloo ranks): with Muon, a run with --qk-clip (which
 bites: the losses differ from a run without it) has the single process's losses and logged max
 attention logits at every iteration under TP 2 + sequence parallelism, PP 2 and DP 2 with the
-distributed optimizer, and with Adam under TP 2 x PP 2 x DP 2 with the distributed optimizer;
---log-max-attention-logit logs the max logit and trains exactly as without it; bad values are
-one-line errors naming the flag."""
+distributed optimizer, and with Adam under TP 2 x PP 2 x DP 2 with the distributed optimizer; a
+multi-latent-attention model with an MTP layer (MLA too) clips and equals the single process under
+TP 2 + sequence parallelism and PP 2; --log-max-attention-logit logs the max logit and trains
+exactly as without it; bad values are one-line errors naming the flag."""
 
 import json
 
@@ -26,11 +27,20 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 MUON = ["--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "highest"]
 # The largest logits start near 14: a threshold of 6 clips many heads at every step.
 QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "6", "--qk-clip-alpha", "0.4"]
+# Multi-latent attention (compressed queries, YaRN with mscale_all_dim, latent norms) and one MTP
+# depth, an MLA layer like the last; its logits start near 9.6, a threshold of 3 clips at every step.
+_GQA = TINY.index("--group-query-attention")
+MLA = TINY[:_GQA] + TINY[_GQA + 3:] + [  # less --group-query-attention --num-query-groups 2
+    "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale", "0.8",
+    "--mscale-all-dim", "1", "--yarn-original-max-position-embeddings", "8", "--qk-layernorm",
+    "--disable-bias-linear", "--mtp-num-layers", "1"]
+MLA_QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "3", "--qk-clip-alpha", "0.4"]
 
 
-def train(argv, metrics_file):
+def train(argv, metrics_file, model=TINY):
     """({iteration: loss}, [logged max attention logit per iteration]) on the logging rank."""
-    losses = dict(pretrain(build_run_config(parse_train_args(TINY + argv + ["--metrics-file", metrics_file])))
+    losses = dict(pretrain(build_run_config(parse_train_args(model + argv + ["--metrics-file", metrics_file])))
                   .loss_history)
     try:
         with open(metrics_file) as f:
@@ -89,6 +99,31 @@ def test_adam_tp2_pp2_dp2_distributed_optimizer(tmp_path):
                                                "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
                           str(tmp_path / "m.jsonl"))[-1]
     _assert_same_run(reference, run, "adam-tp2-pp2-dp2-distopt")
+
+
+@pytest.fixture(scope="module")
+def mla_reference(tmp_path_factory):
+    return train(MLA_QK_CLIP, str(tmp_path_factory.mktemp("mla") / "metrics.jsonl"), MLA)
+
+
+def test_mla_and_mtp_clip(mla_reference, tmp_path):
+    losses, logits = mla_reference
+    logged_losses, logged = train(["--log-max-attention-logit"], str(tmp_path / "logged.jsonl"), MLA)
+    assert logged[0] == pytest.approx(logits[0], rel=1e-6) and logged[0] > 9
+    assert all(value < 5 for value in logits[1:]) and all(value > 8 for value in logged[1:])
+    assert losses[4] != pytest.approx(logged_losses[4], rel=1e-3)
+
+
+def test_mla_and_mtp_tp2_sequence_parallel(mla_reference, tmp_path):
+    run = run_distributed(train, 2, MLA_QK_CLIP + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                          str(tmp_path / "m.jsonl"), MLA)[-1]
+    _assert_same_run(mla_reference, run, "mla-tp2-sp")
+
+
+def test_mla_and_mtp_pp2(mla_reference, tmp_path):
+    run = run_distributed(train, 2, MLA_QK_CLIP + ["--pipeline-model-parallel-size", "2"],
+                          str(tmp_path / "m.jsonl"), MLA)[-1]
+    _assert_same_run(mla_reference, run, "mla-pp2")
 
 
 def test_bad_values_are_one_line_errors(capsys):
