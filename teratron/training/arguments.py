@@ -171,6 +171,7 @@ def _add_network_args(parser):
     _add_attention_variant_args(parser)
     _add_mla_args(parser)
     _add_mtp_args(parser)
+    _add_qk_clip_args(parser)
 
 
 def _add_mtp_args(parser):
@@ -255,6 +256,21 @@ def _add_mla_args(parser):
                         "(the default).")
     g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
                    dest="yarn_correction_range_round_to_int", help="Keep the ramp's bounds fractional (gpt-oss).")
+
+
+def _add_qk_clip_args(parser):
+    g = parser.add_argument_group("QK-clip and the max attention logit (teratron.optimizer.qk_clip)")
+    g.add_argument("--qk-clip", action="store_true",
+                   help="After each optimizer step, scale the query and key weights of every head whose largest "
+                        "attention logit exceeded --qk-clip-threshold so that it would meet it (MuonClip); logs "
+                        "the max logit.")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="The query's share of the clip, in (0, 1): queries scale by eta**alpha, keys by "
+                        "eta**(1-alpha), eta = threshold / max logit.")
+    g.add_argument("--qk-clip-threshold", type=float, default=100, help="The largest attention logit a head keeps.")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="Log the largest pre-softmax attention logit of the model (max_attention_logit in the "
+                        "metrics file; the largest since the last log line) without clipping.")
 
 
 def _add_moe_args(parser):

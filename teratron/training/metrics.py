@@ -165,10 +165,11 @@ class TrainingLogger:
     def log_iteration(self, iteration: int, losses: dict, grad_norm, lr: float, elapsed_s: float,
                       iters: int, samples: int, global_batch_size: int, consumed_samples: int,
                       skipped: int, loss_scale: Optional[float] = None,
-                      moe_metrics: Optional[dict] = None) -> dict:
+                      moe_metrics: Optional[dict] = None, max_attention_logit: Optional[float] = None) -> dict:
         """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
         (losses and MoE metrics already averaged over them); `skipped` of them skipped their
-        step (per window, as Megatron's log line counts them)."""
+        step (per window, as Megatron's log line counts them). `max_attention_logit`: the largest
+        of the iterations' max attention logits (with qk_clip / log_max_attention_logit)."""
         seq_length = self.run.training.seq_length
         time_per_iter = elapsed_s / max(iters, 1)
         tokens_per_sec = samples * seq_length / elapsed_s
@@ -187,6 +188,8 @@ class TrainingLogger:
         }
         record.update({_tag(k): v for k, v in losses.items() if k != "lm loss"})
         record.update(moe_metrics or {})
+        if max_attention_logit is not None:
+            record["max_attention_logit"] = max_attention_logit
         if not self.enabled:
             return record
         if self.metrics_file:
@@ -224,6 +227,8 @@ class TrainingLogger:
             parts.append(f"loss scale: {loss_scale:.1f}")
         if r["grad_norm"] is not None:
             parts.append(f"grad norm: {r['grad_norm']:.3f}")
+        if "max_attention_logit" in r:
+            parts.append(f"max attention logit: {r['max_attention_logit']:.3f}")
         parts.append(f"number of skipped iterations: {r['skipped']:3d}")
         return " | ".join(parts) + " |"
 

@@ -25,6 +25,12 @@ sees and how its softmax is normalised:
 Dropout of attention probabilities runs under the tensor-parallel RNG tracker, since every TP
 rank holds different heads; FlexAttention has none, so a window or sink with dropout on CUDA is
 refused unless the backend is the reference.
+
+With `qk_clip` or `log_max_attention_logit`, a training forward also records the largest
+pre-softmax logit of each head (`current_max_attn_logits`, Megatron's name), for QK-clip
+(`teratron.optimizer.qk_clip`). No kernel above returns it (the log-sum-exp only bounds it), so
+`max_attention_logits` computes q k^T once more under no_grad, a chunk of queries at a time over
+the keys they may see: one extra QK^T GEMM in the forward, nothing of size s x s.
 """
 
 import contextlib
@@ -98,6 +104,57 @@ def allowed_keys(q_idx, kv_idx, causal: bool, window):
     return allowed
 
 
+# Scores of one query chunk in `max_attention_logits`: 2**26 elements (256 MiB in fp32).
+_MAX_LOGIT_CHUNK = 1 << 26
+
+
+def _key_band(q0: int, q1: int, sk: int, causal: bool, window):
+    """[lo, hi): the keys that queries q0 .. q1 - 1 may see at all (`allowed_keys`' band)."""
+    left, right = window if window is not None else (-1, -1)
+    lo = max(0, q0 - left) if left >= 0 else 0
+    hi = sk
+    if causal:
+        hi = min(hi, q1)
+    if right >= 0:
+        hi = min(hi, q1 + right)
+    return lo, max(lo, hi)
+
+
+def _grouped_mask(attention_mask, groups: int, sq: int, sk: int):
+    """A bool mask broadcastable to [b, np, sq, sk] as [b or 1, ng or 1, np/ng or 1, sq, sk]."""
+    mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
+    mask = mask.expand(*mask.shape[:2], sq, sk)
+    return mask.unsqueeze(1) if mask.shape[1] == 1 else mask.unflatten(1, (groups, -1))
+
+
+@torch.no_grad()
+def max_attention_logits(q, k, softmax_scale: float, causal: bool, window=None, attention_mask=None):
+    """The largest pre-softmax logit, softmax_scale * q.k, of each query head [np] (fp32) over the
+    batch, the queries and the keys each query may attend (`allowed_keys`, less `attention_mask`,
+    True = masked out); -inf for a head that attends to nothing. q [b, np, sq, hn], k [b, ng, sk, hn].
+    The scores exist a chunk of queries at a time, over the chunk's key band only."""
+    b, heads, sq, _ = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    q = q.unflatten(1, (groups, heads // groups))  # [b, ng, np/ng, sq, hn]: heads group by group
+    k_t = k.unsqueeze(2).transpose(-2, -1)  # [b, ng, 1, hn, sk]
+    mask = None if attention_mask is None else _grouped_mask(attention_mask, groups, sq, sk)
+    positions = functools.partial(torch.arange, device=q.device)
+    rows = max(1, _MAX_LOGIT_CHUNK // (b * heads * sk))
+    largest = torch.full((groups, heads // groups), float("-inf"), device=q.device)
+    for q0 in range(0, sq, rows):
+        q1 = min(sq, q0 + rows)
+        lo, hi = _key_band(q0, q1, sk, causal, window)
+        if lo == hi:
+            continue
+        scores = torch.matmul(q[..., q0:q1, :], k_t[..., lo:hi]).float() * softmax_scale  # [b, ng, np/ng, c, keys]
+        hidden = ~allowed_keys(positions(q0, q1)[:, None], positions(lo, hi)[None, :], causal, window)
+        if mask is not None:
+            hidden = hidden | mask[..., q0:q1, lo:hi]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        largest = torch.maximum(largest, scores.amax(dim=(0, 3, 4)))
+    return largest.flatten()
+
+
 def _create_block_mask(mask_mod, batch, sq: int, sk: int, device):
     # Compiled on CUDA, so the mask is evaluated block by block instead of as one s x s tensor.
     create = fusions.fused(create_block_mask) if torch.device(device).type == "cuda" else create_block_mask
@@ -167,7 +224,14 @@ class DotProductAttention(torch.nn.Module):
         use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                                pattern_layer_number(config, layer_number))
         self.window_size = config.window_size if use_window else None
-        self._build_softmax_offset(config, resolve_pg_collection(pg_collection).tp)
+        tp = resolve_pg_collection(pg_collection).tp
+        self._build_softmax_offset(config, tp)
+        self.track_max_logit = config.qk_clip or config.log_max_attention_logit
+        if self.track_max_logit:
+            # The largest logit of each of this rank's heads since QKClip.reduce() last took it.
+            heads = config.num_attention_heads // get_pg_size(tp)
+            self.register_buffer("current_max_attn_logits", torch.full((heads,), float("-inf"),
+                                 device=param_device(config)), persistent=False)
 
     def _build_softmax_offset(self, config, tp):
         if config.softmax_type == "vanilla":
@@ -191,11 +255,18 @@ class DotProductAttention(torch.nn.Module):
         is_causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.track_max_logit and self.training:
+            self._track_max_logit(q, k, attention_mask, is_causal)
         dropout_p = self.dropout_p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = self._attend(q, k, v, attention_mask, is_causal, dropout_p)
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+
+    @torch.no_grad()
+    def _track_max_logit(self, q, k, attention_mask, is_causal):
+        logits = max_attention_logits(q, k, self.softmax_scale, is_causal, self.window_size, attention_mask)
+        self.current_max_attn_logits.copy_(torch.maximum(self.current_max_attn_logits, logits))
 
     def _attend(self, q, k, v, attention_mask, is_causal, dropout_p):
         """The kernel: SDPA for plain attention, FlexAttention for a window or a sink on CUDA, the

@@ -35,10 +35,6 @@ YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddi
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "qk_clip": "QK-clip",
-    "qk_clip_alpha": "QK-clip",
-    "qk_clip_threshold": "QK-clip",
-    "log_max_attention_logit": "max-attention-logit logging",
     "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
     "masked_softmax_fusion": "fused masked softmax",
@@ -245,16 +241,19 @@ class TransformerConfig(ModelParallelConfig):
     """Normalise queries and keys per head (with `normalization`)."""
 
     qk_clip: bool = False
-    """Clip query/key weights by the max attention logit (Muon + MLA)."""
+    """QK-clip (MuonClip): after each optimizer step, scale the query and key weights of every head
+    whose largest attention logit exceeded qk_clip_threshold (teratron.optimizer.qk_clip); logs
+    the max logit too."""
 
     qk_clip_alpha: float = 0.5
-    """QK-clip balance exponent."""
+    """The query's share of the clip, in (0, 1): queries scale by eta ** alpha, keys by
+    eta ** (1 - alpha), eta = min(threshold / max_attention_logit, 1)."""
 
     qk_clip_threshold: float = 100
-    """QK-clip logit threshold."""
+    """The largest attention logit QK-clip lets a head keep."""
 
     log_max_attention_logit: bool = False
-    """Log the largest attention logit of the model."""
+    """Log the largest pre-softmax attention logit of the model each step (no clipping)."""
 
     test_mode: bool = False
     """Run real-time tests."""
@@ -658,6 +657,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self._check_offloading()
         self._check_attention_variants()
+        self._check_qk_clip()
         self._set_init_methods()
         self._check_moe()
         check_fp8_config(self)
@@ -776,6 +776,24 @@ class TransformerConfig(ModelParallelConfig):
             if not self.gated_linear_unit:
                 raise ValueError("activation_func_clamp_value clamps a gated MLP's fc1 output; set "
                                  "gated_linear_unit (--swiglu) or leave activation_func_clamp_value None")
+
+    def _check_qk_clip(self):
+        for name in ("qk_clip_alpha", "qk_clip_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r} must be a number")
+        if not 0.0 < self.qk_clip_alpha < 1.0:
+            raise ValueError(f"qk_clip_alpha={self.qk_clip_alpha} must be in (0, 1): queries scale by eta ** alpha, "
+                             "keys by eta ** (1 - alpha)")
+        if not 0.0 < self.qk_clip_threshold < float("inf"):
+            raise ValueError(f"qk_clip_threshold={self.qk_clip_threshold} must be a finite number > 0 (the largest "
+                             "attention logit a head keeps)")
+        if not self.qk_clip and (self.qk_clip_alpha != 0.5 or self.qk_clip_threshold != 100):
+            raise ValueError("qk_clip_alpha or qk_clip_threshold is set but qk_clip is off; turn on qk_clip or "
+                             "leave them at their defaults")
+        if self.qk_clip and self.qk_layernorm and not self.multi_latent_attention:
+            raise ValueError("qk_clip with qk_layernorm: the per-head norms undo any scaling of the query and key "
+                             "weights, so the clip would do nothing; turn one of them off")
 
     def _check_layer_pattern(self, name: str, divides: bool):
         """A per-layer pattern field (None, an int N >= 1, or one 0/1 per layer); with `divides`

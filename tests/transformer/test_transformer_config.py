@@ -307,7 +307,7 @@ def test_unsupported_fields_raise(name):
 
 
 def test_unsupported_table_covers_the_blocked_features():
-    blocked = ["qk_clip", "fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen", "cp_comm_type",
+    blocked = ["fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen", "cp_comm_type",
                "masked_softmax_fusion", "flash_decode", "batch_invariant_mode",
                "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",
                "mrope_section", "symmetric_ar_type", "init_model_with_meta_device"]
