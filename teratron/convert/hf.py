@@ -5,9 +5,9 @@
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`). The vocabulary of
-`from_hf` is exactly the HF one (no padding), so logits compare one to one; checkpoints are
-padded like a training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is
+exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
+training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 """
 
 import argparse
@@ -18,7 +18,8 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
-from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, teratron_to_hf
+from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_reader
+from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, mtp_copies, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.safetensors_io import HFWeights, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
@@ -61,12 +62,25 @@ def expected_hf_shapes(model_args: dict, family: str) -> dict:
     return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
 
 
-def _read_hf(path, model_args, family):
+def _model_args(path, hf, weights, make_vocab_size_divisible_by=1, tensor_model_parallel_size=1) -> dict:
+    """The model args of the HF folder: its config's, with DeepSeek-V3's MTP layers when the
+    files hold them."""
+    source = f"--hf-path {path}"
+    model_args = model_args_from_hf(hf, source, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    if hf["model_type"] == "deepseek_v3":
+        model_args.update(mtp_args(hf, weights.shapes, source))
+    return model_args
+
+
+def _read_hf(path, model_args, hf, weights):
     """The teratron state dict of the HF folder, read only after every file's header matched the
     config (names and shapes)."""
-    weights = HFWeights(path)
-    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, f"--hf-path {path}")
-    return hf_to_teratron(weights.read, model_args, family)
+    family, source = hf["model_type"], f"--hf-path {path}"
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source)
+    if family == "deepseek_v3":
+        check_mtp_copies(weights.read, weights.shapes, mtp_copies(model_args), source)
+    read = rope_layout_reader(hf, weights.read) if family == "deepseek_v3" else weights.read
+    return hf_to_teratron(read, model_args, family)
 
 
 def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
@@ -74,7 +88,8 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
     experts as GroupedMLP with `moe_grouped_gemm`, and the config carries the model's aux-loss
     coefficient for training it."""
     hf = read_hf_config(path)
-    model_args = model_args_from_hf(hf, f"--hf-path {path}")
+    weights = HFWeights(path)
+    model_args = _model_args(path, hf, weights)
     if moe_grouped_gemm and not model_args["num_experts"]:
         raise ValueError(f"from_hf({path!r}, moe_grouped_gemm=True): the model is dense; leave it False")
     overrides = {}
@@ -85,7 +100,7 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
                                               **overrides)
     config = model_config.transformer
     model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
-    model.load_state_dict(_read_hf(path, model_args, hf["model_type"]), strict=True)
+    model.load_state_dict(_read_hf(path, model_args, hf, weights), strict=True)
     return model.eval(), config
 
 
@@ -120,7 +135,8 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     with --moe-grouped-gemm), else per expert (SequentialMLP)."""
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     hf = read_hf_config(hf_path)
-    model_args = model_args_from_hf(hf, f"--hf-path {hf_path}", make_vocab_size_divisible_by, tp)
+    weights = HFWeights(hf_path)
+    model_args = _model_args(hf_path, hf, weights, make_vocab_size_divisible_by, tp)
     if not model_args["num_experts"] and (ep > 1 or moe_grouped_gemm):
         raise ValueError(f"--hf-path {hf_path} holds a dense model; --expert-model-parallel-size and "
                          "--moe-grouped-gemm apply to MoE models only")
@@ -129,12 +145,14 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
         if model_args["num_experts"] % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's "
                              f"{model_args['num_experts']} experts; choose an EP size that does")
+    # Experts with biases (gpt-oss) stay whole on every TP rank: teratron runs them at expert-TP 1.
+    etp = 1 if model_args["num_experts"] and model_args["add_bias_linear"] else tp
     config = gpt_config_from_model_args(model_args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        expert_model_parallel_size=ep).transformer
+                                        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp).transformer
     _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
-    state = _read_hf(hf_path, model_args, hf["model_type"])
+    state = _read_hf(hf_path, model_args, hf, weights)
     created = not os.path.exists(save)
     try:
         tmp = storage.temporary_dir(save, 0)
@@ -205,8 +223,8 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
     tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
                              hf_config["model_type"])
     _check_export_shapes(tensors, model_args, hf_config["model_type"], checkpoint_dir)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    if dtype is not None:  # DeepSeek's expert bias stays fp32, as transformers keeps it
+        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in tensors.items()}
     tmp = storage.staging_dir(out)
     try:
         save_hf_weights(tensors, tmp, max_shard_size_bytes)

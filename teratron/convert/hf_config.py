@@ -1,31 +1,28 @@
-"""Hugging Face `config.json` <-> teratron model args, for the Llama-style families.
+"""Hugging Face `config.json` <-> teratron model args: the families, and the Llama-style ones.
 
 Llama 2/3, Mistral, Qwen2 and Qwen3 are one architecture to teratron: RMSNorm, SwiGLU, RoPE
 (rotate-half, as Megatron's default), grouped-query attention, no position table. They differ in
 biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection), qk-norm
 (Qwen3) and tied embeddings. Mixtral (Mistral's attention) and Qwen3-MoE (Qwen3's) replace MLPs
 by MoE layers; their MoE fields map in `hf_moe`. Mistral's and Mixtral's
-sliding window becomes `window_size` on every layer. Features teratron does not convert (RoPE
-scaling, other families' sliding windows, other activations, Qwen2-MoE's gated shared expert) are
-refused with the field's name.
+sliding window becomes `window_size` on every layer. DeepSeek-V3 (`hf_deepseek`) and gpt-oss
+(`hf_gpt_oss`) map in their own modules; the fields every family shares (sizes, RMSNorm,
+vocabulary, tied embeddings) here. Features teratron does not convert (other RoPE scalings,
+other families' sliding windows, other activations, Qwen2-MoE's gated shared expert, quantized
+weights) are refused with the field's name.
 """
 
+from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
+from teratron.convert.hf_fields import require_fields, rope_args_from_hf, rope_of_model_args, set_rope_fields
+from teratron.convert.hf_gpt_oss import gpt_oss_args, gpt_oss_hf_fields
 from teratron.convert.hf_moe import (MOE_FAMILIES, REFUSED, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
 from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULTS
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
-
-
-def _rope(hf: dict, source: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope type {rope_type!r} (rope_scaling) is not supported by teratron's "
-                         "RoPE; only the default (unscaled) rotary embedding converts")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+OWN_MODULE_FAMILIES = {"deepseek_v3": (deepseek_args, "DeepseekV3ForCausalLM"),
+                       "gpt_oss": (gpt_oss_args, "GptOssForCausalLM")}
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES)
 
 
 def _biases(hf: dict, family: str, source: str) -> tuple:
@@ -69,12 +66,38 @@ def _export_window(a: dict, family: str) -> int | None:
     return window[0] + 1
 
 
-def require_fields(hf: dict, source: str, names) -> None:
-    """Refuse a config.json that lacks one of the fields the conversion reads."""
-    missing = [name for name in names if hf.get(name) is None]
-    if missing:
-        raise ValueError(f"{source}: config.json lacks {', '.join(missing)}; it is not a complete "
-                         f"{hf.get('model_type')} config")
+def _llama_style_args(hf: dict, source: str) -> dict:
+    """The model args of the Llama-style families and their MoE variants."""
+    family = hf["model_type"]
+    require_fields(hf, source, ["intermediate_size"] + (
+        ["num_experts_per_tok"] + (["moe_intermediate_size"] if family == "qwen3_moe" else [])
+        if family in MOE_FAMILIES else []))
+    heads = hf["num_attention_heads"]
+    add_bias_linear, add_qkv_bias = _biases(hf, family, source)
+    return {
+        "ffn_hidden_size": hf["intermediate_size"], "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "swiglu": True,
+        "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias,
+        "qk_layernorm": family in ("qwen3", "qwen3_moe"), "position_embedding_type": "rope",
+        "rotary_base": rope_args_from_hf(hf, source)["rotary_base"],
+        **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else {}),
+        **_window_args(hf, family, source),
+    }
+
+
+def _check_family(hf: dict, source: str) -> str:
+    family = hf.get("model_type")
+    if family in REFUSED:
+        raise ValueError(f"{source}: model_type {family!r}: {REFUSED[family]}")
+    if family not in FAMILIES:
+        raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "quantized")
+        raise ValueError(f"{source}: the weights are {method} (quantization_config); save a dequantized bf16 or "
+                         "fp32 copy with transformers first")
+    if family != "gpt_oss" and hf.get("hidden_act", "silu") != "silu":  # gpt-oss's experts ignore hidden_act
+        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only SwiGLU (silu) MLPs convert")
+    return family
 
 
 def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int = 1,
@@ -82,35 +105,18 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
     """teratron model args (see dist_checkpointing.model_args) from an HF config dict."""
     from teratron.tensor_parallel import pad_vocab_size
 
-    family = hf.get("model_type")
-    if family in REFUSED:
-        raise ValueError(f"{source}: model_type {family!r}: {REFUSED[family]}")
-    if family not in FAMILIES:
-        raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only SwiGLU (silu) MLPs convert")
-    required = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
-    if family in MOE_FAMILIES:
-        required += ["num_experts_per_tok"] + (["moe_intermediate_size"] if family == "qwen3_moe" else [])
-    require_fields(hf, source, required)
-    heads = hf["num_attention_heads"]
-    add_bias_linear, add_qkv_bias = _biases(hf, family, source)
+    family = _check_family(hf, source)
+    require_fields(hf, source, ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"])
     vocab = hf["vocab_size"]
+    family_args = OWN_MODULE_FAMILIES[family][0] if family in OWN_MODULE_FAMILIES else _llama_style_args
     return {
         "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
-        "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads") or heads,
-        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "normalization": "RMSNorm", "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "swiglu": True,
-        "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias,
-        "qk_layernorm": family in ("qwen3", "qwen3_moe"),
-        "position_embedding_type": "rope", "rotary_base": _rope(hf, source), "rotary_percent": 1.0,
-        "rotary_interleaved": False,
+        "num_attention_heads": hf["num_attention_heads"], "normalization": "RMSNorm",
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "rotary_percent": 1.0, "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
-        **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else MOE_DEFAULTS),
-        **_window_args(hf, family, source),
+        **MOE_DEFAULTS, **family_args(hf, source),
     }
 
 
@@ -125,7 +131,12 @@ def _fits(family: str, a: dict) -> bool:
 
 
 def export_family(a: dict, base_type) -> str:
-    """The imported family when the model still fits it, else the first that does."""
+    """The imported family when the model still fits it, else the first that does: deepseek_v3
+    for MLA, gpt_oss for quick GEGLU experts."""
+    if a.get("multi_latent_attention"):
+        return "deepseek_v3"
+    if a.get("quick_geglu"):
+        return "gpt_oss"
     if a["num_experts"]:
         return moe_export_family(a)
     windowed = ("mistral",) if a.get("window_size") is not None else ()  # the dense family with a window
@@ -138,46 +149,70 @@ def export_family(a: dict, base_type) -> str:
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  **{family: architecture for family, (_, architecture) in OWN_MODULE_FAMILIES.items()}}
+
+
+def _check_llama_shaped(a: dict) -> None:
+    if not a["swiglu"] or a["position_embedding_type"] != "rope":
+        raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
+                         "rotate-half RoPE); it has no Hugging Face counterpart to export to")
+    variants = [name for name, default in VARIANT_DEFAULTS.items()
+                if a.get(name, default) != default and name not in ("window_size", "window_attn_skip_freq")]
+    if variants:
+        raise ValueError(f"the checkpoint's model sets {', '.join(variants)}; the Hugging Face export does not "
+                         "write these yet")
+
+
+def _llama_style_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict:
+    _check_llama_shaped(a)
+    sliding_window = _export_window(a, family)
+    fields = {"intermediate_size": a["ffn_hidden_size"], "num_key_value_heads": a["num_query_groups"],
+              "head_dim": a["kv_channels"], "rope_theta": a["rotary_base"], "rope_scaling": None}
+    if family in MOE_FAMILIES:
+        fields.update(moe_hf_fields(a, family, base, aux_loss_coeff))
+    if family in ("llama", "qwen3", "qwen3_moe"):
+        fields["attention_bias"] = a["add_bias_linear"]
+    if family == "llama":
+        fields["mlp_bias"] = a["add_bias_linear"]
+    if family in WINDOW_FAMILIES:
+        fields["sliding_window"] = sliding_window
+    return fields
+
+
+def _own_module_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict:
+    """DeepSeek-V3's or gpt-oss's fields, RoPE written as the base wrote it when unchanged."""
+    fields = deepseek_hf_fields(a) if family == "deepseek_v3" else gpt_oss_hf_fields(a, base)
+    if family == "gpt_oss" and aux_loss_coeff is not None:
+        fields["router_aux_loss_coef"] = aux_loss_coeff
+    set_rope_fields(fields, rope_of_model_args(a), base)
+    return fields
 
 
 def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff: float | None = None) -> dict:
     """An HF config dict for the model; `base` (the imported config) keeps the model type and its
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
-    a = {**MOE_DEFAULTS, **a}
-    if a.get("multi_latent_attention"):
-        raise ValueError("the checkpoint's model uses multi-latent attention, which has no Hugging Face export yet "
-                         "(deepseek_v3 is not supported)")
-    if a["normalization"] != "RMSNorm" or not a["swiglu"] or a["position_embedding_type"] != "rope" \
-            or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
+    a = {**MOE_DEFAULTS, **VARIANT_DEFAULTS, **a}
+    if a["normalization"] != "RMSNorm" or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
         raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
                          "rotate-half RoPE); it has no Hugging Face counterpart to export to")
     hf = dict(base or {})
     family = export_family(a, hf.get("model_type"))
-    variants = [name for name, default in VARIANT_DEFAULTS.items()
-                if a.get(name, default) != default and name not in ("window_size", "window_attn_skip_freq")]
-    if variants:
-        raise ValueError(f"the checkpoint's model sets {', '.join(variants)}; the Hugging Face export does not "
-                         "write these yet")
-    sliding_window = _export_window(a, family)
-    for stale in ("rope_parameters", "num_local_experts", "num_experts"):
+    if a.get("mtp_num_layers") and family != "deepseek_v3":
+        raise ValueError(f"the checkpoint's model has mtp_num_layers={a['mtp_num_layers']}; of the Hugging Face "
+                         "families only deepseek_v3 holds multi-token-prediction layers, and the model is not one")
+    for stale in ("rope_parameters", "rope_scaling", "rope_theta", "num_local_experts", "num_experts"):
         hf.pop(stale, None)
     hf.update({
         "model_type": family, "architectures": [_ARCHITECTURES[family]],
         "num_hidden_layers": a["num_layers"], "hidden_size": a["hidden_size"],
-        "intermediate_size": a["ffn_hidden_size"], "num_attention_heads": a["num_attention_heads"],
-        "num_key_value_heads": a["num_query_groups"], "head_dim": a["kv_channels"],
-        "hidden_act": "silu", "rms_norm_eps": a["norm_epsilon"], "rope_theta": a["rotary_base"],
-        "rope_scaling": None, "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
+        "num_attention_heads": a["num_attention_heads"], "hidden_act": "silu", "rms_norm_eps": a["norm_epsilon"],
+        "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
         "max_position_embeddings": a["max_position_embeddings"], "vocab_size": a["vocab_size"],
     })
-    if family in MOE_FAMILIES:
-        hf.update(moe_hf_fields(a, family, base or {}, aux_loss_coeff))
-    if family in ("llama", "qwen3", "qwen3_moe"):
-        hf["attention_bias"] = a["add_bias_linear"]
-    if family == "llama":
-        hf["mlp_bias"] = a["add_bias_linear"]
-    if family in WINDOW_FAMILIES:
-        hf["sliding_window"] = sliding_window
+    if family in OWN_MODULE_FAMILIES:
+        hf.update(_own_module_fields(a, family, base or {}, aux_loss_coeff))
+    else:
+        hf.update(_llama_style_fields(a, family, base or {}, aux_loss_coeff))
     return hf

@@ -10,13 +10,23 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
     grouped_fc1, grouped_fc2
              every expert's (gate, up) / down <-> GroupedMLP's stacked, transposed
              weight1 [E, h, 2f] = [gate; up]^T and weight2 [E, f, h] = down^T
+    interleaved, interleaved_fc1, grouped_interleaved, transpose, stack
+             gpt-oss's experts: gate and up columns alternate in gate_up_proj [h, 2f] (and its
+             bias), teratron's fc1 is [gate; up]; down_proj [f, h] is fc2 transposed
 
-MoE layers (where moe_layer_freq puts them) map the router and the experts (SequentialMLP's
-`local_experts.{e}` or GroupedMLP's weight1/weight2) to the family's names; dense layers the MLP.
+MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's expert bias),
+the shared experts and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
+weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
+gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
+DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
+rows as a decoder layer, their transformer layer's (`mtp.layers.{k}.transformer_layer.*`).
 
-No RoPE permutation: HF Llama-style checkpoints and teratron both rotate halves (i, i + d/2).
+No RoPE permutation: HF Llama-style checkpoints and teratron both rotate halves (i, i + d/2), and
+DeepSeek's (2i, 2i + 1) pairs are MLA's (a rotate-half DeepSeek checkpoint is reordered on
+reading, `hf_deepseek.rope_layout_reader`).
 """
 
+import functools
 import re
 
 import torch
@@ -30,8 +40,11 @@ TABLE = [  # once per model
     ("decoder.final_layernorm.weight", ["model.norm.weight"], None),
     ("output_layer.weight", ["lm_head.weight"], "vocab"),
 ]
-LAYER_TABLE = [  # every layer
+NORM_TABLE = [  # every layer
     (_L + "input_layernorm.weight", [_H + "input_layernorm.weight"], None),
+    (_L + "pre_mlp_layernorm.weight", [_H + "post_attention_layernorm.weight"], None),
+]
+ATTENTION_TABLE = [  # grouped-query attention
     (_L + "self_attention.linear_qkv.weight",
      [_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"], "qkv"),
     (_L + "self_attention.linear_qkv.bias",
@@ -40,7 +53,18 @@ LAYER_TABLE = [  # every layer
     (_L + "self_attention.k_layernorm.weight", [_H + "self_attn.k_norm.weight"], None),
     (_L + "self_attention.linear_proj.weight", [_H + "self_attn.o_proj.weight"], None),
     (_L + "self_attention.linear_proj.bias", [_H + "self_attn.o_proj.bias"], None),
-    (_L + "pre_mlp_layernorm.weight", [_H + "post_attention_layernorm.weight"], None),
+    (_L + "self_attention.core_attention.softmax_offset", [_H + "self_attn.sinks"], None),
+]
+_A = _L + "self_attention."
+MLA_TABLE = [  # DeepSeek's multi-latent attention; q_lora_rank None: linear_q_proj instead of the first three
+    (_A + "linear_q_down_proj.weight", [_H + "self_attn.q_a_proj.weight"], None),
+    (_A + "q_layernorm.weight", [_H + "self_attn.q_a_layernorm.weight"], None),
+    (_A + "linear_q_up_proj.weight", [_H + "self_attn.q_b_proj.weight"], None),
+    (_A + "linear_q_proj.weight", [_H + "self_attn.q_proj.weight"], None),
+    (_A + "linear_kv_down_proj.weight", [_H + "self_attn.kv_a_proj_with_mqa.weight"], None),
+    (_A + "kv_layernorm.weight", [_H + "self_attn.kv_a_layernorm.weight"], None),
+    (_A + "linear_kv_up_proj.weight", [_H + "self_attn.kv_b_proj.weight"], None),
+    (_A + "linear_proj.weight", [_H + "self_attn.o_proj.weight"], None),
 ]
 DENSE_MLP_TABLE = [  # dense layers
     (_L + "mlp.linear_fc1.weight", [_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"], "gate_up"),
@@ -50,7 +74,16 @@ DENSE_MLP_TABLE = [  # dense layers
 ]
 # MoE layers. HF names take the family's words (HF_MOE_NAMES); {e} is the global expert index.
 _X = _H + "{moe}experts.{e}."
-ROUTER_TABLE = [(_L + "mlp.router.weight", [_H + "{moe}gate.weight"], None)]
+ROUTER_TABLE = [
+    (_L + "mlp.router.weight", [_H + "{router}.weight"], None),
+    (_L + "mlp.router.bias", [_H + "{router}.bias"], None),
+    (_L + "mlp.router.expert_bias", [_H + "{router}.e_score_correction_bias"], None),
+]
+SHARED_EXPERTS_TABLE = [  # DeepSeek-V3
+    (_L + "mlp.shared_experts.linear_fc1.weight",
+     [_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"], "gate_up"),
+    (_L + "mlp.shared_experts.linear_fc2.weight", [_H + "mlp.shared_experts.down_proj.weight"], None),
+]
 EXPERT_TABLE = [  # SequentialMLP: once per expert
     (_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", [_X + "{gate}.weight", _X + "{up}.weight"], "gate_up"),
     (_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", [_X + "{down}.weight"], None),
@@ -59,9 +92,34 @@ GROUPED_EXPERTS_TABLE = [  # GroupedMLP: one tensor <-> the HF names of every ex
     (_L + "mlp.experts.weight1", [_X + "{gate}.weight", _X + "{up}.weight"], "grouped_fc1"),
     (_L + "mlp.experts.weight2", [_X + "{down}.weight"], "grouped_fc2"),
 ]
+# gpt-oss stores each layer's experts stacked (STACKED_EXPERTS); the tables read expert e's slice
+# under the name {moe}experts.{e}.<stacked name>: gate_up_proj [h, 2f] (gate and up columns
+# alternating), gate_up_proj_bias [2f], down_proj [f, h], down_proj_bias [h].
+STACKED_EXPERT_TABLE = [  # SequentialMLP
+    (_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", [_X + "gate_up_proj"], "interleaved_fc1"),
+    (_L + "mlp.experts.local_experts.{e}.linear_fc1.bias", [_X + "gate_up_proj_bias"], "interleaved"),
+    (_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", [_X + "down_proj"], "transpose"),
+    (_L + "mlp.experts.local_experts.{e}.linear_fc2.bias", [_X + "down_proj_bias"], None),
+]
+STACKED_GROUPED_EXPERTS_TABLE = [  # GroupedMLP
+    (_L + "mlp.experts.weight1", [_X + "gate_up_proj"], "grouped_interleaved"),
+    (_L + "mlp.experts.bias1", [_X + "gate_up_proj_bias"], "grouped_interleaved"),
+    (_L + "mlp.experts.weight2", [_X + "down_proj"], "stack"),
+    (_L + "mlp.experts.bias2", [_X + "down_proj_bias"], "stack"),
+]
+# Multi-token prediction (DeepSeek-V3): depth k + 1 is HF layer L + k (i), its transformer layer
+# those rows under mtp.layers.{k}.transformer_layer.
+MTP_TABLE = [
+    ("mtp.layers.{k}.enorm.weight", [_H + "enorm.weight"], None),
+    ("mtp.layers.{k}.hnorm.weight", [_H + "hnorm.weight"], None),
+    ("mtp.layers.{k}.eh_proj.weight", [_H + "eh_proj.weight"], None),
+    ("mtp.layers.{k}.final_layernorm.weight", [_H + "shared_head.norm.weight"], None),
+]
+STACKED_EXPERTS = {"gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+_Q = dict(moe="mlp.", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj")
 HF_MOE_NAMES = {
-    "mixtral": dict(moe="block_sparse_moe.", gate="w1", up="w3", down="w2"),
-    "qwen3_moe": dict(moe="mlp.", gate="gate_proj", up="up_proj", down="down_proj"),
+    "mixtral": dict(moe="block_sparse_moe.", router="block_sparse_moe.gate", gate="w1", up="w3", down="w2"),
+    "qwen3_moe": _Q, "deepseek_v3": _Q, "gpt_oss": dict(moe="mlp.", router="mlp.router"),
 }
 # Buffers some HF checkpoints carry that hold no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -92,6 +150,16 @@ def _pad_vocab(t, a):
     return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
 
 
+def deinterleave(t):
+    """[..., 2f] with gate and up alternating (g0 u0 g1 u1 ...) -> [..., 2f] = [gate | up]."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def interleave(t):
+    """deinterleave's inverse: [..., 2f] = [gate | up] -> g0 u0 g1 u1 ..."""
+    return t.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
 TRANSFORMS = {  # name -> (HF tensors -> teratron tensor, teratron tensor -> HF tensors)
     None: (lambda ts, a: ts[0], lambda t, a: [t]),
     "qkv": (lambda ts, a: fuse_qkv(*ts, a), split_qkv),
@@ -100,6 +168,12 @@ TRANSFORMS = {  # name -> (HF tensors -> teratron tensor, teratron tensor -> HF 
     "grouped_fc1": (lambda ts, a: torch.stack([torch.cat(pair).t() for pair in zip(ts[0::2], ts[1::2])]),
                     lambda t, a: [half for w in t for half in w.t().chunk(2)]),
     "grouped_fc2": (lambda ts, a: torch.stack([w.t() for w in ts]), lambda t, a: [w.t() for w in t]),
+    "transpose": (lambda ts, a: ts[0].t(), lambda t, a: [t.t()]),
+    "interleaved": (lambda ts, a: deinterleave(ts[0]), lambda t, a: [interleave(t)]),
+    "interleaved_fc1": (lambda ts, a: deinterleave(ts[0]).t(), lambda t, a: [interleave(t.t())]),
+    "grouped_interleaved": (lambda ts, a: torch.stack([deinterleave(t) for t in ts]),
+                            lambda t, a: [interleave(w) for w in t]),
+    "stack": (lambda ts, a: torch.stack(ts), lambda t, a: list(t)),
 }
 
 
@@ -115,13 +189,18 @@ def _expand(table, experts=None, **words):
 
 
 def _holds(name: str, a) -> bool:
-    """Whether the model has the tensor: biases, q/k norms and the output layer follow the args."""
+    """Whether the model has the tensor: biases, q/k norms, sinks, the expert bias and the output
+    layer follow the args."""
     if name.endswith("linear_qkv.bias"):
         return a["add_qkv_bias"] or a["add_bias_linear"]
     if name.endswith(".bias"):
         return a["add_bias_linear"]
-    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight", "kv_layernorm.weight")):
         return a["qk_layernorm"]
+    if name.endswith("softmax_offset"):
+        return a.get("softmax_type", "vanilla") == "learnable"
+    if name.endswith("router.expert_bias"):
+        return moe_arg(a, "moe_router_enable_expert_bias")
     if name == "output_layer.weight":
         return a["untie_embeddings_and_output_weights"]
     return True
@@ -132,32 +211,102 @@ def _rows(a, family):
     return (row for row in _all_rows(a, family) if _holds(row[0], a))
 
 
+def _attention_rows(a, i):
+    if not a.get("multi_latent_attention"):
+        return _expand(ATTENTION_TABLE, i=i)
+    without = ("linear_q_proj",) if a["q_lora_rank"] else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    return (row for row in _expand(MLA_TABLE, i=i) if not any(f".{w}." in row[0] for w in without))
+
+
+def _moe_rows(a, family, i):
+    num_experts, words = moe_arg(a, "num_experts"), HF_MOE_NAMES[family]
+    yield from _expand(ROUTER_TABLE, i=i, **words)
+    if moe_arg(a, "moe_shared_expert_intermediate_size"):
+        yield from _expand(SHARED_EXPERTS_TABLE, i=i)
+    stacked = family in STACKED_EXPERTS
+    if moe_arg(a, "moe_grouped_gemm"):
+        table = STACKED_GROUPED_EXPERTS_TABLE if stacked else GROUPED_EXPERTS_TABLE
+        yield from _expand(table, range(num_experts), i=i, **words)
+        return
+    for e in range(num_experts):
+        yield from _expand(STACKED_EXPERT_TABLE if stacked else EXPERT_TABLE, i=i, e=e, **words)
+
+
+def _layer_rows(a, family, i, moe: bool):
+    yield from _expand(NORM_TABLE, i=i)
+    yield from _attention_rows(a, i)
+    yield from _moe_rows(a, family, i) if moe else _expand(DENSE_MLP_TABLE, i=i)
+
+
+def _mtp_rows(a, family, moe: bool):
+    """Depth k + 1's rows (HF layer L + k): its own tensors, then its transformer layer's."""
+    layers = a["num_layers"]
+    for k in range(a.get("mtp_num_layers") or 0):
+        yield from _expand(MTP_TABLE, i=layers + k, k=k)
+        decoder, mtp = f"decoder.layers.{layers + k}.", f"mtp.layers.{k}.transformer_layer."
+        for name, hf_names, transform in _layer_rows(a, family, layers + k, moe):
+            yield name.replace(decoder, mtp), hf_names, transform
+
+
 def _all_rows(a, family):
     yield from TABLE
-    num_experts = moe_arg(a, "num_experts")
-    moe = moe_layer_pattern(a["num_layers"], moe_arg(a, "moe_layer_freq")) if num_experts else []
+    moe = moe_layer_pattern(a["num_layers"], moe_arg(a, "moe_layer_freq")) if moe_arg(a, "num_experts") else []
     for i in range(a["num_layers"]):
-        yield from _expand(LAYER_TABLE, i=i)
-        if not (moe and moe[i]):
-            yield from _expand(DENSE_MLP_TABLE, i=i)
-            continue
-        words = HF_MOE_NAMES[family]
-        yield from _expand(ROUTER_TABLE, i=i, **words)
-        if moe_arg(a, "moe_grouped_gemm"):
-            yield from _expand(GROUPED_EXPERTS_TABLE, range(num_experts), i=i, **words)
+        yield from _layer_rows(a, family, i, bool(moe and moe[i]))
+    yield from _mtp_rows(a, family, bool(moe and moe[-1]))  # an MTP layer is the last layer's kind
+
+
+def mtp_copies(a) -> dict:
+    """DeepSeek's copies of the embedding and output head in each MTP layer: copy -> original."""
+    head = "lm_head.weight" if a["untie_embeddings_and_output_weights"] else "model.embed_tokens.weight"
+    return {copy.format(i=a["num_layers"] + k): original for k in range(a.get("mtp_num_layers") or 0)
+            for copy, original in ((_H + "embed_tokens.weight", "model.embed_tokens.weight"),
+                                   (_H + "shared_head.head.weight", head))}
+
+
+_EXPERT_SLICE = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<name>\w+)$")
+
+
+def _stacked_reader(read, family):
+    """`read` with expert e's slice of a stacked tensor under {layer}.experts.{e}.{name}; the
+    stacked tensors of one layer are read once."""
+    if family not in STACKED_EXPERTS:
+        return read
+    cached = functools.lru_cache(maxsize=len(STACKED_EXPERTS[family]))(read)
+
+    def read_slice(name):
+        match = _EXPERT_SLICE.match(name)
+        if not match:
+            return read(name)
+        return cached(f"{match['layer']}.{match['name']}")[int(match["e"])]
+    return read_slice
+
+
+def _stack_experts(tensors: dict, family) -> dict:
+    """The per-expert slices {layer}.experts.{e}.{name} stacked into {layer}.experts.{name}."""
+    if family not in STACKED_EXPERTS:
+        return tensors
+    out, slices = {}, {}
+    for name, t in tensors.items():
+        match = _EXPERT_SLICE.match(name)
+        if match:
+            slices.setdefault(f"{match['layer']}.{match['name']}", {})[int(match["e"])] = t
         else:
-            for e in range(num_experts):
-                yield from _expand(EXPERT_TABLE, i=i, e=e, **words)
+            out[name] = t
+    for name, by_expert in slices.items():
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
 
 
 def check_hf_tensors(weights, expected: dict, a, source: str) -> None:
     """Refuse HF files whose tensors are not exactly the model's: one missing, one unknown, or one
-    whose shape differs from `expected` (HF name -> shape, from the config). `weights` has the
-    files' `shapes` and `files` (name -> shape / file name); nothing is read but the headers."""
+    whose shape differs from `expected` (HF name -> shape, from the config; the MTP layers'
+    copies of the embedding and head may be absent). `weights` has the files' `shapes` and
+    `files` (name -> shape / file name); nothing is read but the headers."""
     allowed = dict(expected)
     if not a["untie_embeddings_and_output_weights"]:  # a tied copy of the embedding, if saved
         allowed["lm_head.weight"] = expected["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(weights.shapes))
+    missing = sorted(set(expected) - set(weights.shapes) - set(mtp_copies(a)))
     if missing:
         raise ValueError(f"{source}: {missing[0]} is missing{_more(missing)} (config.json says the model has "
                          "it); the files are incomplete or do not match the config")
@@ -181,7 +330,8 @@ def _more(names) -> str:
 def hf_to_teratron(read, a, family: str) -> dict:
     """Global teratron state dict from the HF tensors of `family` (its model_type); `read(name)`
     loads one HF tensor. Check the files first (`check_hf_tensors`)."""
-    return {name: TRANSFORMS[transform][0]([read(n) for n in names], a)
+    read = _stacked_reader(read, family)
+    return {name: TRANSFORMS[transform][0]([read(n) for n in names], a).contiguous()
             for name, names, transform in _rows(a, family)}
 
 
@@ -196,4 +346,5 @@ def teratron_to_hf(state: dict, a, family: str) -> dict:
     if left:
         raise ValueError(f"checkpoint tensor {sorted(left)[0]} has no Hugging Face counterpart; "
                          "the model has parts the converter does not know")
-    return {k: v.contiguous() for k, v in out.items()}
+    out.update({copy: out[original].clone() for copy, original in mtp_copies(a).items()})  # files hold copies
+    return {k: v.contiguous() for k, v in _stack_experts(out, family).items()}

@@ -84,6 +84,7 @@ def _check_exportable(a: dict) -> None:
         "moe_router_score_function": (a["moe_router_score_function"], "softmax"),
         "moe_router_topk_scaling_factor": (a["moe_router_topk_scaling_factor"], None),
         "moe_router_enable_expert_bias": (a["moe_router_enable_expert_bias"], False),
+        "moe_router_num_groups": (a["moe_router_num_groups"], None),
         "add_bias_linear": (a["add_bias_linear"], False),
         "add_qkv_bias": (a["add_qkv_bias"], False),
     }

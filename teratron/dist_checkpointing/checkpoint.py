@@ -324,15 +324,17 @@ def start_async_save(root, iteration, model_chunks, optimizer=None, common=None,
     return AsyncSave(root, iteration, items, common, metadata)
 
 
-def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer=True, load_rng=True) -> tuple:
+def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer=True, load_rng=True,
+                    fresh=None) -> tuple:
     """Load the folder into the model chunks (any layout), optionally the optimizer and this
     rank's RNG state; returns (metadata, common state). Every file is checked against its
-    checksum first."""
+    checksum first. `fresh(key)`: model keys the checkpoint does not hold, which keep their
+    initial values (MTP layers added to a model saved without them)."""
     metadata = storage.read_metadata(checkpoint_dir)
     verify_checkpoint(checkpoint_dir, metadata)
     common = read_common_state(checkpoint_dir)
     layouts = param_layouts(model_chunks)
-    items = model_sharded_items(model_chunks)
+    items = [item for item in model_sharded_items(model_chunks) if fresh is None or not fresh(item.key)]
     refresh_masters = False
     if optimizer is not None and load_optimizer:
         if not metadata.get("has_optimizer", False):

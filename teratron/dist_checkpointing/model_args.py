@@ -8,24 +8,26 @@ training flags' dest names (Megatron's); `model_args_from_config` writes the rec
 Only what shapes the model's weights or forward math is recorded; training-only MoE settings
 (load balancing, aux-loss coefficients, capacity, dispatcher) are not, so a fine-tune may change
 them. MoE keys default to Megatron's values (`MOE_DEFAULTS`) when a run or an older checkpoint
-lacks them.
+lacks them; `mtp_num_layers` (multi-token prediction) to None.
 """
 
 import torch
 import torch.nn.functional as F
+
+from teratron.transformer.mlp import quick_gelu
 
 # The MoE architecture and its meaning when absent: a dense model (num_experts None).
 MOE_DEFAULTS = {
     "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": None, "moe_grouped_gemm": False,
     "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1, "moe_router_pre_softmax": False,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
-    "moe_router_enable_expert_bias": False,
+    "moe_router_enable_expert_bias": False, "moe_router_num_groups": None, "moe_router_group_topk": None,
 }
 
 # Attention and MLP variants (TransformerConfig fields) and their meaning when absent: none.
 VARIANT_DEFAULTS = {
     "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "no_rope_freq": None,
-    "activation_func_clamp_value": None,
+    "activation_func_clamp_value": None, "glu_linear_offset": 0.0,
 }
 
 # Multi-latent attention: the flag dest -> its MLATransformerConfig field; recorded for MLA models only.
@@ -37,12 +39,22 @@ MLA_ARGS = {
     "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
 }
 
+# YaRN of plain attention (position_embedding_type 'yarn'): the flag dest -> its TransformerConfig
+# field; recorded for such models only (an MLA model records its own YaRN in MLA_ARGS).
+YARN_ARGS = {
+    "rotary_scaling_factor": "yarn_rotary_scaling_factor", "mscale": "yarn_mscale",
+    "mscale_all_dim": "yarn_mscale_all_dim",
+    "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow",
+    "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+}
+
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
+    "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS,
+    "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
 )
 
 
@@ -53,18 +65,22 @@ def model_args_from_config(model) -> dict:
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
         kv_channels=c.kv_channels, normalization=c.normalization, norm_epsilon=c.layernorm_epsilon,
-        swiglu=c.gated_linear_unit, add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
+        swiglu=c.gated_linear_unit and c.activation_func is not quick_gelu,
+        quick_geglu=c.gated_linear_unit and c.activation_func is quick_gelu,
+        add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
         rotary_interleaved=c.rotary_interleaved,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
-        padded_vocab_size=model.padded_vocab_size, **MOE_DEFAULTS,
+        padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
         **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
         multi_latent_attention=c.multi_latent_attention,
     )
     if c.multi_latent_attention:
         out.update({arg: getattr(c, field) for arg, field in MLA_ARGS.items()})
+    if model.position_embedding_type == "yarn":
+        out.update({arg: getattr(c, field) for arg, field in YARN_ARGS.items()})
     if c.num_moe_experts:
         out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
                    num_experts=c.num_moe_experts,
@@ -91,6 +107,12 @@ def moe_arg(model_args: dict, name: str):
     return model_args.get(name, MOE_DEFAULTS[name])
 
 
+def _activation(model_args: dict):
+    if model_args.get("quick_geglu"):
+        return quick_gelu
+    return F.silu if model_args["swiglu"] else F.gelu
+
+
 def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vocab_size_divisible_by=1,
                                **overrides):
     """The `GPTModelConfig` of a record: dropout off and fp32 unless `overrides` (TransformerConfig
@@ -104,14 +126,17 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         num_layers=a["num_layers"], hidden_size=a["hidden_size"], ffn_hidden_size=a["ffn_hidden_size"],
         num_attention_heads=a["num_attention_heads"], num_query_groups=a["num_query_groups"],
         kv_channels=a["kv_channels"], normalization=a["normalization"], layernorm_epsilon=a["norm_epsilon"],
-        gated_linear_unit=a["swiglu"], activation_func=F.silu if a["swiglu"] else F.gelu,
+        gated_linear_unit=a["swiglu"] or a.get("quick_geglu", False), activation_func=_activation(a),
         add_bias_linear=a["add_bias_linear"], add_qkv_bias=a["add_qkv_bias"], qk_layernorm=a["qk_layernorm"],
         rotary_interleaved=a["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
+        params_dtype=torch.float32, mtp_num_layers=a.get("mtp_num_layers"),
+        **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
     )
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},
                       num_moe_experts=a["num_experts"])
+    if a["position_embedding_type"] == "yarn":
+        kwargs.update({field: a[arg] for arg, field in YARN_ARGS.items()})
     config_class = TransformerConfig
     if a.get("multi_latent_attention"):
         config_class = MLATransformerConfig

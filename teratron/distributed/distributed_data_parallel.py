@@ -88,11 +88,13 @@ class DistributedDataParallel(torch.nn.Module):
         return 1.0 / dp_cp_size, 1.0 / dp_cp_size
 
     def _tied_embedding_params(self):
-        """Both copies of an embedding tied across pipeline stages: the output layer's copy
-        (attribute `shared_embedding`) and, on the first stage, the word embedding."""
+        """Both copies of a word embedding held on two pipeline stages: the last stage's copy
+        (attribute `shared_embedding`: the tied output layer's or the MTP stage's embedding) and,
+        on the first stage, the word embedding."""
         tied = {p for p in self.module.parameters() if getattr(p, "shared_embedding", False)}
-        if (getattr(self.module, "share_embeddings_and_output_weights", False)
-                and get_pg_size(self.pg_collection.pp) > 1):
+        copied = (getattr(self.module, "share_embeddings_and_output_weights", False)
+                  or getattr(self.config, "mtp_num_layers", None))
+        if copied and get_pg_size(self.pg_collection.pp) > 1:
             weight = self.module.shared_embedding_or_output_weight()
             if weight is not None:
                 tied.add(weight)

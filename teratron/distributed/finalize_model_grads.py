@@ -2,9 +2,10 @@
 
 Order, as in Megatron: the data-parallel reduce (each DDP chunk's buckets), then the grads of
 sequence-parallel parameters over TP (norm weights see only this rank's sequence slice), then
-tied embedding/output weights over the embedding group (first and last pipeline stage hold one
-copy each), then the optional per-token normalisation. Works on `param.main_grad` when a
-parameter has one (DDP-wrapped) and on `param.grad` otherwise.
+the word embedding's copies over the embedding group (first and last pipeline stage hold one
+copy each when tied or with multi-token prediction), then the optional per-token
+normalisation. Works on `param.main_grad` when a parameter has one (DDP-wrapped) and on
+`param.grad` otherwise.
 """
 
 import torch
@@ -54,20 +55,23 @@ def _allreduce_sequence_parallel_grads(model_chunks, tp_group):
 
 
 def _allreduce_embedding_grads(model_chunks, embd_group, pp_group):
-    """Sum the tied weight's grads of the first stage (word embedding) and the last stage (its
-    output-layer copy) over the embedding group, Megatron's `_allreduce_word_embedding_grads`.
+    """Sum the grads of the word embedding of the first stage and its copy on the last stage
+    (the tied output layer's, or the multi-token-prediction stage's embedding) over the
+    embedding group, Megatron's `_allreduce_word_embedding_grads`.
 
     Every rank of the group makes the same call, or none: the group is the first and the last
-    pipeline rank, whether the weights are tied is the `share_embeddings_and_output_weights`
-    every stage's GPTModel is built with, and a tied stage always holds its end (the first
-    stage's first chunk the embedding, the last stage's last chunk the copy). A frozen end
-    contributes zeros instead of skipping the collective. Untied, neither end communicates.
+    pipeline rank, whether there is a copy is the `share_embeddings_and_output_weights` and
+    `config.mtp_num_layers` every stage's GPTModel is built with, and a stage always holds its
+    end (the first stage's first chunk the embedding, the last stage's last chunk the copy). A
+    frozen end contributes zeros instead of skipping the collective. Without a copy, neither end
+    communicates.
     """
     if get_pg_size(embd_group) == 1 or get_pg_size(pp_group) == 1:
         return
     wrapper = model_chunks[0] if get_pg_rank(pp_group) == 0 else model_chunks[-1]
     chunk = _unwrap(wrapper)
-    if not getattr(chunk, "share_embeddings_and_output_weights", False):
+    if not (getattr(chunk, "share_embeddings_and_output_weights", False)
+            or getattr(getattr(chunk, "config", None), "mtp_num_layers", None)):
         return
     weight = chunk.shared_embedding_or_output_weight()
     assert weight is not None, "a tied pipeline end must hold the embedding or its copy"

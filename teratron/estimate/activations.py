@@ -48,6 +48,13 @@ The last stage keeps the output layer's input and, with the unfused loss, the lo
 recomputes the softmax in backward; its passes are compiled kernels on CUDA, eager elsewhere); with
 `cross_entropy_loss_fusion` the int64 targets only, the logits living one chunk at a time
 (`fused_loss_transients`).
+
+Each multi-token-prediction depth (on the last stage) keeps what its embedding lookup keeps
+(the shifted int64 ids), enorm's and hnorm's storages (hnorm's input is the previous output,
+which its output layer keeps), the [Tn, 2h] concatenation eh_proj keeps (gathered under SP), a
+transformer layer, its final norm, an output layer pass like the main one and the shifted fp32
+loss mask; under full recompute only the checkpoint's inputs (the embeddings, and under SP
+h_{k-1}) and the output layer's.
 """
 
 import math
@@ -58,7 +65,7 @@ from teratron.estimate.params import ModelShape
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
 from teratron.transformer.context_parallel import layer_cp_comm_type
 from teratron.transformer.enums import AttnBackend
-from teratron.transformer.moe.moe_logging import moe_layer_pattern
+from teratron.transformer.moe.moe_logging import moe_layer_indices
 
 # Gradients alive while backward runs through one layer: the gradient of its largest saved
 # tensor and of the tensor it came from (e.g. d(fc1 output) and d(act)), so twice the largest.
@@ -387,7 +394,7 @@ def rope_dim_for(config, shape: ModelShape) -> int:
     if config.multi_latent_attention:  # rotates its positional channels whatever the type
         percent = config.rotary_percent if config.rope_type == "rope" else 1.0
         return int(config.qk_pos_emb_head_dim * percent)
-    if shape.position_embedding_type != "rope":
+    if shape.position_embedding_type not in ("rope", "yarn"):
         return 0
     return int(config.kv_channels * shape.rotary_percent)
 
@@ -408,7 +415,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
                           "model which latents each module offloads; drop one")
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
-    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq) if config.num_moe_experts else None
+    moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
     result = ChunkActivations()
     hidden = d.r * Tn * h  # one [Tn, h] tensor of the residual stream
     if pre_process:
@@ -432,13 +439,13 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
 
     layers, host = [], []
     for i, n in enumerate(layer_numbers):
-        parts, offloaded = layer_bytes(config, kernels, d, rope, bool(pattern and pattern[n - 1]),
+        parts, offloaded = layer_bytes(config, kernels, d, rope, n in moe_layers,
                                        input_is_new=pre_process or i > 0, compiled=compiled,
                                        a2a=a2a_group_size(config, n))
         layers.append(parts)
         host.append(offloaded)
-    if layers:
-        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, pattern)
+    if layers or (post_process and config.mtp_num_layers):
+        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, bool(moe_layers))
     if config.recompute_granularity == "full":
         layers = _full_recompute(config, result, layers, hidden, pre_process, rope, d)
         host = host[len(host) - (len(layers) - 1):]  # recomputed layers offload nothing
@@ -461,20 +468,18 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
 
     if post_process:
         vocab = shape.padded_vocab_size // d.tp
-        logits = d.tokens * vocab
-        output = norm_bytes(config, kernels, Tn * h, Tn, d.r, True) + d.a * d.tokens * h  # + output layer input
-        if config.cross_entropy_loss_fusion:  # keeps the int64 targets, no logits
-            result.extra["output"] = output + 8 * d.tokens
+        result.extra["output"] = norm_bytes(config, kernels, Tn * h, Tn, d.r, True) + _output_bytes(config, d, vocab)
+        if config.cross_entropy_loss_fusion:
             chunk = min(default_chunk_size(vocab), d.tokens)
             forward, result.loss_backward_transient = fused_loss_transients(
                 d.a, d.tokens, h, vocab, chunk, kernels.compiled_loss)
-            result.forward_transient = max(result.forward_transient, forward)
         else:
-            # The logits themselves, and per token the max, log-sum-exp (fp32), target (int64), mask.
-            result.extra["output"] = output + d.a * logits + 17 * d.tokens
             forward, backward = _cross_entropy_working(d.a, kernels.compiled_loss, d.tokens, vocab)
-            result.forward_transient = max(result.forward_transient, forward)
             result.backward_transient = max(result.backward_transient, backward)
+        result.forward_transient = max(result.forward_transient, forward)
+        if config.mtp_num_layers:
+            result.layers += _mtp_depths(config, kernels, d, rope, moe_layers, vocab, compiled, result)
+            result.extra["mtp loss"] = 4  # the fp32 scalar joined to the LM loss's backward
     return result
 
 
@@ -519,6 +524,52 @@ def context_parallel_transients(config, d: Dims, layer_number: int) -> tuple:
     if comm_type == "a2a":
         return exchanged, exchanged
     return max(exchanged, ring[0]), max(exchanged, ring[1])
+def _output_bytes(config, d: Dims, vocab: int) -> int:
+    """The output layer's input and, unfused, the logits and per token the max, log-sum-exp
+    (fp32), target (int64) and mask; fused, the int64 targets only."""
+    kept = d.a * d.tokens * config.hidden_size
+    if config.cross_entropy_loss_fusion:
+        return kept + 8 * d.tokens
+    return kept + d.a * d.tokens * vocab + 17 * d.tokens
+
+
+def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int, compiled: bool,
+                result: ChunkActivations) -> list:
+    """{part: bytes} of each multi-token-prediction depth (see the module docstring); adds a
+    recomputed depth's storages to the backward transient under full recompute."""
+    h, T, Tn = config.hidden_size, d.tokens, d.norm_tokens
+    ids = 8 * T + (T if d.tp > 1 else 0)  # the shifted ids the lookup keeps (and its TP mask)
+    dropout = kernels.dropout_bytes_per_element(d.a) * Tn * h if config.hidden_dropout > 0 else 0
+    # Under SP the embeddings are a view of the whole lookup output before the scatter (unless
+    # dropout copied them): what keeps them (the checkpoint, or an enorm keeping its input) keeps it.
+    whole = d.sp and d.tp > 1 and not dropout
+    layer_kernels = replace(kernels, fused_rms_norm=True) if compiled else kernels
+    depths = []
+    for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
+        # The loss: the shifted fp32 mask of the masked sum, and the clamped token count.
+        kept = {"mtp ids and mask": ids + 4 * T + 4, "mtp output": _output_bytes(config, d, vocab)}
+        if config.recompute_granularity == "full":
+            # The checkpoint keeps the embeddings and h_{k-1} (under SP the output layer keeps
+            # only its gathered copy).
+            kept["mtp checkpoint input"] = (d.r * (T if whole else Tn) * h + dropout
+                                            + (d.a * Tn * h if d.sp and d.tp > 1 else 0))
+        else:
+            norms = (norm_storages(config, kernels, "n", Tn * h, Tn, d.r, True)
+                     + norm_storages(config, kernels, "n", Tn * h, Tn, d.a, d.sp and d.tp > 1))
+            whole_kept = whole and _norm_keeps_input(config, kernels, d.r)
+            kept["mtp norms"] = sum(x.nbytes for x in norms if x.counted) + dropout + (
+                d.r * (T - Tn) * h if whole_kept else 0)
+            kept["mtp eh_proj input"] = d.a * (T if d.sp else Tn) * 2 * h
+            layer, offloaded = layer_bytes(config, kernels, d, rope, number in moe_layers, compiled=compiled)
+            kept.update(layer)
+            result.host += offloaded
+            result.forward_transient = max(result.forward_transient, offloaded)
+            if d.sp and d.tp > 1 and ("layernorm" in _selective(config)
+                                      or _norm_keeps_input(config, layer_kernels, d.a)):
+                kept["mtp eh_proj input"] += d.a * (T - Tn) * h  # the layer's input: a view of eh_proj's output
+            kept["mtp norms"] += norm_bytes(config, kernels, Tn * h, Tn, d.r, True)  # the final norm
+        depths.append(kept)
+    return depths
 
 
 def _cross_entropy_working(a: int, compiled: bool, tokens: int, vocab: int) -> tuple:
@@ -556,7 +607,7 @@ def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: i
     return a * elements + loss_forward, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
 
 
-def _largest_tensor(config, d: Dims, pattern) -> int:
+def _largest_tensor(config, d: Dims, has_moe: bool) -> int:
     """Bytes of the biggest activation of a layer: the fc1 output, the QKV output or [T, h]."""
     gate = 2 if config.gated_linear_unit else 1
     hn = config.kv_channels
@@ -566,7 +617,7 @@ def _largest_tensor(config, d: Dims, pattern) -> int:
     if config.multi_latent_attention:  # the kv up projection's output, q or k
         sizes[1] = d.tokens * config.num_attention_heads // d.tp * max(
             config.qk_head_dim + config.v_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim)
-    if pattern and any(pattern):
+    if has_moe:
         etp = config.expert_tensor_parallel_size
         local_tokens = d.tokens // d.tp if d.tp > 1 else d.tokens
         expert_tokens = local_tokens * config.moe_router_topk * etp

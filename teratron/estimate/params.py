@@ -5,12 +5,15 @@ The counts follow the layers teratron builds (Megatron's local spec): fused QKV
 linear_fc1 [ffn * (2 if gated) / tp, h], linear_fc2 [h, ffn / tp], norms of h (+ h bias for
 LayerNorm), the vocab-parallel word embedding [V / tp, h], a replicated learned position table,
 and under MoE a replicated router [E, h], E / ep local experts sharded over expert-TP and an
-optional TP-sharded shared expert. Tests compare them with the numel of real GPTModels.
+optional TP-sharded shared expert. The multi-token-prediction depths sit with the loss: each
+holds three norms, eh_proj [h / tp, 2h] and a layer like the last decoder layer, and their stage
+a copy of the word embedding (which a tied output layer then uses). Tests compare them with the
+numel of real GPTModels.
 """
 
 from dataclasses import dataclass, field
 
-from teratron.transformer.moe.moe_logging import moe_layer_pattern
+from teratron.transformer.moe.moe_logging import moe_layer_indices
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def moe_params(config) -> tuple:
             experts += [local * fc1, local * h]
     else:
         experts = _mlp(config, ffn, etp) * local
-    dense = [config.num_moe_experts * h]
+    dense = [config.num_moe_experts * h] + ([config.num_moe_experts] if config.add_bias_linear else [])
     if config.moe_shared_expert_intermediate_size is not None:
         dense += _mlp(config, config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size)
     return dense, experts
@@ -119,29 +122,40 @@ def moe_params(config) -> tuple:
 
 def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bool,
                  post_process: bool) -> ChunkParams:
-    """Parameters on one rank of the chunk holding global layers `layer_numbers` (1-based)."""
+    """Parameters on one rank of the chunk holding global layers `layer_numbers` (1-based; the
+    multi-token-prediction layers come with post_process)."""
     tp, h = config.tensor_model_parallel_size, config.hidden_size
     params = ChunkParams()
-    if pre_process:
+    mtp = post_process and bool(config.mtp_num_layers)
+    if pre_process or mtp:
         params.add("embedding", shape.padded_vocab_size // tp * h)
-        if shape.position_embedding_type == "learned_absolute":
-            params.add("embedding", shape.max_position_embeddings * h)
-    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq) if config.num_moe_experts else None
+    if pre_process and shape.position_embedding_type == "learned_absolute":
+        params.add("embedding", shape.max_position_embeddings * h)
+    moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
     for number in layer_numbers:
-        params.add("norms", 2 * _norm(config, h))
-        for size in attention_params(config):
-            params.add("attention", size)
-        if pattern and pattern[number - 1]:
-            dense, experts = moe_params(config)
-            for size in dense:
-                params.add("moe router+shared", size)
-            for size in experts:
-                params.add("moe experts", size, is_expert=True)
-        else:
-            for size in _mlp(config, config.ffn_hidden_size, tp):
-                params.add("mlp", size)
+        _add_layer(params, config, number in moe_layers)
+    if mtp:
+        for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
+            params.add("mtp", 3 * _norm(config, h))  # enorm, hnorm, final norm
+            params.add("mtp", h // tp * 2 * h)  # eh_proj
+            _add_layer(params, config, number in moe_layers)
     if post_process:
         params.add("norms", _norm(config, h))
-        if not (pre_process and shape.share_embeddings_and_output_weights):
+        if not ((pre_process or mtp) and shape.share_embeddings_and_output_weights):
             params.add("output layer", shape.padded_vocab_size // tp * h)
     return params
+
+
+def _add_layer(params: ChunkParams, config, is_moe: bool) -> None:
+    params.add("norms", 2 * _norm(config, config.hidden_size))
+    for size in attention_params(config):
+        params.add("attention", size)
+    if is_moe:
+        dense, experts = moe_params(config)
+        for size in dense:
+            params.add("moe router+shared", size)
+        for size in experts:
+            params.add("moe experts", size, is_expert=True)
+    else:
+        for size in _mlp(config, config.ffn_hidden_size, config.tensor_model_parallel_size):
+            params.add("mlp", size)

@@ -5,6 +5,7 @@
     teratron serve --load CKPT [--host 127.0.0.1] [--port 8000]   (stops on Ctrl+C or SIGTERM)
     torchrun --nproc-per-node 2 -m teratron serve --load CKPT --tensor-model-parallel-size 2
     teratron generate --load CKPT --draft-load SMALL_CKPT --num-speculative-tokens 4 --prompt TEXT
+    teratron generate --load MTP_CKPT --num-speculative-tokens 2 --prompt TEXT   (its MTP layers draft)
 
 Both take the checkpoint of `teratron train` or `teratron convert import-hf` (`load_for_inference`:
 no tokenizer flags), `--bf16` / `--fp16` (default: the saved dtype), and Megatron's inference
@@ -16,8 +17,10 @@ step computes: chunked prefill), `--inference-dynamic-batching-num-cuda-graphs` 
 0 for none). Sampling defaults are SamplingParams'.
 
 Speculative decoding: `--draft-load` loads a draft model the same way as `--load` (its tokenizer
-must be the target's) and `--num-speculative-tokens` (>= 1, only with a draft) sets the draft
-tokens verified per step.
+must be the target's) and `--num-speculative-tokens` (>= 1) sets the draft tokens verified per
+step. Without `--draft-load` a checkpoint with multi-token-prediction layers (trained with
+`--mtp-num-layers`) drafts for itself, one token per MTP depth at most (`MTPProposer`);
+`--num-speculative-tokens` on another checkpoint needs `--draft-load`.
 
 Tensor parallelism: `--tensor-model-parallel-size N` under torchrun with N processes, one per TP
 rank (gloo on CPU, NCCL on CUDA: `parallel_state.initialize_distributed`, as `teratron train`).
@@ -84,7 +87,8 @@ def _add_model_arguments(parser):
     speculative.add_argument("--draft-load", default=None,
                              help="Checkpoint of a draft model with the same tokenizer, loaded as --load is.")
     speculative.add_argument("--num-speculative-tokens", type=int, default=0,
-                             help="Draft tokens proposed and verified per step (>= 1 with --draft-load).")
+                             help="Draft tokens proposed and verified per step (>= 1 with --draft-load); without "
+                                  "it a checkpoint with MTP layers drafts with them (at most one per depth).")
     return parser
 
 
@@ -114,11 +118,14 @@ def _set_flags(args, table: dict) -> dict:
 
 
 def _check_model_flags(args) -> None:
+    from teratron.inference.loading import mtp_num_layers
+
     if args.tensor_model_parallel_size < 1:
         raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must be >= 1")
-    if args.draft_load is None and args.num_speculative_tokens != 0:
+    if args.draft_load is None and args.num_speculative_tokens != 0 and not mtp_num_layers(args.load):
         raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs a draft model: give "
-                         "--draft-load CKPT, or leave the flag out")
+                         "--draft-load CKPT, load a checkpoint with MTP layers (--mtp-num-layers), or leave the "
+                         "flag out")
     if args.draft_load is not None and args.num_speculative_tokens < 1:
         raise ValueError(f"--draft-load needs --num-speculative-tokens N >= 1 (draft tokens per step), got "
                          f"{args.num_speculative_tokens}")

@@ -26,7 +26,8 @@ class InferenceConfig:
     (--inference-dynamic-batching-prefix-caching)."""
     num_speculative_tokens: int = 0
     """Draft tokens proposed per request and decode step, verified in one target forward
-    (speculative decoding; needs the engine's draft_model); 0: off."""
+    (speculative decoding: the engine's draft_model proposes them, or without one the model's
+    multi-token-prediction layers, at most one per depth); 0: off."""
 
     num_cuda_graphs: int = 16
     """Decode steps replay CUDA graphs captured for up to this many batch sizes between 1 and

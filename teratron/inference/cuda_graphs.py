@@ -8,7 +8,9 @@ scratch block, see DynamicInferenceContext). The context keeps a decode step's i
 metadata in buffers at fixed addresses, so a replay reads the step the context last prepared.
 
 Graphs are captured largest first, each smaller one reusing the memory pool of the one before:
-they never run at once, and a step reads its logits before the next replay.
+they never run at once, and a step reads its logits before the next replay. When the context
+keeps the step's final hidden states (`keep_hidden_states`: the MTP proposer reads them), each
+graph outputs them too, and a replay leaves them in the context as an eager step does.
 """
 
 import bisect
@@ -37,10 +39,13 @@ class DecodeCudaGraphs:
         self.batch_sizes = sorted(batch_sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hidden_states: dict[int, torch.Tensor] = {}  # with context.keep_hidden_states
         self.num_replays = 0
         pool = None
         for rows in reversed(self.batch_sizes):
             self.graphs[rows], self.logits[rows] = self._capture(rows, pool)
+            if context.keep_hidden_states:
+                self.hidden_states[rows] = context.hidden_states  # the captured step's, at a fixed address
             pool = self.graphs[rows].pool()
 
     def rows_for(self, num_requests: int) -> int | None:
@@ -50,9 +55,12 @@ class DecodeCudaGraphs:
 
     def replay(self, rows: int) -> torch.Tensor:
         """Run the decode step the context prepared (`initialize_decode_state(chunks, rows)`);
-        its logits [rows, V'], valid until the next replay."""
+        its logits [rows, V'] (and with keep_hidden_states the context's hidden_states
+        [rows, 1, h]), valid until the next replay."""
         self.graphs[rows].replay()
         self.num_replays += 1
+        if self.context.keep_hidden_states:
+            self.context.hidden_states = self.hidden_states[rows]
         return self.logits[rows]
 
     def _forward(self, rows: int) -> torch.Tensor:

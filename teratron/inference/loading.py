@@ -62,6 +62,12 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
     return model.to(device).eval(), _load_tokenizer(folder, metadata, common, flag)
 
 
+def mtp_num_layers(checkpoint_dir: str, flag: str = "--load") -> int:
+    """The multi-token-prediction depths of the checkpoint's model (0: none), from its metadata."""
+    folder = storage.resolve_checkpoint_dir(checkpoint_dir, flag)
+    return (storage.read_metadata(folder).get("model_args") or {}).get("mtp_num_layers") or 0
+
+
 def saved_dtype(checkpoint_dir: str) -> torch.dtype:
     """The dtype the checkpoint's word embeddings were saved in."""
     entry = serialization.read_metadata(checkpoint_dir).state_dict_metadata.get(TIED_KEY)

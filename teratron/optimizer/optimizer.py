@@ -5,8 +5,9 @@ themselves in fp32, or fp32 master copies of bf16/fp16 params. `step()` makes ma
 the model's grads (`main_grad` under DDP, `.grad` otherwise), unscales them and checks for
 inf/nan (with a loss scaler), clips by the global norm and steps; it returns
 `(update_successful, grad_norm, num_zeros_in_grad)`, with (False, None, None) for a skipped step.
-A step that updated params ends by handing them to DDP: the distributed optimizer updates only
-this rank's slice of each param, and DDP all-gathers the slices (`start_param_sync`).
+A step that updated params runs the param-update hooks (QK-clip scales rows of params there,
+`scale_param_rows`), then hands them to DDP: the distributed optimizer updates only this rank's
+slice of each param, and DDP all-gathers the slices (`start_param_sync`).
 
 Collectives are the same on every rank whatever params it holds: a step makes one found-inf
 reduction (with a loss scaler) and one reduction of [squared norm, zero count], each over the
@@ -62,6 +63,26 @@ class MainParamShard(NamedTuple):
     flat_range: tuple[int, int] | None
 
 
+def _scale_rows_of_flat(flat, start: int, per_row: int, factors) -> None:
+    """Multiply each element of `flat`, elements [start, start + flat.numel()) of a row-major
+    [rows, per_row] tensor, by its row's factor (factors [rows]), without building a factor per
+    element: a partial first row, whole rows, a partial last row."""
+    if flat.numel() == 0:
+        return
+    first_row, end = start // per_row, start + flat.numel()
+    first_whole, last_whole = -(-start // per_row), end // per_row
+    if first_whole > last_whole:  # inside one row
+        flat.mul_(factors[first_row])
+        return
+    head = first_whole * per_row - start
+    flat[:head].mul_(factors[first_row])
+    whole = flat[head:head + (last_whole - first_whole) * per_row]
+    whole.view(-1, per_row).mul_(factors[first_whole:last_whole, None])
+    tail = flat[head + whole.numel():]
+    if tail.numel():
+        tail.mul_(factors[last_whole])
+
+
 def _model_grad(param):
     return param.main_grad if hasattr(param, "main_grad") else param.grad
 
@@ -85,6 +106,7 @@ class MegatronOptimizer(ABC):
         self.grad_replica_group = grad_replica_group
         self.tp_group = tp_group
         self.pp_group = pp_group
+        self._param_update_hooks = []
 
     # ----- torch-optimizer surface ---------------------------------------------------------------
 
@@ -187,15 +209,43 @@ class MegatronOptimizer(ABC):
 
     @torch.no_grad()
     def step(self):
-        """Update the params, then have DDP all-gather them where this rank updated a slice only;
-        returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        """Update the params, run the param-update hooks, then have DDP all-gather the params where
+        this rank updated a slice only; returns (update_successful, grad_norm, num_zeros_in_grad)."""
         update_successful, grad_norm, num_zeros = self._update_params()
         if update_successful:
+            for hook in self._param_update_hooks:
+                hook(self)
             # overlap_param_gather: the gathers are only launched, and run while the host
             # finishes this step and starts the next; the next forward's pre-hooks wait.
             for chunk in self._param_sync_chunks():
                 chunk.start_param_sync()
         return update_successful, grad_norm, num_zeros
+
+    def register_param_update_hook(self, hook) -> None:
+        """hook(optimizer) runs after each step that updated the params, before DDP all-gathers
+        them: the place to change the updated params further (QK-clip, `scale_param_rows`)."""
+        self._param_update_hooks.append(hook)
+
+    @torch.no_grad()
+    def scale_param_rows(self, row_factors: dict) -> None:
+        """Multiply row i (along dim 0) of each param in `row_factors` ({model param: factors
+        [rows]}) by factors[i]: in its main param (the whole param or this rank's slice), from
+        which the model param's copy of that piece is refreshed (in its dtype, as after a step);
+        the slices other ranks step arrive with DDP's all-gather. Params this optimizer does not
+        step (frozen) are left alone. Every rank must pass the same factors."""
+        factors_of = {id(param): factors for param, factors in row_factors.items()}
+        for shard in self.main_param_shards():
+            factors = factors_of.get(id(shard.model_param))
+            if factors is None:
+                continue
+            model, main = shard.model_param.detach(), shard.main_param
+            start, end = shard.flat_range or (0, model.numel())
+            factors = factors.to(device=main.device, dtype=main.dtype)
+            _scale_rows_of_flat(main.view(-1), start, model.numel() // model.shape[0], factors)
+            model_piece = model.view(-1)[start:end]
+            stepped_in_place = (model_piece.device, model_piece.data_ptr()) == (main.device, main.data_ptr())
+            if model_piece.numel() and not stepped_in_place:
+                model_piece.copy_(main.view(-1))
 
     def _update_params(self):
         """Unscale, check, clip and step: (update_successful, grad_norm, num_zeros_in_grad)."""

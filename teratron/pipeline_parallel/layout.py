@@ -23,7 +23,8 @@ cosmetic):
 E = embedding, t = transformer decoder layer, m = multi-token-prediction layer, L = loss (the
 final norm and output layer). 'Et*3|(tt|)*2,tL' is [[E,t,t,t], [t,t], [t,t], [t,L]]. A list
 gives the stages directly, each a list of 'E'/'embedding', 't'/'decoder', 'm'/'mtp', 'L'/'loss'
-or LayerType members.
+or LayerType members. The MTP layers all sit in the last stage, after its decoder layers and
+before 'L' (without a layout they go there too: `get_mtp_num_layers_to_build`).
 
 Stage i of the flat list is virtual stage a = i // pp on pipeline rank b = i % pp (i = a * pp + b),
 so the layer order is vpp0 pp0, vpp0 pp1, ..., vpp0 pp(-1), vpp1 pp0, ... and the number of
@@ -184,6 +185,9 @@ class PipelineParallelLayerLayout:
         if counts[LayerType.mtp] and LayerType.decoder in flat[flat.index(LayerType.mtp):]:
             raise ValueError(f"pipeline_model_parallel_layout {self} places decoder layers after an "
                              f"mtp layer; put 'm' after every 't'")
+        if self.stages[last].count(LayerType.mtp) != counts[LayerType.mtp]:
+            raise ValueError(f"pipeline_model_parallel_layout {self} places mtp layers 'm' outside the last "
+                             f"stage; the MTP layers share the loss's stage: put every 'm' before the 'L'")
 
     def _index(self, vp_stage: Optional[int], pp_rank: Optional[int]) -> int:
         """Flat stage index i = vp_stage * pp + pp_rank (pp_rank defaults to this rank's)."""
@@ -322,6 +326,18 @@ def get_transformer_layer_offset(config, vp_stage: Optional[int] = None, pp_rank
     if pp_size == 1:
         return 0
     return sum(stage_layer_counts(config, pp_size)[:_stage_index(config, vp_stage, pp_rank, pp_size)])
+
+
+def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                                pp_size: Optional[int] = None) -> int:
+    """Number of multi-token-prediction layers the stage (pp_rank, vp_stage) builds: all of them on
+    the last (virtual) stage, the one holding the loss, none elsewhere (a layout's 'm' must be there)."""
+    if not config.mtp_num_layers:
+        return 0
+    pp_rank, pp_size = _pp_rank_and_size(pp_rank, pp_size)
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    last = _stage_index(config, vp_stage, pp_rank, pp_size) == vpp * pp_size - 1
+    return config.mtp_num_layers if last else 0
 
 
 def validate_pipeline_config(config) -> None:

@@ -99,7 +99,9 @@ def _add_network_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Size of the learned position table; default --seq-length.")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"], help="Position encoding.")
+                   choices=["learned_absolute", "rope", "yarn", "none"],
+                   help="Position encoding (yarn: RoPE with YaRN, set by the --rotary-scaling-factor, --mscale "
+                        "and --yarn-* flags).")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head RoPE rotates.")
     g.add_argument("--rotary-interleaved", action="store_true", help="Rotate even/odd pairs (RoFormer style).")
@@ -108,6 +110,8 @@ def _add_network_args(parser):
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP with quick GELU, x * sigmoid(1.702 x) (gpt-oss's experts).")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="No biases in the linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
@@ -166,6 +170,19 @@ def _add_network_args(parser):
     _add_moe_args(parser)
     _add_attention_variant_args(parser)
     _add_mla_args(parser)
+    _add_mtp_args(parser)
+    _add_qk_clip_args(parser)
+
+
+def _add_mtp_args(parser):
+    g = parser.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token-prediction depths (DeepSeek-V3's MTP), on the last pipeline stage; "
+                        "depth k predicts the token k + 1 after each position.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=None,
+                   help="Weight of the MTP loss (its mean over depths) in the gradient; default 0.1.")
+    g.add_argument("--freeze-base-model-for-mtp", action="store_true",
+                   help="Train only the MTP layers; every other parameter stays as loaded.")
 
 
 def window_size_type(text: str) -> tuple:
@@ -194,17 +211,20 @@ def _add_attention_variant_args(parser):
     g.add_argument("--activation-func-clamp-value", type=float, default=None,
                    help="Gated MLPs: clamp the gate to at most this and the linear half to [-this, this] "
                         "(gpt-oss's clamped SwiGLU).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Gated MLPs: act(gate) * (linear + this) (1 for gpt-oss).")
 
 
 # Multi-latent attention's flags and Megatron's defaults for them (the YaRN ones: None keeps
-# MLATransformerConfig's); without --multi-latent-attention they must keep these values.
+# MLATransformerConfig's); without --multi-latent-attention they must keep these values, except
+# the YaRN ones (model_args.YARN_ARGS: flag dest -> field) with --position-embedding-type yarn.
 MLA_FLAG_DEFAULTS = dict(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
                          rope_type=None, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
                          yarn_original_max_position_embeddings=None, yarn_beta_fast=None, yarn_beta_slow=None)
 
 
 def _add_mla_args(parser):
-    g = parser.add_argument_group("multi-latent attention")
+    g = parser.add_argument_group("multi-latent attention and YaRN")
     d = MLA_FLAG_DEFAULTS
     g.add_argument("--multi-latent-attention", action="store_true",
                    help="Multi-latent attention (DeepSeek-V2/V3): low-rank queries, keys and values, decoupled RoPE.")
@@ -231,6 +251,26 @@ def _add_mla_args(parser):
                         "their frequency (default 32).")
     g.add_argument("--yarn-beta-slow", type=float, default=d["yarn_beta_slow"],
                    help="YaRN: pairs turning less often than this are interpolated (default 1).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN of --position-embedding-type yarn: round the ramp's bounds out to whole pairs "
+                        "(the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int", help="Keep the ramp's bounds fractional (gpt-oss).")
+
+
+def _add_qk_clip_args(parser):
+    g = parser.add_argument_group("QK-clip and the max attention logit (teratron.optimizer.qk_clip)")
+    g.add_argument("--qk-clip", action="store_true",
+                   help="After each optimizer step, scale the query and key weights of every head whose largest "
+                        "attention logit exceeded --qk-clip-threshold so that it would meet it (MuonClip); logs "
+                        "the max logit.")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="The query's share of the clip, in (0, 1): queries scale by eta**alpha, keys by "
+                        "eta**(1-alpha), eta = threshold / max logit.")
+    g.add_argument("--qk-clip-threshold", type=float, default=100, help="The largest attention logit a head keeps.")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="Log the largest pre-softmax attention logit of the model (max_attention_logit in the "
+                        "metrics file; the largest since the last log line) without clipping.")
 
 
 def _add_moe_args(parser):
@@ -313,8 +353,9 @@ def _add_parallel_args(parser):
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the loss (final norm + output layer) as one layer of the last stage.")
     g.add_argument("--pipeline-model-parallel-layout", default=None,
-                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tL' (E embedding, t layer, "
-                        "L loss, | between stages, x*N repeats); sets the number of virtual stages.")
+                   help="Layers of every (virtual) stage, e.g. 'Ett|tt|tmL' (E embedding, t layer, "
+                        "m MTP layer, L loss, | between stages, x*N repeats); sets the number of "
+                        "virtual stages.")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP size: every sequence split over this many ranks (attention exchanges keys/values).")
     g.add_argument("--cp-comm-type", nargs="+", default=None, choices=["p2p", "all_gather", "a2a", "a2a+p2p"],

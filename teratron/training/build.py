@@ -10,6 +10,7 @@ import torch
 from teratron.distributed import DistributedDataParallel, finalize_model_grads
 from teratron.models.gpt.builder import build_model_chunks
 from teratron.optimizer import get_megatron_optimizer
+from teratron.optimizer.qk_clip import QKClip
 from teratron.optimizer_param_scheduler import OptimizerParamScheduler
 from teratron.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -46,6 +47,18 @@ def attach_model_hooks(model, optimizer, pg_collection=None) -> None:
 
 def build_optimizer(run, model, pg_collection=None):
     return get_megatron_optimizer(run.optimizer, model, pg_collection=pg_collection)
+
+
+def build_qk_clip(model, optimizer, pg_collection=None):
+    """The max-attention-logit records of the model (None without qk_clip or
+    log_max_attention_logit); with qk_clip they clip through the optimizer's param-update hook."""
+    config = model[0].config
+    if not (config.qk_clip or config.log_max_attention_logit):
+        return None
+    qk_clip = QKClip(model, config, pg_collection)
+    if config.qk_clip:
+        optimizer.register_param_update_hook(qk_clip.clip)
+    return qk_clip
 
 
 def build_scheduler(run, optimizer) -> OptimizerParamScheduler:

@@ -132,9 +132,11 @@ class Checkpointer:
         self._check_model_args(record.get("model_args", {}), checkpoint_dir)
         self._check_tokenizer(record, checkpoint_dir)
         load_optimizer = not (c.finetune or c.no_load_optim)
+        fresh_mtp = self._adds_mtp_layers(record.get("model_args", {}), checkpoint_dir, load_optimizer)
         metadata, common = dist_checkpointing.load_checkpoint(
             checkpoint_dir, model, optimizer, load_optimizer=load_optimizer,
-            load_rng=not (c.finetune or c.no_load_rng))
+            load_rng=not (c.finetune or c.no_load_rng),
+            fresh=(lambda key: key.startswith("mtp.")) if fresh_mtp else None)
         if c.finetune:
             return 0, 0, 0
         if load_optimizer:
@@ -145,10 +147,24 @@ class Checkpointer:
     def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
         current = model_args_from_config(self.run.model)
         differ = [f"{k} (saved {saved[k]}, now {current[k]})" for k in current
-                  if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]]
+                  if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]
+                  and not (k == "mtp_num_layers" and saved[k] is None)]  # MTP added: `_adds_mtp_layers`
         if differ:
             raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
                              "pass the architecture flags it was saved with")
+
+    def _adds_mtp_layers(self, saved: dict, checkpoint_dir: str, load_optimizer: bool) -> bool:
+        """Whether this run adds MTP layers to a checkpoint saved without them (MTP-only training
+        of a pretrained model): they start from their initialisation, with a fresh optimizer."""
+        if not self.run.transformer.mtp_num_layers or saved.get("mtp_num_layers"):
+            return False
+        if load_optimizer:
+            raise ValueError(f"--load {checkpoint_dir}: the checkpoint has no MTP layers; add --finetune or "
+                             "--no-load-optim to start them (and the optimizer) fresh")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"NOTE: {checkpoint_dir} has no MTP layers; --mtp-num-layers "
+                  f"{self.run.transformer.mtp_num_layers} starts them from their initialisation", flush=True)
+        return True
 
     def _model_record(self) -> dict:
         record = {"model_args": model_args_from_config(self.run.model)}

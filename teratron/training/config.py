@@ -30,11 +30,13 @@ import torch.nn.functional as F
 from teratron.distributed import DistributedDataParallelConfig
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.optimizer import OptimizerConfig
+from teratron.dist_checkpointing.model_args import YARN_ARGS
 from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, inverted_dests
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
-from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from teratron.transformer.mlp import quick_gelu
+from teratron.transformer.transformer_config import YARN_FIELDS, MLATransformerConfig, TransformerConfig
 
 
 def _at_least(section, minimum, names) -> None:
@@ -371,7 +373,7 @@ RENAMED = {
 DERIVED = {
     "transformer.ffn_hidden_size": "4 x hidden, or 8/3 x hidden rounded down to 64 with --swiglu",
     "transformer.num_query_groups": "--num-query-groups with --group-query-attention, else the heads",
-    "transformer.activation_func": "SiLU with --swiglu, else GeLU",
+    "transformer.activation_func": "SiLU with --swiglu, quick GELU with --quick-geglu, else GeLU",
     "transformer.params_dtype": "bf16/fp16 with --bf16/--fp16, else fp32",
     "transformer.virtual_pipeline_model_parallel_size": "from the layout or layers per virtual stage",
     "transformer.sequence_parallel": "off at TP 1",
@@ -389,7 +391,7 @@ DERIVED = {
 COMMAND_ONLY = ("config", "demo_dir", "demo_samples")
 
 # Flags that only feed derived values (see `_derived`).
-INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage")
+INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu")
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "train_iters", "lr")
@@ -470,14 +472,25 @@ def _section_kwargs(section: str, values: dict, cls=None) -> dict:
 
 def _transformer_config(values: dict) -> TransformerConfig:
     """MLATransformerConfig with --multi-latent-attention (its YaRN flags left None keep the
-    config's defaults, as in Megatron), else TransformerConfig."""
+    config's defaults, as in Megatron), else TransformerConfig (with --position-embedding-type
+    yarn its yarn_* fields from the YaRN flags given, as Megatron sets them)."""
     if not values.get("multi_latent_attention"):
-        return TransformerConfig(**_section_kwargs("transformer", values))
-    kwargs = {**_section_kwargs("transformer", values, MLATransformerConfig), **_section_kwargs("mla", values)}
+        kwargs = _without_yarn(_section_kwargs("transformer", values))
+        if values.get("position_embedding_type") == "yarn":
+            kwargs.update({fld: values[dest] for dest, fld in YARN_ARGS.items() if values.get(dest) is not None})
+        return TransformerConfig(**kwargs)
+    kwargs = _without_yarn({**_section_kwargs("transformer", values, MLATransformerConfig),
+                            **_section_kwargs("mla", values)})
     for name in ("rope_type", "original_max_position_embeddings", "beta_fast", "beta_slow"):
         if kwargs.get(name) is None:
             kwargs.pop(name, None)
     return MLATransformerConfig(**kwargs)
+
+
+def _without_yarn(kwargs: dict) -> dict:
+    """The kwargs less plain attention's yarn_* fields, which the YaRN flags set only with
+    --position-embedding-type yarn (the flags share their names)."""
+    return {k: v for k, v in kwargs.items() if k not in YARN_FIELDS}
 
 
 def _build(values: dict, vocab_size: int) -> RunConfig:
@@ -508,11 +521,15 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
                lr_decay_iters=args.lr_decay_iters or args.train_iters,
                split=args.split or "969,30,1",
                num_query_groups=args.num_query_groups if args.group_query_attention else None,
-               activation_func=F.silu if args.swiglu else F.gelu,
+               activation_func=quick_gelu if args.quick_geglu else F.silu if args.swiglu else F.gelu,
                params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                deallocate_pipeline_outputs=True,
                virtual_pipeline_model_parallel_size=_virtual_stages(args, pp))
+    if args.quick_geglu:
+        if args.swiglu:
+            raise ValueError("--quick-geglu and --swiglu each choose the gated MLP's activation; pass one")
+        out["swiglu"] = True  # gated, as --swiglu makes it (gated_linear_unit), with quick GELU
     if args.ffn_hidden_size is None:
         out["ffn_hidden_size"] = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
                                   else 4 * args.hidden_size)
@@ -545,6 +562,10 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
 
 
 def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
+    if args.yarn_correction_range_round_to_int is not None and (
+            args.multi_latent_attention or args.position_embedding_type != "yarn"):
+        raise ValueError("--yarn-correction-range-round-to-int applies to --position-embedding-type yarn without "
+                         "--multi-latent-attention; drop it")
     if args.multi_latent_attention:
         if args.group_query_attention:
             raise ValueError("--group-query-attention does not apply to --multi-latent-attention (its keys and "
@@ -556,9 +577,13 @@ def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
                              "differs from --qk-head-dim + --qk-pos-emb-head-dim; add --attention-backend flash "
                              "(pads the heads to one size) or drop --torch-compile")
         return
-    changed = [flag(name) for name, default in MLA_FLAG_DEFAULTS.items() if getattr(args, name) != default]
+    yarn = args.position_embedding_type == "yarn"
+    changed = [name for name, default in MLA_FLAG_DEFAULTS.items()
+               if getattr(args, name) != default and not (yarn and name in YARN_ARGS)]
     if changed:
-        raise ValueError(f"{', '.join(changed)} set without --multi-latent-attention; add it or drop them")
+        alternative = " (or --position-embedding-type yarn)" if all(n in YARN_ARGS for n in changed) else ""
+        raise ValueError(f"{', '.join(map(flag, changed))} set without --multi-latent-attention{alternative}; "
+                         "add it or drop them")
 
 
 def _virtual_stages(args, pp):
@@ -574,7 +599,7 @@ def _virtual_stages(args, pp):
                              "both given; the layout already places every layer, drop the other")
         try:
             layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
-            layout.validate_layer_layout(args.num_layers, None)
+            layout.validate_layer_layout(args.num_layers, args.mtp_num_layers)
         except ValueError as e:
             raise ValueError(f"--pipeline-model-parallel-layout: {e}") from None
         from_layout = layout.virtual_pipeline_model_parallel_size

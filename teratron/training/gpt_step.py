@@ -8,6 +8,7 @@ from teratron.packed_seq_params import packed_rows
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
 from teratron.transformer.context_parallel import cp_token_index
+from teratron.transformer.multi_token_prediction import pop_mtp_losses
 from teratron.utils import HostCopy
 
 
@@ -47,26 +48,32 @@ def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
             else value for key, value in batch.items()}
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, mtp_losses=()):
     """(sum of masked per-token losses, token count, log) for one micro-batch.
 
     The schedule turns the sum into the micro-batch mean; the log keeps [sum, count] so the
-    training loop can average over micro-batches and data-parallel ranks by tokens.
+    training loop can average over micro-batches and data-parallel ranks by tokens. The
+    multi-token-prediction depths' [sum, count] (`mtp_losses`, already in the gradient through
+    the model's output) are logged as "mtp_{k} loss".
     """
     losses = output_tensor.float().reshape(-1)  # [b * s]
     mask = loss_mask.float().reshape(-1)
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), num_tokens.float()])
-    return loss, num_tokens, {"lm loss": report}
+    report = {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+    report.update({f"mtp_{k} loss": depth for k, depth in enumerate(mtp_losses, 1)})
+    return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model, device, pg_collection=None):
-    """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask)."""
+    """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask and,
+    on the stage holding them, its multi-token-prediction losses)."""
     batch = get_batch(data_iterator, device, pg_collection)
+    pop_mtp_losses()  # none left by a forward outside this schedule
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
-    return output, partial(loss_func, batch["loss_mask"])
+                   labels=batch["labels"], loss_mask=batch["loss_mask"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, partial(loss_func, batch["loss_mask"], mtp_losses=pop_mtp_losses())
 
 
 def reduce_log_dicts(log_dicts: list, device, on_host: bool = True, pg_collection=None) -> dict:
@@ -88,8 +95,18 @@ def reduce_log_dicts(log_dicts: list, device, on_host: bool = True, pg_collectio
     group = resolve_pg_collection(pg_collection).dp_cp
     if group is not None:
         torch.distributed.all_reduce(stacked, group=group)
-    means = dict(zip(keys, stacked[:, 0] / stacked[:, 1]))
+    means = _with_mtp_mean(dict(zip(keys, stacked[:, 0] / stacked[:, 1])))
     return LossesInFlight(means).get() if on_host else means
+
+
+def _with_mtp_mean(means: dict) -> dict:
+    """"mtp loss": the mean over the depths' "mtp_{k} loss" (which stay with two or more depths)."""
+    depths = [key for key in means if key.startswith("mtp_") and key.endswith(" loss")]
+    if not depths:
+        return means
+    out = {key: value for key, value in means.items() if key not in depths or len(depths) > 1}
+    out["mtp loss"] = torch.stack([means[key] for key in depths]).mean()
+    return out
 
 
 class LossesInFlight:

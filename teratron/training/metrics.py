@@ -39,10 +39,14 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
                   moe_ffn * experts routed to + shared-expert ffn)
     with MoE layers where --moe-layer-freq puts them, plus the output layer,
     6 * h * padded_vocab, once per token. Multi-latent attention: see `_mla_attention_flops`.
+    Each of the --mtp-num-layers multi-token-prediction depths adds a layer like the last one
+    (MoE when it is, MLA with the model's), its eh_proj, 6 * (2 * h * h + 3 * h) (Megatron
+    counts the three norms too), and another pass through the output layer.
     """
     fb_fma = 3 * 2
     t = model.transformer
     h, s = t.hidden_size, seq_length
+    mtp = t.mtp_num_layers or 0
     q_size = t.kv_channels * t.num_attention_heads
     kv_size = t.kv_channels * t.num_query_groups
     attention = fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h)
@@ -53,15 +57,16 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
     moe_layers = 0
     moe_ffn = 0
     if t.num_moe_experts:
-        from teratron.transformer.moe import moe_layer_pattern
+        from teratron.transformer.moe.moe_logging import moe_layer_indices
 
-        moe_layers = sum(moe_layer_pattern(t.num_layers, t.moe_layer_freq))
+        moe_layers = len(moe_layer_indices(t))  # the MTP layers' included
         moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
-    dense_layers = t.num_layers - moe_layers
+    dense_layers = t.num_layers + mtp - moe_layers
     mlp = fb_fma * h * ffn_factor * (t.ffn_hidden_size * dense_layers + moe_ffn * moe_layers)
 
-    logits = fb_fma * h * model.padded_vocab_size
-    return batch_size * s * (t.num_layers * attention + mlp + logits)
+    mtp_projection = fb_fma * mtp * (2 * h * h + 3 * h)
+    logits = fb_fma * h * model.padded_vocab_size * (1 + mtp)
+    return batch_size * s * ((t.num_layers + mtp) * attention + mlp + mtp_projection + logits)
 
 
 def _mla_attention_flops(t, s: int) -> float:
@@ -160,10 +165,11 @@ class TrainingLogger:
     def log_iteration(self, iteration: int, losses: dict, grad_norm, lr: float, elapsed_s: float,
                       iters: int, samples: int, global_batch_size: int, consumed_samples: int,
                       skipped: int, loss_scale: Optional[float] = None,
-                      moe_metrics: Optional[dict] = None) -> dict:
+                      moe_metrics: Optional[dict] = None, max_attention_logit: Optional[float] = None) -> dict:
         """Log the last `iters` iterations, which trained `samples` samples in `elapsed_s` seconds
         (losses and MoE metrics already averaged over them); `skipped` of them skipped their
-        step (per window, as Megatron's log line counts them)."""
+        step (per window, as Megatron's log line counts them). `max_attention_logit`: the largest
+        of the iterations' max attention logits (with qk_clip / log_max_attention_logit)."""
         seq_length = self.run.training.seq_length
         time_per_iter = elapsed_s / max(iters, 1)
         tokens_per_sec = samples * seq_length / elapsed_s
@@ -182,6 +188,8 @@ class TrainingLogger:
         }
         record.update({_tag(k): v for k, v in losses.items() if k != "lm loss"})
         record.update(moe_metrics or {})
+        if max_attention_logit is not None:
+            record["max_attention_logit"] = max_attention_logit
         if not self.enabled:
             return record
         if self.metrics_file:
@@ -194,10 +202,11 @@ class TrainingLogger:
                     self.writer.add_scalar(f"train/{key}", value, iteration)
             self.writer.flush()
         self.print(self._console_line(record, time_per_iter, global_batch_size,
-                                      consumed_samples, loss_scale, moe_metrics or {}))
+                                      consumed_samples, loss_scale, moe_metrics or {}, losses))
         return record
 
-    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale, moe_metrics):
+    def _console_line(self, r, time_per_iter, global_batch_size, consumed_samples, loss_scale, moe_metrics,
+                      losses):
         tflops = r["tflops_per_gpu"]
         parts = [
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/"
@@ -211,12 +220,15 @@ class TrainingLogger:
         ]
         if r["lm_loss"] is not None:
             parts.append(f"lm loss: {r['lm_loss']:.6E}")
+        parts += [f"{key}: {value:.6E}" for key, value in losses.items() if key != "lm loss"]  # mtp loss
         # The MoE means over layers; the per-layer values go to the metrics file and TensorBoard.
         parts += [f"{key}: {value:.6E}" for key, value in moe_metrics.items() if "_layer_" not in key]
         if loss_scale is not None:
             parts.append(f"loss scale: {loss_scale:.1f}")
         if r["grad_norm"] is not None:
             parts.append(f"grad norm: {r['grad_norm']:.3f}")
+        if "max_attention_logit" in r:
+            parts.append(f"max attention logit: {r['max_attention_logit']:.3f}")
         parts.append(f"number of skipped iterations: {r['skipped']:3d}")
         return " | ".join(parts) + " |"
 

@@ -4,9 +4,10 @@
     ...forward_backward, optimizer.step()...
     metrics = finish_moe_step(model, config, num_microbatches)  # every rank, every step
 
-Both are no-ops for a dense model. `finish_moe_step` runs collectives (router updates over the
-data-parallel ranks, metrics over pipeline, sequence and data-parallel ranks), so every rank
-calls it every step, skipped steps included.
+Both are no-ops for a dense model (the first still sets the backward scale of a
+multi-token-prediction loss, which joins the backward as the aux losses do). `finish_moe_step`
+runs collectives (router updates over the data-parallel ranks, metrics over pipeline, sequence
+and data-parallel ranks), so every rank calls it every step, skipped steps included.
 """
 
 import torch
@@ -34,8 +35,9 @@ def moe_aux_loss_scale(config, num_microbatches: int, device, pg_collection=None
 
 
 def set_moe_aux_loss_scale(config, num_microbatches: int, device, pg_collection=None) -> None:
-    """Set MoEAuxLossAutoScaler's backward scale for this step's micro-batches."""
-    if config.num_moe_experts is None:
+    """Set MoEAuxLossAutoScaler's backward scale for this step's micro-batches (the MoE aux
+    losses' and the multi-token-prediction loss's)."""
+    if config.num_moe_experts is None and not config.mtp_num_layers:
         return
     from teratron.transformer.moe import MoEAuxLossAutoScaler
 

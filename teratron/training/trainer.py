@@ -6,7 +6,8 @@ profiler and exit handling; `train()` runs it.
 
 One iteration (`step`): zero the grad buffers, run the pipeline schedule over this step's
 micro-batches (gradient accumulation; with --cuda-graph-impl local as CUDA graphs,
-`full_iteration_graph`), stop (or skip the step) on a non-finite loss, step the optimizer and
+`full_iteration_graph`), reduce the max attention logits (QK-clip, which clips inside the
+optimizer step), stop (or skip the step) on a non-finite loss, step the optimizer and
 the LR schedule, update the MoE routers and collect their metrics. `train` then logs, evaluates
 and saves on their intervals. At the end (also when --exit-interval or a signal stops the run)
 it logs the last partial log window, evaluates the validation set unless that iteration just
@@ -25,7 +26,7 @@ from teratron.dist_checkpointing import claim_save_dir
 from teratron.pipeline_parallel.schedules import get_forward_backward_func
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import current_topology
-from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_scheduler
+from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_qk_clip, build_scheduler
 from teratron.training.checkpointing import Checkpointer, ExitSignalHandler, check_save_dir_writable
 from teratron.training.config import RunConfig, check_interleaved_schedule
 from teratron.training.data import build_data_loader, build_datasets, build_packed_batches
@@ -36,6 +37,7 @@ from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
 from teratron.transformer.moe import clear_aux_losses_tracker
+from teratron.utils import HostCopy
 
 
 class NonFiniteLossError(RuntimeError):
@@ -57,6 +59,7 @@ class StepResult:
     grad_norm: object      # None when the step was skipped or on a rank without it
     skipped: int           # 1 when the optimizer step was skipped
     moe_metrics: dict
+    max_attention_logit: float | None = None  # with qk_clip / log_max_attention_logit
 
 
 @dataclass
@@ -68,8 +71,12 @@ class LogWindow:
     skipped: int = 0
     losses: dict = field(default_factory=dict)
     moe: dict = field(default_factory=dict)
+    max_attention_logit: float | None = None  # the largest of the window's steps
 
     def add(self, result: StepResult, global_batch: int) -> None:
+        logit, largest = result.max_attention_logit, self.max_attention_logit
+        if logit is not None:
+            self.max_attention_logit = logit if largest is None else max(largest, logit)
         if not result.skipped:
             for key, value in result.losses.items():
                 self.losses[key] = self.losses.get(key, 0.0) + value
@@ -120,6 +127,7 @@ class Trainer:
         self.optimizer = build_optimizer(run, self.model, self.pg_collection)
         self.scheduler = build_scheduler(run, self.optimizer)
         attach_model_hooks(self.model, self.optimizer, self.pg_collection)
+        self.qk_clip = build_qk_clip(self.model, self.optimizer, self.pg_collection)
         self.config = self.model[0].config  # the model's TransformerConfig, with the schedule's callbacks
         if is_logging_rank():
             self._print_model_summary()
@@ -247,7 +255,7 @@ class Trainer:
             time.perf_counter() - window.start, window.iters, window.samples, global_batch,
             self.state.consumed_train_samples, window.skipped,
             loss_scale=self.optimizer.get_loss_scale().item() if self.run.optimizer.fp16 else None,
-            moe_metrics=moe_metrics,
+            moe_metrics=moe_metrics, max_attention_logit=window.max_attention_logit,
         )
         return LogWindow()
 
@@ -256,10 +264,11 @@ class Trainer:
     def step(self, num_microbatches: int, global_batch: int, forward_backward_func=None) -> StepResult:
         """One optimizer step over `num_microbatches` micro-batches."""
         set_moe_aux_loss_scale(self.config, num_microbatches, self.device, self.pg_collection)
-        losses, grad_norm, skipped = self._forward_backward_and_step(num_microbatches, global_batch,
-                                                                     forward_backward_func)
+        losses, grad_norm, skipped, max_logit = self._forward_backward_and_step(num_microbatches, global_batch,
+                                                                                forward_backward_func)
         return StepResult(losses, grad_norm, skipped,
-                          finish_moe_step(self.model, self.config, num_microbatches, self.pg_collection))
+                          finish_moe_step(self.model, self.config, num_microbatches, self.pg_collection),
+                          None if max_logit is None else max_logit.get())
 
     def _forward_backward_and_step(self, num_microbatches, global_batch, forward_backward_func=None):
         training, iteration = self.run.training, self.state.iteration + 1
@@ -272,6 +281,8 @@ class Trainer:
             micro_batch_size=training.micro_batch_size, forward_only=False, pg_collection=self.pg_collection,
         )
         losses = reduce_log_dicts(log_dicts, self.device, on_host=False, pg_collection=self.pg_collection)
+        # The step's max attention logits, reduced before the optimizer step clips by them.
+        max_logit = HostCopy(self.qk_clip.reduce()) if self.qk_clip is not None else None
         # The losses, and whether any rank's is NaN/Inf, leave for the host now and are waited for
         # after the optimizer step is queued: the GPU goes from the backward to the optimizer, and on
         # to the next step, without idling while the host checks and logs. With --skip-nan-steps the
@@ -281,7 +292,7 @@ class Trainer:
         if training.skip_nan_steps:
             losses = in_flight.get()
             if in_flight.flag:
-                return losses, None, 1
+                return losses, None, 1, max_logit
         update_successful, grad_norm, _ = self.optimizer.step()  # ends by launching the param gathers
         if update_successful:
             self.scheduler.step(increment=global_batch)
@@ -295,7 +306,7 @@ class Trainer:
                 and not math.isfinite(float(grad_norm))):
             raise NonFiniteLossError(f"iteration {iteration}: the gradient norm is {float(grad_norm)}; "
                                      "lower --lr or set --clip-grad")
-        return losses, grad_norm, 0 if update_successful else 1
+        return losses, grad_norm, 0 if update_successful else 1, max_logit
 
     def _num_microbatches(self, data_iters) -> int:
         """This step's micro-batches per rank: the calculator's (for the training iterators), or with

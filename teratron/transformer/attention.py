@@ -1,10 +1,14 @@
 """Self-attention: fused QKV projection, optional qk-norm and RoPE (not on the NoPE layers that
-`no_rope_freq` marks), core attention, output projection.
+`no_rope_freq` marks; with YaRN the rotated channels scaled by its concentration factor), core
+attention, output projection.
 
 linear_qkv is column-parallel and its output rows are interleaved per query group,
 [ng, (np/ng + 2) * hn] = per group its np/ng query heads, then one key and one value head, so a
 contiguous TP shard holds whole groups (MHA: ng = np; MQA: ng = 1 with TP = 1). linear_proj is
 row-parallel: each rank's heads feed its shard of the input dimension.
+
+QK-clip (`qk_clip_scales`, applied by `teratron.optimizer.qk_clip`) scales the query and key rows
+of linear_qkv per query group, by Megatron's rule.
 """
 
 from dataclasses import dataclass
@@ -18,8 +22,15 @@ from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
 from teratron.transformer.enums import AttnMaskType
 from teratron.transformer.identity_op import IdentityOp
-from teratron.transformer.rope import apply_rotary_pos_emb
+from teratron.transformer.rope import apply_rotary_pos_emb, yarn_concentration_factor
 from teratron.transformer.spec_utils import ModuleSpec, build_module
+from teratron.transformer.transformer_config import pattern_layer_number
+
+
+def qk_clip_eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """QK-clip's factor per head: threshold / max logit where the max exceeds the threshold, else 1
+    (exactly, so the weights of heads within it are multiplied by 1)."""
+    return torch.where(max_logits > threshold, threshold / max_logits, torch.ones_like(max_logits))
 
 
 @dataclass
@@ -87,7 +98,26 @@ class SelfAttention(torch.nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
         )
         # NoPE layers (no_rope_freq): queries and keys keep no position rotation.
-        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[layer_number - 1])
+        pattern_layer = pattern_layer_number(config, layer_number)  # an MTP layer takes the last layer's
+        self.apply_rope = not (config.no_rope_freq and config.no_rope_freq[pattern_layer - 1])
+        # YaRN's concentration factor on the rotated channels (1 without YaRN).
+        self.rope_mscale = yarn_concentration_factor(config.yarn_rotary_scaling_factor, config.yarn_mscale,
+                                                     config.yarn_mscale_all_dim)
+
+    def qk_clip_scales(self, max_logits: torch.Tensor) -> dict:
+        """QK-clip's factors for the rows of linear_qkv's weight (and bias), given this rank's
+        heads' max logits [np]: {param: factors [rows]}. As Megatron, a query group's heads share
+        eta = qk_clip_eta(their largest logit) (they share one key head); the group's query rows
+        scale by eta ** qk_clip_alpha, its key rows by eta ** (1 - qk_clip_alpha), so each of its
+        logits scales by eta; value rows stay. (Megatron leaves the bias out; scaling it too keeps
+        the logit's factor eta with --add-qkv-bias.)"""
+        alpha, per_group = self.config.qk_clip_alpha, self.np // self.ng
+        eta = qk_clip_eta(max_logits.float().view(self.ng, per_group).amax(dim=1), self.config.qk_clip_threshold)
+        eta = eta[:, None]  # [ng, 1]
+        rows = torch.cat([eta.pow(alpha).expand(-1, per_group * self.hn), eta.pow(1 - alpha).expand(-1, self.hn),
+                          torch.ones_like(eta).expand(-1, self.hn)], dim=1)  # [ng, (np/ng + 2) * hn]
+        qkv = self.linear_qkv
+        return {param: rows.reshape(-1) for param in (qkv.weight, qkv.bias) if param is not None}
 
     def get_query_key_value_tensors(self, hidden_states):
         """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
@@ -109,8 +139,8 @@ class SelfAttention(torch.nn.Module):
         if rotary_pos_emb is not None and self.apply_rope:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
-            query = rope(query, rotary_pos_emb, interleaved)
-            key = rope(key, rotary_pos_emb, interleaved)
+            query = rope(query, rotary_pos_emb, interleaved, self.rope_mscale)
+            key = rope(key, rotary_pos_emb, interleaved, self.rope_mscale)
         if inference_context is not None:
             context = inference_context.attend(self.layer_number, query, key, value)  # [s, b, np * hn]
         elif self.recompute_core_attention:

@@ -25,6 +25,12 @@ sees and how its softmax is normalised:
 Dropout of attention probabilities runs under the tensor-parallel RNG tracker, since every TP
 rank holds different heads; FlexAttention has none, so a window or sink with dropout on CUDA is
 refused unless the backend is the reference.
+
+With `qk_clip` or `log_max_attention_logit`, a training forward also records the largest
+pre-softmax logit of each head (`current_max_attn_logits`, Megatron's name), for QK-clip
+(`teratron.optimizer.qk_clip`). No kernel above returns it (the log-sum-exp only bounds it), so
+`max_attention_logits` computes q k^T once more under no_grad, a chunk of queries at a time over
+the keys they may see: one extra QK^T GEMM in the forward, nothing of size s x s.
 """
 
 import contextlib
@@ -44,6 +50,7 @@ from teratron.topology import resolve_pg_collection
 from teratron.transformer import context_parallel
 from teratron.transformer.context_parallel import allowed_keys
 from teratron.transformer.enums import AttnBackend, AttnMaskType
+from teratron.transformer.transformer_config import pattern_layer_number
 
 _REFERENCE_BACKENDS = (AttnBackend.unfused, AttnBackend.local)
 # On CUDA, `flash` pins SDPA to the flash kernel and `fused` to cuDNN's fused attention (what
@@ -84,6 +91,57 @@ def is_layer_window_attention(window_size, window_attn_skip_freq, layer_number: 
     if isinstance(window_attn_skip_freq, int):
         return layer_number % window_attn_skip_freq != 0
     return bool(window_attn_skip_freq[layer_number - 1])
+
+
+# Scores of one query chunk in `max_attention_logits`: 2**26 elements (256 MiB in fp32).
+_MAX_LOGIT_CHUNK = 1 << 26
+
+
+def _key_band(q0: int, q1: int, sk: int, causal: bool, window):
+    """[lo, hi): the keys that queries q0 .. q1 - 1 may see at all (`allowed_keys`' band)."""
+    left, right = window if window is not None else (-1, -1)
+    lo = max(0, q0 - left) if left >= 0 else 0
+    hi = sk
+    if causal:
+        hi = min(hi, q1)
+    if right >= 0:
+        hi = min(hi, q1 + right)
+    return lo, max(lo, hi)
+
+
+def _grouped_mask(attention_mask, groups: int, sq: int, sk: int):
+    """A bool mask broadcastable to [b, np, sq, sk] as [b or 1, ng or 1, np/ng or 1, sq, sk]."""
+    mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
+    mask = mask.expand(*mask.shape[:2], sq, sk)
+    return mask.unsqueeze(1) if mask.shape[1] == 1 else mask.unflatten(1, (groups, -1))
+
+
+@torch.no_grad()
+def max_attention_logits(q, k, softmax_scale: float, causal: bool, window=None, attention_mask=None):
+    """The largest pre-softmax logit, softmax_scale * q.k, of each query head [np] (fp32) over the
+    batch, the queries and the keys each query may attend (`allowed_keys`, less `attention_mask`,
+    True = masked out); -inf for a head that attends to nothing. q [b, np, sq, hn], k [b, ng, sk, hn].
+    The scores exist a chunk of queries at a time, over the chunk's key band only."""
+    b, heads, sq, _ = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    q = q.unflatten(1, (groups, heads // groups))  # [b, ng, np/ng, sq, hn]: heads group by group
+    k_t = k.unsqueeze(2).transpose(-2, -1)  # [b, ng, 1, hn, sk]
+    mask = None if attention_mask is None else _grouped_mask(attention_mask, groups, sq, sk)
+    positions = functools.partial(torch.arange, device=q.device)
+    rows = max(1, _MAX_LOGIT_CHUNK // (b * heads * sk))
+    largest = torch.full((groups, heads // groups), float("-inf"), device=q.device)
+    for q0 in range(0, sq, rows):
+        q1 = min(sq, q0 + rows)
+        lo, hi = _key_band(q0, q1, sk, causal, window)
+        if lo == hi:
+            continue
+        scores = torch.matmul(q[..., q0:q1, :], k_t[..., lo:hi]).float() * softmax_scale  # [b, ng, np/ng, c, keys]
+        hidden = ~allowed_keys(positions(q0, q1)[:, None], positions(lo, hi)[None, :], causal, window)
+        if mask is not None:
+            hidden = hidden | mask[..., q0:q1, lo:hi]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        largest = torch.maximum(largest, scores.amax(dim=(0, 3, 4)))
+    return largest.flatten()
 
 
 def _create_block_mask(mask_mod, batch, sq: int, sk: int, device):
@@ -152,13 +210,20 @@ class DotProductAttention(torch.nn.Module):
         # Query-key layer scaling divides the scores by the layer number before the softmax input
         # is upcast and multiplies it back afterwards: the same math, a smaller fp16 range.
         self.layer_scale = max(1, layer_number) if config.apply_query_key_layer_scaling else 1
-        use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                               pattern_layer_number(config, layer_number))
         self.window_size = config.window_size if use_window else None
         pg_collection = resolve_pg_collection(pg_collection)
         self._build_softmax_offset(config, pg_collection.tp)
         self.context_parallel = context_parallel.context_parallel_config(
             config, layer_number, cp_comm_type, pg_collection, self.softmax_scale, self.window_size,
             self.use_reference)
+        self.track_max_logit = config.qk_clip or config.log_max_attention_logit
+        if self.track_max_logit:
+            # The largest logit of each of this rank's heads since QKClip.reduce() last took it.
+            heads = config.num_attention_heads // get_pg_size(pg_collection.tp)
+            self.register_buffer("current_max_attn_logits", torch.full((heads,), float("-inf"),
+                                 device=param_device(config)), persistent=False)
 
     def _build_softmax_offset(self, config, tp):
         if config.softmax_type == "vanilla":
@@ -182,15 +247,26 @@ class DotProductAttention(torch.nn.Module):
         causal_type = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         dropout_p = self.dropout_p if self.training else 0.0
         if context_parallel.runs_here(self.context_parallel, attention_mask):  # CP or packed documents
+            if self.track_max_logit and self.training:
+                raise NotImplementedError("--qk-clip / --log-max-attention-logit with packed documents "
+                                          "(--reset-attention-mask, --sequence-packing): packed attention does not "
+                                          "record the max attention logit yet; turn one of them off")
             return context_parallel.context_parallel_attention(
                 self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset, dropout_p)
         is_causal = attention_mask is None and causal_type
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.track_max_logit and self.training:
+            self._track_max_logit(q, k, attention_mask, is_causal)
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = self._attend(q, k, v, attention_mask, is_causal, dropout_p)
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+
+    @torch.no_grad()
+    def _track_max_logit(self, q, k, attention_mask, is_causal):
+        logits = max_attention_logits(q, k, self.softmax_scale, is_causal, self.window_size, attention_mask)
+        self.current_max_attn_logits.copy_(torch.maximum(self.current_max_attn_logits, logits))
 
     def _attend(self, q, k, v, attention_mask, is_causal, dropout_p):
         """The kernel: SDPA for plain attention, FlexAttention for a window or a sink on CUDA, the

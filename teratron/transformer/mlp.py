@@ -3,7 +3,8 @@
 With `gated_linear_unit` linear_fc1 produces [gate; up] and the activation is
 act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu); with
 `activation_func_clamp_value` L the gate is clamped to at most L and up to [-L, L] first
-(gpt-oss's clamped SwiGLU; the same in MoE experts). The fused weight is
+(the same in MoE experts). gpt-oss's experts are `quick_gelu` gated (Megatron's --quick-geglu),
+clamped at 7 with glu_linear_offset 1. The fused weight is
 `partition_stride=2`: each TP rank holds [gate_shard; up_shard], so the gate and up halves of a
 rank's output line up.
 """
@@ -66,6 +67,11 @@ class MLP(torch.nn.Module):
         with activation_offload.offload(self.act_offload_name):
             activated = self.activation(intermediate, bias)
         return self.linear_fc2(activated)
+
+
+def quick_gelu(x):
+    """x * sigmoid(1.702 x), the sigmoid approximation of GELU (Megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float,

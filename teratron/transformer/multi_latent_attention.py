@@ -28,6 +28,11 @@ Recompute: 'mla_up_proj' in recompute_modules reruns the up projections and RoPE
 (`tensor_parallel.CheckpointWithoutOutput`): q, k and v are freed once core attention has run
 and refilled when backward reaches it; 'core_attn' recomputes core attention as for SelfAttention.
 
+QK-clip (`qk_clip_scales`, applied by `teratron.optimizer.qk_clip`, Megatron's rule for MLA): per
+head, eta = qk_clip_eta(its max logit); its query rows scale by eta ** alpha (q_n) and eta (q_r),
+its key rows of linear_kv_up_proj by eta ** (1 - alpha), so q_n.k_n and q_r.k_r, hence the
+logit, scale by eta; values and the shared RoPE key (linear_kv_down_proj) stay.
+
 Inference (`inference_context.attend`): the per-head keys [d_n + d_r] and values [d_v] go to
 the paged KV cache, padded with zeros to one head size; with `cache_mla_latents` the cache
 holds one latent [c_kv, RoPE(k_r)] (d_c + d_r) per token instead and the up projections are
@@ -47,6 +52,7 @@ from teratron import fusions, tensor_parallel
 from teratron.process_groups import get_pg_size
 from teratron.topology import resolve_pg_collection
 from teratron.transformer import activation_offload
+from teratron.transformer.attention import qk_clip_eta
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 from teratron.transformer.rope import (RotaryEmbedding, YarnRotaryEmbedding, apply_rotary_pos_emb,
                                       yarn_concentration_factor, yarn_mscale)
@@ -175,6 +181,19 @@ class MLASelfAttention(torch.nn.Module):
         with activation_offload.offload("attn_proj"):
             return self.linear_proj(context)
 
+    def qk_clip_scales(self, max_logits: torch.Tensor) -> dict:
+        """QK-clip's factors for the rows of the query projection (linear_q_proj or
+        linear_q_up_proj, [np, d_n + d_r] rows) and of linear_kv_up_proj ([np, d_n + d_v] rows),
+        given this rank's heads' max logits [np]: {weight: factors [rows]} (module docstring)."""
+        config, alpha = self.config, self.config.qk_clip_alpha
+        eta = qk_clip_eta(max_logits.float(), config.qk_clip_threshold)[:, None]  # [np, 1]
+        query_rows = torch.cat([eta.pow(alpha).expand(-1, config.qk_head_dim),
+                                eta.expand(-1, config.qk_pos_emb_head_dim)], dim=1)  # [np, d_n + d_r]
+        kv_rows = torch.cat([eta.pow(1 - alpha).expand(-1, config.qk_head_dim),
+                             torch.ones_like(eta).expand(-1, config.v_head_dim)], dim=1)  # [np, d_n + d_v]
+        query = self.linear_q_proj if config.q_lora_rank is None else self.linear_q_up_proj
+        return {query.weight: query_rows.reshape(-1), self.linear_kv_up_proj.weight: kv_rows.reshape(-1)}
+
     def _down_projections(self, hidden_states):
         """[s(/tp), b, h] -> the query input (q_layernorm(c_q) [s/tp, b, d_q], or the hidden
         state without q_lora_rank), norm_kv(c_kv) [s/tp, b, d_c] and k_r [s, b, d_r] (whole
@@ -204,8 +223,7 @@ class MLASelfAttention(torch.nn.Module):
         if rotary_pos_emb is None:
             return t
         rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
-        t = rope(t, rotary_pos_emb, True)
-        return t * self.rope_concentration if self.rope_concentration != 1.0 else t
+        return rope(t, rotary_pos_emb, True, self.rope_concentration)
 
     def _up_projections(self, q_input, kv_compressed, k_pos_emb, rotary_pos_emb):
         """-> query [s, b, np, d_n + d_r], key [s, b, np, d_n + d_r], value [s, b, np, d_v], each

@@ -4,7 +4,8 @@ The first `rot_dim = kv_channels * rotary_percent` channels of each head rotate,
 through. Channel pairs are (i, i + rot_dim/2) by default (Llama) or (2i, 2i + 1) with
 `rotary_interleaved` (RoFormer); pair i turns by angle position * base^(-2i / rot_dim).
 
-YaRN (Peng et al. 2023, `YarnRotaryEmbedding`) stretches a model trained on
+YaRN (Peng et al. 2023, `YarnRotaryEmbedding`; position_embedding_type 'yarn' for plain
+attention with the config's yarn_* fields, rope_type 'yarn' for multi-latent attention) stretches a model trained on
 `original_max_position_embeddings` positions by `scaling_factor`: pair i keeps its frequency
 f_i = base^(-2i / d) where its wavelength is short (more than `beta_fast` turns over the original
 length), takes f_i / scaling_factor where it is long (fewer than `beta_slow` turns), and a linear
@@ -64,14 +65,18 @@ def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_m
 
 
 def yarn_inv_freq(dim: int, base: float, scaling_factor: float, original_max_position_embeddings: int,
-                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+                  beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """YaRN's frequencies [dim / 2] (fp32): pairs below the correction range keep base^(-2i/dim),
     pairs above it are divided by scaling_factor, a linear ramp in between (range bounds rounded
-    outwards to whole pairs, as Megatron and DeepSeek do)."""
+    outwards to whole pairs with `round_to_int`, as Megatron and DeepSeek do; gpt-oss keeps them
+    fractional)."""
     extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     interpolated = extrapolated / scaling_factor
-    low = max(math.floor(_yarn_correction_dim(beta_fast, dim, base, original_max_position_embeddings)), 0)
-    high = min(math.ceil(_yarn_correction_dim(beta_slow, dim, base, original_max_position_embeddings)), dim - 1)
+    low = _yarn_correction_dim(beta_fast, dim, base, original_max_position_embeddings)
+    high = _yarn_correction_dim(beta_slow, dim, base, original_max_position_embeddings)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-pair range: a step instead of a ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -84,10 +89,10 @@ class YarnRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, kv_channels: int, rotary_interleaved: bool = False, rotary_base: float = 10000.0,
                  scaling_factor: float = 1.0, original_max_position_embeddings: int = 4096,
-                 beta_fast: float = 32.0, beta_slow: float = 1.0):
+                 beta_fast: float = 32.0, beta_slow: float = 1.0, correction_range_round_to_int: bool = True):
         super().__init__(kv_channels, 1.0, rotary_interleaved, rotary_base)
         self.inv_freq.copy_(yarn_inv_freq(kv_channels, rotary_base, scaling_factor, original_max_position_embeddings,
-                                          beta_fast, beta_slow))
+                                          beta_fast, beta_slow, correction_range_round_to_int))
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -98,10 +103,12 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False) -> torch.Tensor:
-    """Rotate t [s, b, np, hn] by angles freqs [s, b or 1, 1, rot_dim]."""
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                         mscale: float = 1.0) -> torch.Tensor:
+    """Rotate t [s, b, np, hn] by angles freqs [s, b or 1, 1, rot_dim], the rotated channels
+    scaled by `mscale` (YaRN's concentration factor)."""
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    cos, sin = (freqs.cos() * mscale).to(t.dtype), (freqs.sin() * mscale).to(t.dtype)
     t_rot = t_rot * cos + _rotate_half(t_rot, rotary_interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1)

@@ -27,16 +27,14 @@ from teratron.transformer.cuda_graphs import check_cuda_graph_config
 from teratron.transformer.enums import AttnBackend
 from teratron.utils import init_method_normal, scaled_init_method_normal
 
+# YaRN of plain attention (position_embedding_type 'yarn') and the defaults that mean "no YaRN".
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
 # field -> the feature it needs. Non-default values raise NotImplementedError.
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
-    "mtp_num_layers": "multi-token prediction",
-    "mtp_loss_scaling_factor": "multi-token prediction",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "qk_clip": "QK-clip",
-    "qk_clip_alpha": "QK-clip",
-    "qk_clip_threshold": "QK-clip",
-    "log_max_attention_logit": "max-attention-logit logging",
     "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
     "masked_softmax_fusion": "fused masked softmax",
@@ -91,8 +89,11 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
+# The yarn_* fields are Megatron's too: config attributes its argument parser sets, not declared.
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
-                         "offload_modules", "min_offloaded_tensor_size")
+                         "offload_modules", "min_offloaded_tensor_size",
+                         "freeze_base_model_for_mtp",  # Megatron's, newer than the reference
+                         *YARN_FIELDS)
 
 
 @dataclass
@@ -106,10 +107,14 @@ class TransformerConfig(ModelParallelConfig):
     """Number of transformer layers in the block (required)."""
 
     mtp_num_layers: Optional[int] = None
-    """Number of multi-token-prediction layers."""
+    """Number of multi-token-prediction layers (depths), on the last pipeline stage; None: no MTP."""
 
     mtp_loss_scaling_factor: Optional[float] = None
-    """Weight of the multi-token-prediction loss."""
+    """Weight of the multi-token-prediction loss (the mean over depths); None means Megatron's 0.1."""
+
+    freeze_base_model_for_mtp: bool = False
+    """Train only the MTP layers: every other parameter is frozen and the main model runs without
+    autograd (Megatron's MTP-only training, --freeze-base-model-for-mtp)."""
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
     """Layers on the first pipeline stage; None splits evenly."""
@@ -197,6 +202,29 @@ class TransformerConfig(ModelParallelConfig):
     rotary_interleaved: bool = False
     """RoPE rotates (even, odd) pairs (RoFormer) instead of the two halves (Llama)."""
 
+    # YaRN of plain attention (GPTModel's position_embedding_type 'yarn'; Megatron sets these as
+    # config attributes from --rotary-scaling-factor, --mscale, ... ; MLA has its own fields).
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN's context-extension factor s."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """Context length of the original model."""
+
+    yarn_beta_fast: float = 32.0
+    """RoPE pairs turning more than this often over the original length keep their frequency."""
+
+    yarn_beta_slow: float = 1.0
+    """Pairs turning less than this often are interpolated (frequency / s)."""
+
+    yarn_mscale: float = 1.0
+    """YaRN mscale: the rotated channels are scaled by mscale(s, mscale) / mscale(s, mscale_all_dim)."""
+
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (see yarn_mscale)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """Round the bounds of the interpolation ramp out to whole pairs (gpt-oss does not)."""
+
     window_size: Optional[Tuple[int, int]] = None
     """Sliding-window attention (left, right): query i sees keys i - left .. i + right (-1: no
     bound on that side); causal attention also hides every key after i."""
@@ -212,16 +240,19 @@ class TransformerConfig(ModelParallelConfig):
     """Normalise queries and keys per head (with `normalization`)."""
 
     qk_clip: bool = False
-    """Clip query/key weights by the max attention logit (Muon + MLA)."""
+    """QK-clip (MuonClip): after each optimizer step, scale the query and key weights of every head
+    whose largest attention logit exceeded qk_clip_threshold (teratron.optimizer.qk_clip); logs
+    the max logit too."""
 
     qk_clip_alpha: float = 0.5
-    """QK-clip balance exponent."""
+    """The query's share of the clip, in (0, 1): queries scale by eta ** alpha, keys by
+    eta ** (1 - alpha), eta = min(threshold / max_attention_logit, 1)."""
 
     qk_clip_threshold: float = 100
-    """QK-clip logit threshold."""
+    """The largest attention logit QK-clip lets a head keep."""
 
     log_max_attention_logit: bool = False
-    """Log the largest attention logit of the model."""
+    """Log the largest pre-softmax attention logit of the model each step (no clipping)."""
 
     test_mode: bool = False
     """Run real-time tests."""
@@ -626,11 +657,13 @@ class TransformerConfig(ModelParallelConfig):
         self._check_offloading()
         self._check_attention_variants()
         self._check_context_parallel()
+        self._check_qk_clip()
         self._set_init_methods()
         self._check_moe()
         check_fp8_config(self)
         check_cuda_graph_config(self)
         validate_pipeline_config(self)
+        self._check_mtp()
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -717,7 +750,7 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _check_attention_variants(self):
-        """Sliding windows, attention sinks, NoPE layers and the clamped GLU."""
+        """Sliding windows, attention sinks, NoPE layers, YaRN and the clamped GLU."""
         if self.window_size is not None:
             window = self.window_size
             if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -732,6 +765,10 @@ class TransformerConfig(ModelParallelConfig):
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type={self.softmax_type!r} is not valid; use 'vanilla', 'off-by-one' "
                              "or 'learnable'")
+        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                     "yarn_beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         clamp = self.activation_func_clamp_value
         if clamp is not None:
             if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < float("inf"):
@@ -757,6 +794,13 @@ class TransformerConfig(ModelParallelConfig):
         cp = self.context_parallel_size
         if cp == 1:
             return
+        if self.qk_clip or self.log_max_attention_logit:
+            raise NotImplementedError(f"qk_clip / log_max_attention_logit (--qk-clip / --log-max-attention-logit) with "
+                                      f"context_parallel_size={cp}: context-parallel attention does not record the max "
+                                      "attention logit yet; turn them off or set context_parallel_size to 1")
+        if self.mtp_num_layers:
+            raise NotImplementedError(f"mtp_num_layers={self.mtp_num_layers} with context_parallel_size={cp}: the MTP "
+                                      "label shift is not context-parallel yet; set one of them off")
         used = {t or "p2p" for t in types}
         hierarchical = self.hierarchical_context_parallel_sizes
         if "a2a+p2p" in used and (hierarchical is None or len(hierarchical) != 2):
@@ -775,6 +819,23 @@ class TransformerConfig(ModelParallelConfig):
         if self.cuda_graph_impl == "local" or self.enable_cuda_graph:
             raise ValueError(f"context_parallel_size={cp} with CUDA graphs: the attention exchange is not captured; "
                              "set cuda_graph_impl to 'none'")
+    def _check_qk_clip(self):
+        for name in ("qk_clip_alpha", "qk_clip_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r} must be a number")
+        if not 0.0 < self.qk_clip_alpha < 1.0:
+            raise ValueError(f"qk_clip_alpha={self.qk_clip_alpha} must be in (0, 1): queries scale by eta ** alpha, "
+                             "keys by eta ** (1 - alpha)")
+        if not 0.0 < self.qk_clip_threshold < float("inf"):
+            raise ValueError(f"qk_clip_threshold={self.qk_clip_threshold} must be a finite number > 0 (the largest "
+                             "attention logit a head keeps)")
+        if not self.qk_clip and (self.qk_clip_alpha != 0.5 or self.qk_clip_threshold != 100):
+            raise ValueError("qk_clip_alpha or qk_clip_threshold is set but qk_clip is off; turn on qk_clip or "
+                             "leave them at their defaults")
+        if self.qk_clip and self.qk_layernorm and not self.multi_latent_attention:
+            raise ValueError("qk_clip with qk_layernorm: the per-head norms undo any scaling of the query and key "
+                             "weights, so the clip would do nothing; turn one of them off")
 
     def _check_layer_pattern(self, name: str, divides: bool):
         """A per-layer pattern field (None, an int N >= 1, or one 0/1 per layer); with `divides`
@@ -923,6 +984,29 @@ class TransformerConfig(ModelParallelConfig):
         self._check_moe_layer_freq()
         self._check_moe_router()
         self._check_moe_dispatch()
+
+    def _check_mtp(self):
+        depths = self.mtp_num_layers
+        if depths is None:
+            for name in ("mtp_loss_scaling_factor", "freeze_base_model_for_mtp"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is set but mtp_num_layers is None; set mtp_num_layers")
+            return
+        if not isinstance(depths, int) or isinstance(depths, bool) or depths < 1:
+            raise ValueError(f"mtp_num_layers must be a positive integer or None, got {depths!r}")
+        if self.mtp_loss_scaling_factor is None:
+            self.mtp_loss_scaling_factor = 0.1
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        unsupported = [("fp8", self.fp8 is not None, "FP8"),
+                       ("cuda_graph_impl", self.cuda_graph_impl == "local", "local CUDA graphs")]
+        for name, used, what in unsupported:
+            if used:
+                raise NotImplementedError(f"mtp_num_layers with {name}={getattr(self, name)!r}: multi-token "
+                                          f"prediction is not built for {what} yet; drop one")
+        if self.freeze_base_model_for_mtp and self.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("freeze_base_model_for_mtp needs pipeline_model_parallel_size 1: the "
+                                      "stages before the MTP layers would have nothing to train")
 
     def _check_moe_layer_freq(self):
         freq = self.moe_layer_freq
@@ -1115,6 +1199,13 @@ class MLATransformerConfig(TransformerConfig):
         for name in ("rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def pattern_layer_number(config, layer_number: int) -> int:
+    """The layer whose entry of a per-layer pattern (window_attn_skip_freq, no_rope_freq) layer
+    `layer_number` (1-based, global) takes: its own, or for a multi-token-prediction layer
+    (numbered past num_layers) the last decoder layer's, which it is built like."""
+    return min(layer_number, config.num_layers)
 
 
 def _check_positive_int(config, name: str, alternative: str = "") -> None:

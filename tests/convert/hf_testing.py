@@ -21,14 +21,15 @@ def ids_and_positions():
 
 
 def save_random_hf_model(config_cls: str, model_cls: str, config_kwargs: dict, path, max_shard_size: str):
-    """A tiny HF model with every weight random (norms and biases included) saved to `path` with
-    tokenizer files; returns its logits for `ids_and_positions()`."""
+    """A tiny HF model with every weight random (norms, biases and saved buffers such as
+    DeepSeek's expert bias included) saved to `path` with tokenizer files; returns its logits for
+    `ids_and_positions()`."""
     config = getattr(transformers, config_cls)(**config_kwargs)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+        for t in model.state_dict(keep_vars=True).values():
+            t.copy_(torch.randn_like(t) * 0.3)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hi": 1},
@@ -61,18 +62,21 @@ def convert(*argv):
     return convert_cli.run(parser.parse_args(list(argv)))
 
 
-def finetune(ckpt, trained, *model_flags):
+# The shape flags the Llama-style test models share.
+LLAMA_SHAPE = ("--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups",
+               "2", "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type",
+               "rope", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64")
+
+
+def finetune(ckpt, trained, *model_flags, shape=LLAMA_SHAPE):
     """`teratron train --load ckpt --finetune --save trained`: 2 iterations on mock data of the
-    imported tiny model, whose shape the shared flags and `model_flags` give."""
+    imported tiny model, whose shape the `shape` flags and `model_flags` give."""
     from teratron.training.arguments import parse_train_args
     from teratron.training.config import build_run_config
     from teratron.training.training import pretrain
 
-    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-             "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-             "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *shape,
+             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "0",
              "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--load", str(ckpt), "--finetune", "--save", str(trained), *model_flags]
     pretrain(build_run_config(parse_train_args(flags)))

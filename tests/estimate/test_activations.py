@@ -69,6 +69,12 @@ CASES = [
     "--bf16 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --swiglu",
     "--bf16 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --disable-bias-linear "
     "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01",
+    # Multi-token prediction: two depths; one MoE depth with dropout; under full recompute.
+    "--position-embedding-type rope --mtp-num-layers 2",
+    "--bf16 --position-embedding-type rope --mtp-num-layers 1 --num-experts 4 --moe-router-topk 2 "
+    "--moe-layer-freq [0,1] --swiglu --hidden-dropout 0.1 --untie-embeddings-and-output-weights",
+    "--bf16 --position-embedding-type none --mtp-num-layers 2 --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1 --normalization RMSNorm",
 ]
 
 
@@ -115,6 +121,11 @@ def test_saved_activations_per_tensor_parallel_rank():
         # The first layer's input norm offloads the whole embedding output it keeps a view of.
         "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --fine-grained-activation-offloading "
         "--min-offloaded-tensor-size 1 --offload-modules attn_norm qkv_linear core_attn attn_proj mlp",
+        # MTP under SP: the depths' embeddings and layer inputs are views of whole gathered tensors.
+        "--tensor-model-parallel-size 2 --sequence-parallel --position-embedding-type rope --mtp-num-layers 2",
+        "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --normalization RMSNorm "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "--position-embedding-type rope --mtp-num-layers 1",
     ]
     for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets):
         for flags, (measured, estimated) in zip(flag_sets, rank_results):
@@ -209,6 +220,8 @@ OFFLOAD_CASES = [
     f"{OFFLOAD} attn_norm mlp",
     f"--bf16 --num-experts 4 --moe-router-topk 2 --swiglu {OFFLOAD} expert_fc1 moe_act mlp_norm",
     f"--bf16 --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm {OFFLOAD} expert_fc1 moe_act",
+    f"--bf16 --position-embedding-type rope --mtp-num-layers 1 {OFFLOAD} attn_norm qkv_linear core_attn "
+    "attn_proj mlp_norm mlp",                           # the MTP layer offloads as a decoder layer
     # [T, h] storages move, the per-token norm statistics and SDPA's logsumexp stay.
     "--normalization RMSNorm --fine-grained-activation-offloading --min-offloaded-tensor-size 1024 "
     "--offload-modules attn_norm core_attn attn_proj mlp_norm",
@@ -243,6 +256,7 @@ COMPILED_CASES = [
     f"{DENSE} --recompute-granularity selective",                 # core_attn: graph breaks at the checkpoint
     f"{DENSE} --num-layers 3 --recompute-granularity full --recompute-method block --recompute-num-layers 1",
     f"{DENSE} --cross-entropy-loss-fusion",
+    f"{DENSE} --mtp-num-layers 2",                                # the MTP layers are compiled too
 ]
 
 

@@ -2,7 +2,8 @@
 rank (TP splits the up projections and linear_proj, the down projections are whole on every
 rank) and the activation bytes autograd keeps for one micro-batch (single process and per TP
 rank with sequence parallelism), with and without query compression, latent norms, both
-recompute modules and the flash backend's padded heads.
+recompute modules and the flash backend's padded heads; with multi-token-prediction depths (MLA
+layers like the last one) too.
 
 On CPU, SDPA takes its fused kernel only for one head size: the activation cases use
 qk_head_dim + qk_pos_emb_head_dim == v_head_dim, except the padded (flash backend) case."""
@@ -24,6 +25,7 @@ PARAM_SHAPES = [
     f"{MLA} --q-lora-rank 20 --qk-layernorm",
     f"{MLA} --v-head-dim 8",
     f"{MLA.replace('RMSNorm', 'LayerNorm')} --q-lora-rank 20 --qk-layernorm --num-experts 4 --moe-router-topk 2",
+    f"{MLA} --q-lora-rank 20 --qk-layernorm --mtp-num-layers 2",
 ]
 
 
@@ -55,6 +57,9 @@ ACTIVATION_CASES = [
     f"--bf16 {MLA} --q-lora-rank 20 --qk-layernorm --num-experts 4 --moe-router-topk 2",
     f"--bf16 {MLA} --num-layers 3 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
     f"--bf16 {MLA} --q-lora-rank 20 --v-head-dim 8 --attention-backend flash",  # padded heads
+    f"--bf16 {MLA} --q-lora-rank 20 --qk-layernorm --mtp-num-layers 2",
+    f"{MLA} --mtp-num-layers 1",
+    f"--bf16 {MLA} --mtp-num-layers 1 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
 ]
 RECOMPUTE = [["mla_up_proj"], ["mla_up_proj", "core_attn"], ["mla_up_proj", "layernorm"]]
 
@@ -71,6 +76,9 @@ def test_recomputed_up_projections(modules, latents):
     args = parse(f"--bf16 {MLA} {latents} --recompute-granularity selective", recompute_modules=modules)
     assert estimated_bytes(args) == measured_saved_bytes(args)
     assert estimated_bytes(args) < estimated_bytes(parse(f"--bf16 {MLA} {latents}"))
+    with_mtp = parse(f"--bf16 {MLA} {latents} --mtp-num-layers 1 --recompute-granularity selective",
+                     recompute_modules=modules)
+    assert estimated_bytes(with_mtp) == measured_saved_bytes(with_mtp)
 
 
 def test_saved_activations_per_tensor_parallel_rank():
@@ -87,6 +95,7 @@ def test_saved_activations_per_tensor_parallel_rank():
 def test_compiled_layers_keep_what_the_estimate_counts():
     """--torch-compile (the CUDA default): norms decomposed, RoPE's cos/sin recomputed from the
     shared angles, with the up projections recomputed."""
-    args = parse(f"--bf16 {MLA} --q-lora-rank 20 --qk-layernorm --recompute-granularity selective --torch-compile",
-                 recompute_modules=["mla_up_proj"])
-    assert estimated_bytes(args) == measured_saved_bytes(args)
+    for mtp in ("", "--mtp-num-layers 1"):
+        args = parse(f"--bf16 {MLA} --q-lora-rank 20 --qk-layernorm --recompute-granularity selective --torch-compile "
+                     f"{mtp}", recompute_modules=["mla_up_proj"])
+        assert estimated_bytes(args) == measured_saved_bytes(args), mtp

@@ -32,6 +32,9 @@ SHAPES = [
     "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --swiglu --moe-ffn-hidden-size 48 "
     "--moe-shared-expert-intermediate-size 32",
     "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --untie-embeddings-and-output-weights",
+    "--mtp-num-layers 2 --position-embedding-type rope",
+    "--mtp-num-layers 1 --position-embedding-type none --untie-embeddings-and-output-weights --num-experts 4 "
+    "--moe-layer-freq [0,0,0,1] --normalization RMSNorm",
 ]
 
 
@@ -71,6 +74,11 @@ DISTRIBUTED = [
     "--sequence-parallel --disable-bias-linear",
     "--expert-model-parallel-size 4 --num-experts 4 --moe-router-topk 2 "
     "--moe-grouped-gemm --swiglu --untie-embeddings-and-output-weights",
+    # MTP on the last stage: the stage's embedding copy (tied: the output layer's weight) and the depths.
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --position-embedding-type rope "
+    "--mtp-num-layers 2",
+    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --position-embedding-type rope "
+    "--mtp-num-layers 1 --untie-embeddings-and-output-weights",
 ]
 
 

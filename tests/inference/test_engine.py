@@ -1,6 +1,7 @@
 """DynamicInferenceEngine on tiny random Hugging Face models imported with `from_hf` (fp32, CPU).
 
-Greedy output equals transformers' greedy `generate` (dense and MoE); so does every request when
+Greedy output equals transformers' greedy `generate` (dense, MoE, gpt-oss's windows, sinks and
+YaRN, DeepSeek-V3's MLA and routing); so does every request when
 several run at once with chunked prefill, when a tight KV buffer makes them wait (and preempts),
 and with prefix caching, which computes fewer tokens (counted exactly). Every block is free at the
 end. Stop tokens, end of document, log-probabilities, seeds, abort and refusals."""
@@ -33,7 +34,20 @@ MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=40, head_dim=16)),  # qk-norm
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    # sinks, a window of 4 on layer 0, YaRN, biased clamped quick-GEGLU experts
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        intermediate_size=24, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=16, truncate=False, rope_theta=1000.0))),
+    # MLA with YaRN, a dense layer then group-limited sigmoid routing with a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, n_shared_experts=1, n_group=4,
+        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, num_nextn_predict_layers=0,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                             mscale_all_dim=0.8, rope_theta=1000.0))),
 }
+MOE_FAMILIES = ("mixtral", "gpt_oss", "deepseek_v3")
 PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 1, 64, 23, 11], [8, 2], [30, 31, 32, 33, 34, 35, 36], [60] * 5]
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)
@@ -45,7 +59,7 @@ def save_hf_model(family, path, seed=0):
     (all weights N(0, 0.3^2), as in the conversion tests, make some models repeat one token)."""
     config_cls, model_cls, extra = MODELS[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * (
@@ -311,15 +325,19 @@ def _generate_in_layouts(checkpoint, layouts):
     checkpoint loaded at each (tp, ep, dispatcher) layout."""
     checkpoint_dir = storage.resolve_checkpoint_dir(checkpoint)
     model_args = storage.read_metadata(checkpoint_dir)["model_args"]
+    # MLA caches every head's key; experts with biases (gpt-oss) run whole on each TP rank.
+    groups = model_args["num_attention_heads" if model_args.get("multi_latent_attention") else "num_query_groups"]
     outputs = []
     for tp, ep, dispatcher in layouts:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        etp = 1 if model_args["num_experts"] and model_args["add_bias_linear"] else tp
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
         model = build_gpt_model(gpt_config_from_model_args(
             model_args, padded_vocab_size=128 * tp, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-            **({"moe_token_dispatcher_type": dispatcher} if dispatcher else {})))
+            expert_tensor_parallel_size=etp, **({"moe_token_dispatcher_type": dispatcher} if dispatcher else {})))
         load_checkpoint(checkpoint_dir, [model], load_optimizer=False)
         engine = engine_for(model, max_tokens_per_step=4)
-        assert engine.context.memory_buffer.shape[-2] == 2 // tp  # this rank's query groups
+        assert engine.context.memory_buffer.shape[-2] == groups // tp  # this rank's query groups
         outputs.append([o.token_ids for o in engine.generate(PROMPTS, GREEDY)])
         ps.destroy_model_parallel()
     return outputs
@@ -327,10 +345,11 @@ def _generate_in_layouts(checkpoint, layouts):
 
 def test_tensor_and_expert_parallel_engines_give_the_same_output(hf_model, tmp_path):
     """Every rank of a TP = 2 engine (and, for MoE, of an EP = 2 one with the alltoall dispatcher
-    and a TP = expert-TP = 2 one) runs the same requests and gets transformers' tokens."""
+    and a TP = expert-TP = 2 one, expert-TP 1 for biased experts) runs the same requests and gets
+    transformers' tokens."""
     family, path, _ = hf_model
     convert("import-hf", "--hf-path", str(path), "--save", str(tmp_path / "ckpt"))
-    layouts = [(2, 1, None)] if family != "mixtral" else [(2, 1, "allgather"), (1, 2, "alltoall")]
+    layouts = [(2, 1, None)] if family not in MOE_FAMILIES else [(2, 1, "allgather"), (1, 2, "alltoall")]
     reference = hf_greedy(path, PROMPTS)
     for per_rank in run_distributed(_generate_in_layouts, 2, str(tmp_path / "ckpt"), layouts):
         assert per_rank == [reference] * len(layouts)
@@ -358,7 +377,7 @@ def test_decode_steps_in_padded_graph_rows_give_the_same_output(hf_model):
     """The engine's CUDA-graph path (decode steps padded to a graph's row count, the paged kernel
     over the fixed buffers), run eagerly: transformers' greedy output, prefill steps mixed in."""
     family, path, model = hf_model
-    if family == "mixtral":
+    if family in MOE_FAMILIES:
         return  # MoE models decode without graphs (see DynamicInferenceEngine._capture_cuda_graphs)
     reference = hf_greedy(path, PROMPTS)
     engine = engine_for(model, max_tokens_per_step=6)

@@ -143,9 +143,10 @@ def test_log_probs_of_accepted_tokens_equal_plain_decoding(models):
 
 def test_speculative_settings_are_refused_in_one_line(models):
     model, draft = models
-    with pytest.raises(ValueError, match="draft model and num_speculative_tokens"):
+    with pytest.raises(ValueError, match="num_speculative_tokens=2 needs a draft model or a model with "
+                                         "multi-token-prediction layers"):
         speculative_engine(model, None, 2)
-    with pytest.raises(ValueError, match="draft model and num_speculative_tokens"):
+    with pytest.raises(ValueError, match="a draft model needs num_speculative_tokens >= 1"):
         speculative_engine(model, draft, 0)
     with pytest.raises(ValueError, match="num_speculative_tokens=-1"):
         InferenceConfig(num_speculative_tokens=-1)

@@ -6,8 +6,9 @@ Megatron's documented split rules), not computed by the code under test.
 
 import pytest
 
-from teratron.pipeline_parallel.layout import (LayerType, PipelineParallelLayerLayout, get_num_layers_to_build,
-                                               get_transformer_layer_offset, stage_layer_counts)
+from teratron.pipeline_parallel.layout import (LayerType, PipelineParallelLayerLayout, get_mtp_num_layers_to_build,
+                                               get_num_layers_to_build, get_transformer_layer_offset,
+                                               stage_layer_counts)
 from teratron.transformer.transformer_config import TransformerConfig
 
 E, t, m, L = LayerType.embedding, LayerType.decoder, LayerType.mtp, LayerType.loss
@@ -112,6 +113,12 @@ def test_malformed_strings(text, message):
      r"loss 'L' exactly once, last in the last stage"),
     (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tmtL"),
      r"names 1 mtp layers 'm' but mtp_num_layers is None"),
+    (dict(num_layers=3, mtp_num_layers=1, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tmtL"),
+     r"places decoder layers after an mtp layer"),
+    (dict(num_layers=2, mtp_num_layers=1, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettm|L"),
+     r"places mtp layers 'm' outside the last stage"),
+    (dict(num_layers=2, mtp_num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettm|mL"),
+     r"places mtp layers 'm' outside the last stage"),
     (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
           pipeline_model_parallel_layout="Et|t|t|tL"),
      r"4 stages = 2 pipeline x 2 virtual stages, but virtual_pipeline_model_parallel_size is 3"),
@@ -196,3 +203,24 @@ def test_layout_sets_virtual_size_and_placement():
     assert get_num_layers_to_build(config, pp_rank=0, pp_size=1) == 3
     with pytest.raises(ValueError, match="layout is for 4 pipeline stages, not 2"):
         get_num_layers_to_build(config, pp_rank=0, pp_size=2)
+
+
+def test_mtp_layers_sit_on_the_last_stage():
+    def mtp_counts(config, pp, vpp=1):
+        return [get_mtp_num_layers_to_build(config, v if vpp > 1 else None, pp_rank=p, pp_size=pp)
+                for v in range(vpp) for p in range(pp)]
+
+    assert mtp_counts(make_config(num_layers=4, mtp_num_layers=2), 1) == [2]
+    assert mtp_counts(make_config(num_layers=4, mtp_num_layers=2, pipeline_model_parallel_size=2), 2) == [0, 2]
+    config = make_config(num_layers=4, mtp_num_layers=1, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2)
+    assert mtp_counts(config, 2, 2) == [0, 0, 0, 1]  # the last virtual stage of the last rank
+    # A layout: MTP with the loss in a standalone last stage, and alongside decoder layers.
+    config = make_config(num_layers=4, mtp_num_layers=2, pipeline_model_parallel_size=2,
+                         pipeline_model_parallel_layout="Ett|tt|  |mmL")
+    assert placement(config, 2, 2) == [(0, 2), (2, 2), (4, 0), (4, 0)]
+    assert mtp_counts(config, 2, 2) == [0, 0, 0, 2]
+    config = make_config(num_layers=3, mtp_num_layers=1, pipeline_model_parallel_size=2,
+                         pipeline_model_parallel_layout="Et|ttmL")
+    assert mtp_counts(config, 2) == [0, 1]
+    assert mtp_counts(make_config(num_layers=3), 1) == [0]

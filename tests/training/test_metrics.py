@@ -9,7 +9,7 @@ from teratron.transformer import TransformerConfig
 def _args(**kw):
     base = dict(num_layers=2, hidden_size=64, seq_length=32, num_attention_heads=4, kv_channels=16,
                 group_query_attention=True, num_query_groups=2, ffn_hidden_size=96, swiglu=True,
-                padded_vocab_size=256, num_experts=None)
+                padded_vocab_size=256, num_experts=None, mtp_num_layers=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -22,9 +22,9 @@ def _flops(a, batch):
     transformer = TransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         kv_channels=a.kv_channels, num_query_groups=a.num_query_groups if a.group_query_attention else None,
-        ffn_hidden_size=a.ffn_hidden_size, gated_linear_unit=a.swiglu, **moe)
+        ffn_hidden_size=a.ffn_hidden_size, gated_linear_unit=a.swiglu, mtp_num_layers=a.mtp_num_layers, **moe)
     model = GPTModelConfig(transformer, vocab_size=a.padded_vocab_size, max_position_embeddings=a.seq_length,
-                           padded_vocab_size=a.padded_vocab_size)
+                           padded_vocab_size=a.padded_vocab_size, position_embedding_type="rope")
     return num_floating_point_operations(model, a.seq_length, batch)
 
 
@@ -81,17 +81,34 @@ def test_moe_flops_count_the_routed_experts_of_moe_layers_only():
     assert _flops(every_other, 3) == _flops(moe, 3)
 
 
+def test_mtp_flops_add_a_layer_a_projection_and_an_output_pass_per_depth():
+    """Megatron's count: each MTP depth is a layer like the last one (here MoE), eh_proj
+    [s, 2h] x [2h, h] plus the three norms' 3h per token, and one more output layer pass."""
+    moe = dict(num_experts=8, moe_layer_freq=[0, 1], moe_router_topk=2, moe_ffn_hidden_size=40,
+               moe_shared_expert_intermediate_size=None)
+    with_mtp = _args(mtp_num_layers=2, **moe)
+    as_moe_layers = _args(num_layers=4, **dict(moe, moe_layer_freq=[0, 1, 1, 1]))
+    s, h, vocab = with_mtp.seq_length, with_mtp.hidden_size, with_mtp.padded_vocab_size
+    gemm = lambda m, n, k: 2 * m * n * k  # noqa: E731 - [m, n] @ [n, k]
+    per_depth = 3 * (gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab))  # forward + two backward
+    expected = _flops(as_moe_layers, 3) + 3 * 2 * per_depth  # 3 sequences, 2 depths
+    assert math.isclose(_flops(with_mtp, 3), expected, rel_tol=1e-12)
+
+
 def test_mla_flops_match_hand_count():
     """Every GEMM of multi-latent attention listed (Megatron counts each latent norm as one
-    multiply-accumulate per channel), with and without query compression."""
+    multiply-accumulate per channel), with and without query compression; an MTP depth adds an
+    MLA layer, eh_proj with the three norms and an output layer pass."""
     from teratron.transformer import MLATransformerConfig
 
     s, h, n, layers, vocab = 32, 64, 4, 2, 256
     for q_lora in (24, None):
-        config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
-                                      kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
-                                      ffn_hidden_size=96, gated_linear_unit=True)
-        model = GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab)
+        def mla_model(**mtp):
+            config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
+                                          kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
+                                          ffn_hidden_size=96, gated_linear_unit=True, **mtp)
+            return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
+                                  position_embedding_type="rope")
         gemm = lambda m, k, o: 2 * m * k * o  # noqa: E731 - [m, k] @ [k, o]
         query = gemm(s, h, q_lora) + gemm(s, q_lora, n * 18) + 2 * s * q_lora if q_lora else gemm(s, h, n * 18)
         layer = (query
@@ -102,4 +119,7 @@ def test_mla_flops_match_hand_count():
                  + gemm(s, n * 10, h)                 # linear_proj
                  + gemm(s, h, 2 * 96) + gemm(s, 96, h))
         expected = 3 * (layers * layer + gemm(s, h, vocab)) * 3
-        assert math.isclose(num_floating_point_operations(model, s, 3), expected, rel_tol=1e-12), q_lora
+        assert math.isclose(num_floating_point_operations(mla_model(), s, 3), expected, rel_tol=1e-12), q_lora
+        depth = layer + gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab)
+        assert math.isclose(num_floating_point_operations(mla_model(mtp_num_layers=1), s, 3), expected + 3 * depth * 3,
+                            rel_tol=1e-12), q_lora

@@ -14,9 +14,9 @@ from teratron.models.gpt import get_gpt_layer_local_spec
 from teratron.transformer.dot_product_attention import (DotProductAttention, block_mask_for,
                                                         flex_attention_with_sink, is_layer_window_attention)
 from teratron.transformer.enums import AttnMaskType
-from teratron.transformer.mlp import MLP, MLPSubmodules
+from teratron.transformer.mlp import MLP, MLPSubmodules, quick_gelu
 from teratron.transformer.moe.experts import GroupedMLP
-from teratron.transformer.rope import RotaryEmbedding
+from teratron.transformer.rope import RotaryEmbedding, yarn_inv_freq
 from teratron.transformer.spec_utils import build_module
 from teratron.transformer.transformer_config import TransformerConfig
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -195,6 +195,13 @@ def test_clamped_swiglu_in_the_mlp_and_the_experts():
     torch.testing.assert_close(mlp(x)[0], _clamped_glu(x, mlp.linear_fc1.weight, mlp.linear_fc2.weight, 0.5,
                                                        offset=1.0, act=F.gelu))
 
+    # gpt-oss's experts: quick GELU of min(gate, L), times clamp(up, -L, L) + 1.
+    quick = make_config(gated_linear_unit=True, activation_func=quick_gelu, add_bias_linear=False,
+                        glu_linear_offset=1.0, activation_func_clamp_value=0.5, init_method_std=0.5, ffn_hidden_size=16)
+    mlp = MLP(quick, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    torch.testing.assert_close(mlp(x)[0], _clamped_glu(x, mlp.linear_fc1.weight, mlp.linear_fc2.weight, 0.5,
+                                                       offset=1.0, act=lambda g: g * torch.sigmoid(1.702 * g)))
+
     moe = make_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, num_moe_experts=2,
                       moe_ffn_hidden_size=16, activation_func_clamp_value=0.5, init_method_std=0.5)
     experts = GroupedMLP(2, moe)
@@ -254,17 +261,109 @@ def test_flags_parse_and_errors_name_the_flags():
             run(*argv)
 
 
-def test_inference_context_refuses_window_and_sink_layers():
-    """Until the engine serves them, a context must not attend without the window or the sink."""
-    class Context:
-        def attend(self, *args):
-            raise AssertionError("attended without the window")
+def test_quick_geglu_flags_and_the_checkpoint_record():
+    """--quick-geglu --glu-linear-offset 1 (gpt-oss's experts): gated quick GELU in the config, and
+    the model args a checkpoint records rebuild it; --swiglu with it is refused."""
+    from teratron.dist_checkpointing.model_args import gpt_config_from_model_args, model_args_from_config
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
 
-    x = torch.randn(3, 1, 32)
-    for fields in (dict(window_size=(2, 0)), dict(softmax_type="off-by-one")):
-        layer = build_module(get_gpt_layer_local_spec(), config=make_config(**fields), layer_number=1)
-        with pytest.raises(NotImplementedError, match="^layer 1 uses a sliding window"):
-            layer.self_attention(x, inference_context=Context())
+    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+            "--position-embedding-type", "rope", "--quick-geglu", "--glu-linear-offset", "1"]
+    run = run_config_from_args(parse_train_args(base), 1, vocab_size=64, cuda=False)
+    t = run.transformer
+    assert (t.gated_linear_unit, t.activation_func, t.glu_linear_offset, t.ffn_hidden_size) == (
+        True, quick_gelu, 1.0, 128)
+    record = model_args_from_config(run.model)
+    assert (record["quick_geglu"], record["swiglu"], record["glu_linear_offset"]) == (True, False, 1.0)
+    rebuilt = gpt_config_from_model_args(record).transformer
+    assert (rebuilt.gated_linear_unit, rebuilt.activation_func, rebuilt.glu_linear_offset) == (True, quick_gelu, 1.0)
+    with pytest.raises(ValueError, match=r"^--quick-geglu and --swiglu each choose"):
+        run_config_from_args(parse_train_args(base + ["--swiglu"]), 1, vocab_size=64, cuda=False)
+
+
+def test_yarn_frequencies_with_fractional_bounds():
+    """gpt-oss's YaRN (head 64, base 150000, factor 32 over 4096 positions, beta 32/1, truncate
+    False): the ramp runs between the unrounded correction dims 8.09 and 17.40."""
+    d, base = 64, 150000.0
+    low = d * math.log(4096 / (2 * math.pi * 32)) / (2 * math.log(base))
+    high = d * math.log(4096 / (2 * math.pi)) / (2 * math.log(base))
+    assert (round(low, 2), round(high, 2)) == (8.09, 17.4)
+    freqs = yarn_inv_freq(d, base, 32.0, 4096, 32.0, 1.0, round_to_int=False).double()
+    for i in range(d // 2):
+        theta = base ** (-2 * i / d)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        assert freqs[i].item() == pytest.approx(theta * (1 - ramp) + theta / 32 * ramp, rel=1e-6), i
+    assert not torch.equal(freqs, yarn_inv_freq(d, base, 32.0, 4096, 32.0, 1.0).double())  # rounded: 8..18
+
+
+def _yarn_model(position_embedding_type, **transformer):
+    from teratron.models.gpt.builder import build_gpt_model
+    from teratron.models.gpt.gpt_config import GPTModelConfig
+
+    config = make_config(num_layers=2, add_bias_linear=False, **transformer)
+    torch.manual_seed(3)
+    return build_gpt_model(GPTModelConfig(config, vocab_size=64, max_position_embeddings=32,
+                                          position_embedding_type=position_embedding_type, rotary_base=500,
+                                          make_vocab_size_divisible_by=1))
+
+
+def test_yarn_of_plain_attention_scales_queries_and_keys_by_the_concentration_factor():
+    """position_embedding_type 'yarn': YaRN's frequencies, and the rotated q and k each times
+    m = mscale(4, 1) / mscale(4, 0.5), i.e. the logits times m^2: equal to RoPE with those
+    frequencies and softmax_scale m^2 / sqrt(hn)."""
+    yarn = dict(yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=8, yarn_mscale=1.0,
+                yarn_mscale_all_dim=0.5, yarn_correction_range_round_to_int=False)
+    model = _yarn_model("yarn", **yarn)
+    m = (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)
+    rope = _yarn_model("rope", softmax_scale=m * m / math.sqrt(8))
+    rope.load_state_dict(model.state_dict())
+    rope.rotary_pos_emb.inv_freq.copy_(yarn_inv_freq(8, 500.0, 4.0, 8, 32.0, 1.0, round_to_int=False))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, None), rope(ids, None))
+        assert not torch.allclose(model(ids, None), _yarn_model("rope")(ids, None))
+    from teratron.dist_checkpointing.model_args import gpt_config_from_model_args, model_args_from_config
+    from teratron.models.gpt.gpt_config import GPTModelConfig
+
+    record = model_args_from_config(GPTModelConfig(make_config(**yarn), vocab_size=64, max_position_embeddings=32,
+                                                   position_embedding_type="yarn"))
+    assert (record["rotary_scaling_factor"], record["yarn_correction_range_round_to_int"]) == (4.0, False)
+    rebuilt = gpt_config_from_model_args(record).transformer
+    assert {k: getattr(rebuilt, k) for k in yarn} == yarn
+    with pytest.raises(ValueError, match=r"^yarn_rotary_scaling_factor=4.0 is set but position_embedding_type='rope'"):
+        _yarn_model("rope", yarn_rotary_scaling_factor=4.0)
+
+
+def test_yarn_flags_of_plain_attention():
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
+
+    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+
+    def run(*argv):
+        return run_config_from_args(parse_train_args(base + list(argv)), 1, vocab_size=64, cuda=False)
+
+    t = run("--position-embedding-type", "yarn", "--rotary-scaling-factor", "32", "--mscale-all-dim", "0.5",
+            "--yarn-original-max-position-embeddings", "4096", "--yarn-beta-fast", "16",
+            "--no-yarn-correction-range-round-to-int").transformer
+    assert (t.yarn_rotary_scaling_factor, t.yarn_mscale, t.yarn_mscale_all_dim, t.yarn_beta_fast, t.yarn_beta_slow,
+            t.yarn_original_max_position_embeddings, t.yarn_correction_range_round_to_int) == (
+        32.0, 1.0, 0.5, 16.0, 1.0, 4096, False)
+    assert run("--position-embedding-type", "yarn").transformer.yarn_correction_range_round_to_int
+    for argv, message in [
+        (["--position-embedding-type", "rope", "--rotary-scaling-factor", "4"],
+         r"^--rotary-scaling-factor set without --multi-latent-attention \(or --position-embedding-type yarn\)"),
+        (["--position-embedding-type", "yarn", "--q-lora-rank", "4"], r"^--q-lora-rank set without --multi-latent"),
+        (["--position-embedding-type", "rope", "--no-yarn-correction-range-round-to-int"],
+         r"^--yarn-correction-range-round-to-int applies to --position-embedding-type yarn"),
+        (["--position-embedding-type", "yarn", "--rotary-percent", "0.5"],
+         r"^--position-embedding-type=.yarn. rotates every channel; --rotary-percent 0.5 must be 1.0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run(*argv)
 
 
 def needs_cuda(test):

@@ -307,8 +307,7 @@ def test_unsupported_fields_raise(name):
 
 
 def test_unsupported_table_covers_the_blocked_features():
-    blocked = ["mtp_num_layers",
-               "qk_clip", "fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen",
+    blocked = ["fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen",
                "masked_softmax_fusion", "flash_decode", "batch_invariant_mode",
                "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",
                "mrope_section", "symmetric_ar_type", "init_model_with_meta_device"]
@@ -352,3 +351,8 @@ def test_supported_fields_build():
     assert moe.moe_ffn_hidden_size == 256
     # dataclasses.replace re-runs __post_init__ on already-resolved values: it must be idempotent.
     assert dataclasses.replace(c) == c and dataclasses.replace(moe) == moe
+
+
+def test_context_parallelism_refuses_multi_token_prediction():
+    with pytest.raises(NotImplementedError, match=r"^mtp_num_layers=1 with context_parallel_size=2"):
+        _build(mtp_num_layers=1, context_parallel_size=2)

@@ -134,16 +134,24 @@ class DynamicInferenceContext:
         """Sliding windows (left, right) of the layers that have one (from_model)."""
         self.layer_sinks: dict[int, torch.Tensor] = {}
         """Attention-sink logits [np] of the layers that have them (from_model)."""
+        self.keep_hidden_states = False
+        """Keep each step's final hidden states (`hidden_states`; the MTP proposer reads them)."""
+        self.hidden_states: torch.Tensor | None = None
+        """With keep_hidden_states: the last step's final hidden states [t, 1, h], every step token
+        (a CUDA-graph replay's: its graph's output, see DecodeCudaGraphs)."""
         self.kv_window: int | None = None
         """When every layer has a sliding window: the largest left window W. A query at position p
         reads keys from p - W on, so the engine frees the blocks before (`release_out_of_window`)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
-        """A context for the attention layers of `model` (this stage's), in its dtype and device.
-        Multi-latent attention caches what its layer's `ng` and `hn` say (per-head keys and values
-        padded to one size, or one latent) under its own softmax scale."""
-        attentions = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
+        """A context for the attention layers of `model` (this stage's; a GPTModel's decoder's
+        only: its multi-token-prediction layers cache in a context of their own, the MTP
+        proposer's), in its dtype and device. Multi-latent attention caches what its layer's `ng`
+        and `hn` say (per-head keys and values padded to one size, or one latent) under its own
+        softmax scale."""
+        layers = getattr(model, "decoder", model)
+        attentions = [m for m in layers.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
@@ -370,7 +378,10 @@ class DynamicInferenceContext:
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[t, 1, h] -> the tokens whose next token the step samples [r, 1, h]."""
+        """The step's final hidden states [t, 1, h] -> those of the tokens whose next token the
+        step samples [r, 1, h] (all of them kept as `self.hidden_states` with keep_hidden_states)."""
+        if self.keep_hidden_states:
+            self.hidden_states = hidden_states
         if self.output_token_index is None:
             return hidden_states
         return hidden_states.index_select(0, self.output_token_index)

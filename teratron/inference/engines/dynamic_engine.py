@@ -21,9 +21,11 @@ request is preempted: it gives its blocks back and waits at the head of the queu
 tokens, which it recomputes when readmitted. The oldest request alone always fits (add_request
 refuses any request that could not), so every step makes progress.
 
-Speculative decoding (a draft model and `num_speculative_tokens` n): a request in decode gets n
-draft tokens from the draft model (`DraftProposer`), and its chunk in the target's step is its
-last token plus the drafts. At each of those positions the target chooses a token: a greedy
+Speculative decoding (`num_speculative_tokens` n): a request in decode gets n draft tokens from
+the draft model (`DraftProposer`), or without one from the model's own multi-token-prediction
+layers (`MTPProposer`, at most mtp_num_layers drafts: one per depth; the context then keeps each
+step's final hidden states for it, CUDA-graph replays included), and its chunk in the target's
+step is its last token plus the drafts. At each of those positions the target chooses a token: a greedy
 request's argmax; a sampled request's is the draft token with probability min(1, p/q) (p the
 target's and q the draft's distribution, both after the request's temperature, top-k and top-p),
 else a token from norm(max(0, p - q)), never the draft token (speculative sampling, which makes
@@ -42,6 +44,7 @@ from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.cuda_graphs import DecodeCudaGraphs, cuda_graph_batch_sizes
 from teratron.inference.detokenizer import IncrementalDetokenizer
+from teratron.inference.engines.mtp_proposer import MTPProposer
 from teratron.inference.engines.speculative import DraftProposer, DraftRequest, Proposal
 from teratron.inference.refit import refit_weights
 from teratron.inference.sampling import Sampler
@@ -107,10 +110,14 @@ class DynamicInferenceEngine:
         """model: a GPTModel holding every layer (one pipeline stage), in eval mode from here on;
         tokenizer: a teratron tokenizer (text in and out, the end-of-document id); draft_model: a
         smaller GPTModel with the same vocabulary proposing config.num_speculative_tokens tokens a
-        step (speculative decoding), or None."""
-        if (draft_model is None) != (config.num_speculative_tokens == 0):
-            raise ValueError("speculative decoding needs both a draft model and num_speculative_tokens >= 1; "
-                             "give both or neither")
+        step (speculative decoding), or None: then a model with MTP layers drafts for itself when
+        num_speculative_tokens >= 1."""
+        if draft_model is not None and config.num_speculative_tokens == 0:
+            raise ValueError("a draft model needs num_speculative_tokens >= 1 (draft tokens per step); set it or "
+                             "drop the draft model")
+        if config.num_speculative_tokens and draft_model is None and getattr(model, "mtp", None) is None:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} needs a draft model or a model "
+                             "with multi-token-prediction layers (trained with --mtp-num-layers); give one, or set 0")
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
             raise ValueError("DynamicInferenceEngine runs a model of one pipeline stage; load it with "
                              "--pipeline-model-parallel-size 1")
@@ -122,8 +129,14 @@ class DynamicInferenceEngine:
         self.vocab_size = model.unpadded_vocab_size or model.vocab_size
         self.eod = _eod(tokenizer)
         self.sampler = Sampler(self.vocab_size)
+        self.draft, self.num_speculative_tokens = None, config.num_speculative_tokens
+        if draft_model is not None:
+            self.draft = DraftProposer(draft_model, config, self.vocab_size)
+        elif config.num_speculative_tokens:
+            self.draft = MTPProposer(model, config, self.vocab_size)
+            self.num_speculative_tokens = min(config.num_speculative_tokens, self.draft.depths)
+            self.context.keep_hidden_states = True  # the proposer reads the target's (graphs capture them)
         self.cuda_graphs = self._capture_cuda_graphs()
-        self.draft = None if draft_model is None else DraftProposer(draft_model, config, self.vocab_size)
         self.generator = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # holding KV blocks, oldest first
@@ -231,7 +244,10 @@ class DynamicInferenceEngine:
                 rows += range(end - 1 - (chunk.end - len(request.token_ids)), end)
             else:
                 request.num_computed = chunk.end
-        logits = self._forward([chunk for _, chunk in scheduled], rows)  # [len(rows), V']
+        chunks = [chunk for _, chunk in scheduled]
+        logits = self._forward(chunks, rows)  # [len(rows), V']
+        if self.context.keep_hidden_states:
+            self.draft.observe(chunks, self.context.hidden_states)
         self.num_forwards += 1
         self.num_tokens_computed += end
         samples = self._sample(sampling, logits.float()) if sampling else None
@@ -421,7 +437,7 @@ class DynamicInferenceEngine:
         if self.draft is None or request.num_computed < len(request.token_ids) - 1:
             return 0
         left = request.params.num_tokens_to_generate - len(request.generated)
-        return min(self.config.num_speculative_tokens, left - 1)
+        return min(self.num_speculative_tokens, left - 1)
 
     def _add_draft_tokens(self, scheduled: list[tuple[_Request, StepChunk]]) -> list[tuple[_Request, StepChunk]]:
         """Extend the decode chunks that have room for drafts with the draft model's proposals (the

@@ -4,11 +4,12 @@
     model = build_gpt_model(model_config, pg_collection=pg)     # one stage (the whole model at PP 1)
 
 Layers are placed by `transformer.get_num_layers_to_build` / `get_transformer_layer_offset`
-from the config's pipeline settings; MoE layers go where `moe_layer_freq` puts them.
+from the config's pipeline settings; MoE layers go where `moe_layer_freq` puts them; the
+multi-token-prediction layers (config.mtp_num_layers) on the last stage.
 """
 
 from teratron.models.gpt.gpt_config import GPTModelConfig
-from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from teratron.models.gpt.gpt_model import GPTModel
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
@@ -19,15 +20,16 @@ def build_gpt_model(model: GPTModelConfig, pre_process: bool = True, post_proces
     """One (virtual) pipeline stage of the model, on the CPU unless the config says otherwise."""
     pg = resolve_pg_collection(pg_collection)
     config = model.transformer
-    spec = get_gpt_decoder_block_spec(config, normalization=config.normalization, vp_stage=vp_stage,
-                                      pp_rank=get_pg_rank(pg.pp), pp_size=get_pg_size(pg.pp))
+    placement = dict(normalization=config.normalization, vp_stage=vp_stage, pp_rank=get_pg_rank(pg.pp),
+                     pp_size=get_pg_size(pg.pp))
+    spec = get_gpt_decoder_block_spec(config, **placement)
     return GPTModel(
         config, spec, vocab_size=model.padded_vocab_size, max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type, rotary_percent=model.rotary_percent,
         rotary_base=model.rotary_base, pg_collection=pg, vp_stage=vp_stage,
-        unpadded_vocab_size=model.vocab_size,
+        unpadded_vocab_size=model.vocab_size, mtp_block_spec=get_gpt_mtp_block_spec(config, **placement),
     )
 
 

@@ -6,11 +6,11 @@ the position encoding and whether the output layer shares the input embedding. `
 `convert`, `merge`, `estimate` and the inference engine all build their models from it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from teratron.models.gpt.gpt_model import POSITION_EMBEDDING_TYPES
 from teratron.tensor_parallel.utils import pad_vocab_size
-from teratron.transformer.transformer_config import TransformerConfig
+from teratron.transformer.transformer_config import YARN_FIELDS, TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,15 @@ class GPTModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.transformer.mtp_num_layers and self.position_embedding_type == "learned_absolute":
+            raise ValueError("mtp_num_layers needs position_embedding_type 'rope' or 'none' (as in Megatron), "
+                             "not 'learned_absolute'")
         if self.transformer.no_rope_freq is not None and self.position_embedding_type in ("learned_absolute", "none"):
             raise ValueError(f"no_rope_freq picks layers that skip RoPE, but position_embedding_type="
                              f"{self.position_embedding_type!r}; use position_embedding_type='rope'")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        self._check_yarn()
         if self.padded_vocab_size is None:
             padded = pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by,
                                     self.transformer.tensor_model_parallel_size)
@@ -49,3 +53,21 @@ class GPTModelConfig:
         elif self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) is smaller than vocab_size "
                              f"({self.vocab_size})")
+
+    def _check_yarn(self):
+        """The transformer's yarn_* fields are plain attention's YaRN: they need
+        position_embedding_type 'yarn', which rotates every channel; MLA has its own (rope_type)."""
+        t = self.transformer
+        if self.position_embedding_type == "yarn":
+            if t.multi_latent_attention:
+                raise ValueError("position_embedding_type='yarn' is the YaRN of plain attention; multi-latent "
+                                 "attention has its own (rope_type='yarn'): use position_embedding_type='rope'")
+            if self.rotary_percent != 1.0:
+                raise ValueError(f"position_embedding_type='yarn' rotates every channel; rotary_percent "
+                                 f"{self.rotary_percent} must be 1.0")
+            return
+        defaults = {f.name: f.default for f in fields(TransformerConfig)}
+        changed = [name for name in YARN_FIELDS if getattr(t, name) != defaults[name]]
+        if changed:
+            raise ValueError(f"{changed[0]}={getattr(t, changed[0])!r} is set but position_embedding_type="
+                             f"{self.position_embedding_type!r}; use position_embedding_type='yarn'")

@@ -1,6 +1,7 @@
 """Layer specs for GPT: which modules a transformer layer is built from (Megatron's local spec)."""
 
-from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
+from teratron.pipeline_parallel.layout import (get_mtp_num_layers_to_build, get_num_layers_to_build,
+                                               get_transformer_layer_offset)
 from teratron.tensor_parallel import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear
 from teratron.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from teratron.transformer.dot_product_attention import DotProductAttention
@@ -9,6 +10,7 @@ from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.mlp import MLP, MLPSubmodules
 from teratron.transformer.moe import get_moe_module_spec, moe_layer_pattern
 from teratron.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from teratron.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec
 from teratron.transformer.norms import NORMALIZATIONS, LayerNorm, Norm, RMSNorm
 from teratron.transformer.spec_utils import ModuleSpec
 from teratron.transformer.transformer_block import TransformerBlockSubmodules
@@ -82,26 +84,41 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
     )
 
 
-def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
-                               vp_stage=None, pp_rank=None, pp_size=None) -> TransformerBlockSubmodules:
-    """This stage's layer specs: MoE layers where `config.moe_layer_freq` puts them (with
-    `num_moe_experts`), dense ones elsewhere. `use_transformer_engine` is accepted for Megatron's
-    signature; both kinds are our own layers."""
+def _layer_specs(config, normalization) -> list:
+    """The spec of every decoder layer of the model: MoE layers where `config.moe_layer_freq` puts
+    them (with `num_moe_experts`), dense ones elsewhere; multi-latent attention with
+    `multi_latent_attention`."""
     attention = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
     dense = get_gpt_layer_local_spec(**attention, normalization=normalization)
-    pattern = [0] * config.num_layers
-    if config.num_moe_experts is not None:
-        moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
-                                       moe_grouped_gemm=config.moe_grouped_gemm, **attention,
-                                       normalization=normalization)
-        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    if config.num_moe_experts is None:
+        return [dense] * config.num_layers
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                   **attention, normalization=normalization)
+    return [moe if is_moe else dense for is_moe in moe_layer_pattern(config.num_layers, config.moe_layer_freq)]
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
+                               vp_stage=None, pp_rank=None, pp_size=None) -> TransformerBlockSubmodules:
+    """This stage's layer specs (`_layer_specs`). `use_transformer_engine` is accepted for
+    Megatron's signature; both kinds are our own layers."""
     placement = dict(vp_stage=vp_stage, pp_rank=pp_rank, pp_size=pp_size)
     offset = get_transformer_layer_offset(config, **placement)
     local = range(offset, offset + get_num_layers_to_build(config, **placement))
-    return TransformerBlockSubmodules(
-        layer_specs=[moe if pattern[i] else dense for i in local],
-        layer_norm=_norm_class(normalization),
-    )
+    specs = _layer_specs(config, normalization)
+    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in local], layer_norm=_norm_class(normalization))
+
+
+def get_gpt_mtp_block_spec(config, spec=None, use_transformer_engine: bool = False, normalization=None,
+                           vp_stage=None, pp_rank=None, pp_size=None):
+    """The multi-token-prediction block of this stage, or None where it holds no MTP layer (all
+    of them sit on the last stage). Each depth wraps `spec` (default: the model's last decoder
+    layer's, as Megatron's GPT builder passes)."""
+    depths = get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank, pp_size=pp_size)
+    if depths == 0:
+        return None
+    layer = spec if spec is not None else _layer_specs(config, normalization)[-1]
+    return MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec(layer, _norm_class(normalization))] * depths)
 
 
 # No Transformer Engine: the "TE" spec is the local one, so Megatron scripts that ask for it run.

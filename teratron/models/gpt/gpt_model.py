@@ -12,7 +12,17 @@ starts equal to the embedding (both are built under the "embedding" init stream)
 gradient `finalize_model_grads` sums with the first stage's over the embedding group.
 Without `pg_collection` the model takes the current topology's groups; the config's parallel
 sizes must equal the groups' (`topology.check_parallel_sizes`).
+
+With `mtp_block_spec` (the stage holding the loss, when config.mtp_num_layers is set) the stage
+also holds the multi-token-prediction block (`transformer.multi_token_prediction`): its loss
+joins the LM loss's backward and its depths' losses go to the log. MTP needs the embedding on
+that stage: the first stage's, or on a later stage a copy (`shared_embedding=True`, built
+under the "embedding" stream, its gradient summed with the first stage's like the tied output
+copy, which it then replaces). With config.freeze_base_model_for_mtp only the MTP block trains:
+every other parameter is frozen and the main model runs without autograd.
 """
+
+import contextlib
 
 from typing import Literal
 
@@ -29,10 +39,11 @@ from teratron.topology import check_parallel_sizes, resolve_pg_collection
 from teratron.transformer.context_parallel import cp_token_index
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.multi_latent_attention import mla_rotary_embedding
-from teratron.transformer.rope import RotaryEmbedding
+from teratron.transformer.multi_token_prediction import MultiTokenPredictionBlock, attach_mtp_loss, roll_left
+from teratron.transformer.rope import RotaryEmbedding, YarnRotaryEmbedding
 from teratron.transformer.transformer_block import TransformerBlock
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class GPTModel(torch.nn.Module):
@@ -40,9 +51,9 @@ class GPTModel(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+                 position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute",
                  rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None,
-                 unpadded_vocab_size: int | None = None):
+                 unpadded_vocab_size: int | None = None, mtp_block_spec=None):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
@@ -73,7 +84,10 @@ class GPTModel(torch.nn.Module):
                 f"tokenizer's vocab size (vocab_size is the padded one), or None when there is no padding"
             )
 
-        if pre_process:
+        self.mtp_process = mtp_block_spec is not None
+        if self.mtp_process:
+            _check_mtp_stage(config, post_process, position_embedding_type)
+        if pre_process or self.mtp_process:
             with component_rng("embedding"):
                 self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                         position_embedding_type=position_embedding_type,
@@ -84,22 +98,37 @@ class GPTModel(torch.nn.Module):
         elif position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   config.rotary_interleaved, rotary_base)
+        elif position_embedding_type == "yarn":  # attention scales the rotated channels (rope_mscale)
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels, config.rotary_interleaved, rotary_base, config.yarn_rotary_scaling_factor,
+                config.yarn_original_max_position_embeddings, config.yarn_beta_fast, config.yarn_beta_slow,
+                config.yarn_correction_range_round_to_int)
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection,
                                         vp_stage=vp_stage)
+        self.mtp = None
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, self.pg_collection, vp_stage)
+            if not pre_process:  # the stage's copy of the first stage's embedding
+                self.embedding.word_embeddings.weight.shared_embedding = True
         if post_process:
-            tied_copy = share_embeddings_and_output_weights and not pre_process
+            has_embedding = pre_process or self.mtp_process
+            tied_copy = share_embeddings_and_output_weights and not has_embedding
             init_method = config.embedding_init_method if tied_copy else config.init_method
             with component_rng("embedding" if tied_copy else "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size, vocab_size, config=config,
                     init_method=padded_vocab_init_method(init_method, unpadded_vocab_size),
                     bias=False, skip_bias_add=False, gather_output=False,
-                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    skip_weight_param_allocation=has_embedding and share_embeddings_and_output_weights,
                     tp_group=tp,
                 )
             if tied_copy:
                 self.output_layer.weight.shared_embedding = True
+        if config.freeze_base_model_for_mtp:
+            for name, param in self.named_parameters():
+                if not name.startswith("mtp."):
+                    param.requires_grad_(False)
 
     def set_input_tensor(self, input_tensor):
         """The previous pipeline stage's output (Megatron passes a one-element list)."""
@@ -110,17 +139,18 @@ class GPTModel(torch.nn.Module):
         self.decoder.set_input_tensor(input_tensor)
 
     def shared_embedding_or_output_weight(self):
-        """The tied weight this stage holds: the word embedding on the first stage, else the
-        output layer's copy."""
-        if self.pre_process:
+        """The tied weight this stage holds: the word embedding on the first stage (or its copy on
+        the MTP stage), else the output layer's copy."""
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, decoder_input=None,
-                runtime_gather_output: bool | None = None, inference_context=None, packed_seq_params=None):
-        """input_ids, position_ids, labels: [b, s] (position_ids None = 0..s-1); attention_mask:
+                runtime_gather_output: bool | None = None, inference_context=None, packed_seq_params=None,
+                loss_mask=None):
+        """input_ids, position_ids, labels, loss_mask: [b, s] (position_ids None = 0..s-1); attention_mask:
         bool [b, 1, s, s] (True = masked out) or None for causal; `packed_seq_params` (a
         PackedSeqParams, instead of a mask): the documents of a packed batch, each attending
         causally to itself (the layers get it as their attention mask). Under context parallelism
@@ -128,8 +158,9 @@ class GPTModel(torch.nn.Module):
         default position_ids are theirs in the full sequence. Returns logits [b, s, V/tp]
         ([b, s, V] when not parallel_output, or as runtime_gather_output says; V is the padded
         vocab, the padding columns -inf), the per-token loss [b, s] with labels (then computed
-        in token chunks without the full logits when config.cross_entropy_loss_fusion), or on a
-        non-last stage the hidden states [s, b, h].
+        in token chunks without the full logits when config.cross_entropy_loss_fusion; on the MTP
+        stage with the MTP loss joined to its backward, masked by loss_mask, None = every token),
+        or on a non-last stage the hidden states [s, b, h].
 
         With `inference_context` (teratron.inference: the KV cache and this step's requests) the
         batch is the step's new tokens of every request back to back, input_ids and position_ids
@@ -142,26 +173,53 @@ class GPTModel(torch.nn.Module):
             attention_mask = packed_seq_params
         if position_ids is None and input_ids is not None:
             position_ids = self._positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids, position_ids)
-        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self._rotary_pos_emb(decoder_input, position_ids),
-                                     inference_context=inference_context)
+        frozen = self.config.freeze_base_model_for_mtp and self.training
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            if decoder_input is None and self.pre_process:
+                decoder_input = self.embedding(input_ids, position_ids)
+            rotary_pos_emb = self._rotary_pos_emb(decoder_input, position_ids)
+            hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                         inference_context=inference_context)
         if not self.post_process:
             return hidden_states
         if inference_context is not None:
             hidden_states = inference_context.output_hidden_states(hidden_states)  # the tokens it samples after
+        if labels is None:
+            return self.output_logits(hidden_states, runtime_gather_output).transpose(0, 1).contiguous()
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if labels is not None and self.config.cross_entropy_loss_fusion:
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            loss = self._language_model_loss(labels, hidden_states, weight)
+        if self.mtp_process:
+            loss = self._add_mtp_loss(loss, input_ids, position_ids, hidden_states, labels, loss_mask, weight,
+                                      attention_mask, rotary_pos_emb)
+        return loss
+
+    def output_logits(self, hidden_states, runtime_gather_output: bool | None = None):
+        """Final hidden states [s, b, h] -> logits [s, b, V/tp] (all V columns when not
+        parallel_output, or as runtime_gather_output says), the padding columns -inf."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)
+        logits = self._mask_vocab_padding(logits)
+        gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        return logits
+
+    def _language_model_loss(self, labels, hidden_states, weight):
+        """labels [b, s], final hidden states [s, b, h] -> per-token loss [b, s]."""
+        if self.config.cross_entropy_loss_fusion:
             return self._fused_language_model_loss(labels, hidden_states, weight)
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
-        if labels is None:
-            logits = self._mask_vocab_padding(logits)
-            gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
-            if gather:
-                logits = mappings.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
-            return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _add_mtp_loss(self, lm_loss, input_ids, position_ids, hidden_states, labels, loss_mask, weight,
+                      attention_mask, rotary_pos_emb):
+        """lm_loss [b, s] with the MTP depths' losses joined to its backward."""
+        mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
+        depths = self.mtp(input_ids, position_ids, hidden_states, self.embedding, attention_mask, rotary_pos_emb)
+        depth_losses = [(self._language_model_loss(roll_left(labels, k), h, weight), roll_left(mask, k))
+                        for k, h in enumerate(depths, 1)]
+        return attach_mtp_loss(lm_loss, depth_losses, self.config, mask.sum())
 
     def _mask_vocab_padding(self, logits):
         """Vocab-parallel logits [s, b, V/tp] with the padding columns set to -inf, so a softmax
@@ -209,3 +267,14 @@ class GPTModel(torch.nn.Module):
                                                             group=self.pg_collection.tp,
                                                             unpadded_vocab_size=self.unpadded_vocab_size)
         return loss.transpose(0, 1).contiguous()
+
+
+def _check_mtp_stage(config, post_process: bool, position_embedding_type: str) -> None:
+    if not config.mtp_num_layers:
+        raise ValueError("an MTP block spec was given but config.mtp_num_layers is not set; set it or pass "
+                         "mtp_block_spec=None")
+    if not post_process:
+        raise ValueError("the MTP layers sit on the stage holding the loss; build them with post_process=True")
+    if position_embedding_type == "learned_absolute":
+        raise ValueError("multi-token prediction needs position_embedding_type 'rope', 'yarn' or 'none' (as in "
+                         "Megatron), not 'learned_absolute'")

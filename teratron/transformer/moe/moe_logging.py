@@ -42,7 +42,7 @@ def save_to_aux_losses_tracker(name: str, value: torch.Tensor, layer_number, num
         return
     tracker = _MOE_LAYER_WISE_LOGGING_TRACKER
     value = value.detach().float()
-    if name not in tracker:
+    if name not in tracker or tracker[name].shape[0] != num_layers:  # new, or another model's rows
         tracker[name] = torch.zeros((num_layers, *value.shape), device=value.device)
     tracker[name][layer_number - 1] += value
 
@@ -57,6 +57,20 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq) -> list:
     if isinstance(moe_layer_freq, int):
         return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
     return list(moe_layer_freq)
+
+
+def num_tracked_layers(config) -> int:
+    """Rows of the tracker: the decoder layers, then the multi-token-prediction layers (global
+    layer numbers num_layers + 1 .. num_layers + mtp_num_layers)."""
+    return config.num_layers + (config.mtp_num_layers or 0)
+
+
+def moe_layer_indices(config) -> list:
+    """0-based tracker rows of the MoE layers: where moe_layer_freq puts them, and every MTP
+    layer when the last decoder layer is MoE (an MTP layer has the last layer's spec)."""
+    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    pattern += [pattern[-1]] * (config.mtp_num_layers or 0)
+    return [i for i, moe in enumerate(pattern) if moe]
 
 
 def tracked_names(config) -> list:
@@ -91,7 +105,8 @@ def reduce_aux_losses_tracker_across_ranks(config, pg_collection=None) -> dict:
     device = _collective_device(tracker)
     reduced = {}
     for name in tracked_names(config):
-        shape = (config.num_layers, config.num_moe_experts) if name == "tokens_per_expert" else (config.num_layers,)
+        rows = num_tracked_layers(config)
+        shape = (rows, config.num_moe_experts) if name == "tokens_per_expert" else (rows,)
         values = tracker.get(name)
         values = torch.zeros(shape, device=device) if values is None else values
         values = _sum_over(_sum_over(values, pg.pp), seq_group)
@@ -106,14 +121,14 @@ def track_moe_metrics(loss_scale: float, config, per_layer_logging=None, pg_coll
     """The step's MoE metrics as {name: float}, then an empty tracker.
 
     loss_scale: 1 / num_microbatches (the tracker summed the microbatches). Losses are averaged
-    over MoE layers; `moe_load_imbalance` is max/mean tokens per expert, averaged over MoE
+    over MoE layers (MTP layers included); `moe_load_imbalance` is max/mean tokens per expert, averaged over MoE
     layers. With per_layer_logging (default: config.moe_per_layer_logging) each MoE layer also
     gets `{name}_layer_{layer_number}` and `tokens_per_expert_layer_{layer_number}` (a list).
     """
     per_layer = config.moe_per_layer_logging if per_layer_logging is None else per_layer_logging
     reduced = reduce_aux_losses_tracker_across_ranks(config, pg_collection)
     clear_aux_losses_tracker()
-    layers = [i for i, moe in enumerate(moe_layer_pattern(config.num_layers, config.moe_layer_freq)) if moe]
+    layers = moe_layer_indices(config)
     metrics = {}
     for name, values in reduced.items():
         if name == "tokens_per_expert":

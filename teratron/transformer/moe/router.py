@@ -1,6 +1,6 @@
 """TopKRouter: score each token against every expert and pick k of them (Megatron semantics).
 
-    logits = x W^T              [T, E] (in moe_router_dtype)
+    logits = x W^T (+ b)        [T, E] (in moe_router_dtype; the bias with add_bias_linear)
     probs, routing_map          top-k by score function, groups, expert bias or QB bias, replay
     capacity                    optional token dropping / padding
     aux losses                  attached to probs with MoEAuxLossAutoScaler (forward unchanged)
@@ -28,7 +28,7 @@ from teratron.tensor_parallel.mappings import (gather_from_sequence_parallel_reg
                                                reduce_from_tensor_model_parallel_region)
 from teratron.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from teratron.topology import resolve_pg_collection
-from teratron.transformer.moe.moe_logging import save_to_aux_losses_tracker
+from teratron.transformer.moe.moe_logging import num_tracked_layers, save_to_aux_losses_tracker
 from teratron.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, apply_router_token_dropping,
                                                 compute_routing_scores_for_aux_loss,
                                                 quantile_balancing_estimate, sinkhorn,
@@ -88,12 +88,17 @@ class TopKRouter(torch.nn.Module):
         device = _param_device(config)
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype, device=device))
-        if config.perform_initialization:
-            master = torch.empty(self.weight.shape, dtype=torch.float32, device=device)
-            config.init_method(master)
-            with torch.no_grad():
-                self.weight.copy_(master)
-        self.weight.sequence_parallel = config.sequence_parallel
+        # A bias on the logits with add_bias_linear (Megatron's; gpt-oss's router has one).
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = torch.nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype, device=device))
+        for param in (p for p in (self.weight, self.bias) if p is not None):
+            if config.perform_initialization:
+                master = torch.empty(param.shape, dtype=torch.float32, device=device)
+                config.init_method(master)
+                with torch.no_grad():
+                    param.copy_(master)
+            param.sequence_parallel = config.sequence_parallel
 
         zeros = lambda: torch.zeros(self.num_experts, dtype=torch.float32, device=device)  # noqa: E731
         scalar = lambda: torch.zeros((), dtype=torch.float32, device=device)  # noqa: E731
@@ -168,7 +173,8 @@ class TopKRouter(torch.nn.Module):
 
     def gating(self, hidden_states):
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, hidden_states.dtype)
-        return F.linear(hidden_states.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
     def apply_input_jitter(self, hidden_states):
         """Multiply the router input by U(1 - eps, 1 + eps) noise while training."""
@@ -206,7 +212,7 @@ class TopKRouter(torch.nn.Module):
         if training:
             tokens_per_expert = routing_map.sum(dim=0)
             save_to_aux_losses_tracker("tokens_per_expert", tokens_per_expert, self.layer_number,
-                                       config.num_layers)
+                                       num_tracked_layers(config))
             if self.expert_bias is not None:
                 with torch.no_grad():
                     self.local_tokens_per_expert += tokens_per_expert
@@ -253,7 +259,7 @@ class TopKRouter(torch.nn.Module):
         if coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
         z_loss = z_loss_func(logits, coeff / get_pg_size(self.seq_group))
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, num_tracked_layers(self.config))
         if self.config.calculate_per_token_loss:
             z_loss = z_loss * logits.shape[0]
         return MoEAuxLossAutoScaler.apply(logits, z_loss)
@@ -296,7 +302,7 @@ class TopKRouter(torch.nn.Module):
         return self._attach(probs, coeff, aux_loss, "global_load_balancing_loss")
 
     def _attach(self, probs, coeff, aux_loss, name):
-        save_to_aux_losses_tracker(name, aux_loss / coeff, self.layer_number, self.config.num_layers)
+        save_to_aux_losses_tracker(name, aux_loss / coeff, self.layer_number, num_tracked_layers(self.config))
         if self.config.calculate_per_token_loss:
             # The per-token schedule divides grads by the global token count: undo it for the aux
             # loss, which is already a per-token mean.
@@ -315,11 +321,16 @@ def update_moe_routers(model_chunks) -> None:
     by +-moe_router_bias_update_rate towards the mean load of the step's global token counts
     (summed over sequence partitions and data-parallel ranks), set each quantile-balancing bias
     from the step's estimates (averaged over micro-batches and data-parallel ranks, blended with
-    moe_router_quantile_balancing_ema, centred), and restart global-aux-loss counting."""
+    moe_router_quantile_balancing_ema, centred), and restart global-aux-loss counting. A frozen
+    router (--freeze-base-model-for-mtp) keeps its biases; its counts restart."""
     routers = _routers(model_chunks)
     if not routers:
         return
     first = routers[0]
+    for router in routers:
+        if not router.weight.requires_grad:
+            _restart_counts(router)
+    routers = [r for r in routers if r.weight.requires_grad]
     biased = [r for r in routers if r.expert_bias is not None]
     if biased:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
@@ -342,3 +353,11 @@ def update_moe_routers(model_chunks) -> None:
         if router.global_tokens_per_expert is not None:
             router.global_tokens_per_expert.zero_()
             router.ga_steps.zero_()
+
+
+def _restart_counts(router) -> None:
+    """What a step counted, dropped: a frozen router's statistics move nothing."""
+    for counts in (router.local_tokens_per_expert, router.qb_beta_accum, router.qb_beta_count,
+                   router.global_tokens_per_expert, router.ga_steps):
+        if counts is not None:
+            counts.zero_()

@@ -58,10 +58,16 @@ def expert_weights(layer, e):
     return experts.weight1[e].t(), b1, experts.weight2[e].t(), b2
 
 
+def router_logits(layer, tokens):
+    """tokens [T, h] -> [T, E]: x W^T plus the router's bias (add_bias_linear, as in Megatron)."""
+    bias = layer.router.bias
+    return tokens @ layer.router.weight.t() + (0 if bias is None else bias)
+
+
 def reference(layer, x, config):
     """y[t] = sum over the top-k experts e of p_e(t) * fc2(act(fc1(x[t]))), token by token."""
     tokens = x.reshape(-1, H)
-    logits = tokens @ layer.router.weight.t()
+    logits = router_logits(layer, tokens)
     out = torch.zeros_like(tokens)
     for t in range(tokens.shape[0]):
         top = logits[t].topk(config.moe_router_topk)
@@ -170,7 +176,7 @@ def test_router_replay_reproduces_recorded_routing(tmp_path):
     for x, expected in zip(batches, recorded_maps):  # ... but replays the recording exactly
         probs, routing_map = layer.router(x)
         assert torch.equal(routing_map, expected)
-        logits = x.reshape(-1, H) @ layer.router.weight.t()
+        logits = router_logits(layer, x.reshape(-1, H))
         weights = logits.gather(1, recorded[1].pop(0)).softmax(-1)  # weights from today's logits
         torch.testing.assert_close(probs[routing_map].view(-1, 2).sort(-1).values, weights.sort(-1).values)
     with pytest.raises(RuntimeError, match="ran out"):
@@ -234,7 +240,7 @@ def test_metrics_tracker():
     for seed in range(2):  # two micro-batches
         x, grad = inputs(seed)
         run(layer, x, grad)
-        logits = x.reshape(-1, H) @ layer.router.weight.t()
+        logits = router_logits(layer, x.reshape(-1, H))
         scores, top = logits.softmax(-1), logits.topk(2).indices
         f = torch.zeros(4).index_add_(0, top.flatten(), torch.ones(top.numel()))
         counts += f

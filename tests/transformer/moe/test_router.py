@@ -81,6 +81,19 @@ def test_topk1_pre_softmax():
     check(probs, routing_map, dense({0: {2: rows[0][2]}, 1: {3: rows[1][3]}, 2: {0: rows[2][0]}, 3: {1: rows[3][1]}}))
 
 
+def test_router_bias_with_add_bias_linear_shifts_the_logits():
+    """Megatron's router bias (gpt-oss): logits x W^T + b, then top-2 softmax; none without biases."""
+    assert make_router().bias is None
+    router = make_router(add_bias_linear=True)
+    with torch.no_grad():
+        router.bias.copy_(torch.tensor([2.0, 0.0, 0.0, -3.0]))
+    probs, routing_map = route(router)
+    # biased logits: [3, 2, 3, -3], [2.5, 0, -1, -1], [5, 1, 0, -.5], [2, .2, .1, -3.3]
+    a, b, c, d = (softmax([3.0, 3.0]), softmax([2.5, 0.0]), softmax([5.0, 1.0]), softmax([2.0, 0.2]))
+    check(probs, routing_map, dense({0: {0: a[0], 2: a[1]}, 1: {0: b[0], 1: b[1]},
+                                     2: {0: c[0], 1: c[1]}, 3: {0: d[0], 1: d[1]}}))
+
+
 def _sigmoid_normalised(t, experts):
     s = [sigmoid(LOGITS[t][e]) for e in experts]
     return {e: v / sum(s) for e, v in zip(experts, s)}
