@@ -10,9 +10,9 @@ runs of one job are what this measures; absolute numbers drift between jobs):
                (16 heads, 8 query groups, head 128: 12.6 M per layer against MLA's 13.8 M)
   mla-moe-flash  mla-moe with --attention-backend flash (q, k, v padded to 192 channels)
 
-Each runs `teratron bench --skip-baseline --json` (tokens/s, TFLOP/s and MFU by Megatron's
-formulas, over --iters timed iterations) with iteration 2 (a warm-up one) profiled by
-torch.profiler; the attention share is the attention kernels' time (flash/cuDNN/efficient SDPA,
+Each runs `teratron bench --json` (tokens/s, TFLOP/s and MFU by Megatron's formulas, over
+--iters timed iterations; the dense run with the HF baseline of its shape in the same job) with
+iteration 2 (a warm-up one) profiled by torch.profiler; the attention share is the attention kernels' time (flash/cuDNN/efficient SDPA,
 forward and backward) over all kernels' time of that iteration, and the attention TFLOP/s divide
 the core-attention FLOPs of Megatron's formula (QK^T and PV, causal half, x3 for backward) by that
 time, so MLA and GQA compare at equal work.
@@ -48,7 +48,11 @@ PROFILED_ITERATION = 2
 
 
 def bench(name: str, flags: list, args, extra: list, profile_dir: str) -> dict:
-    command = [sys.executable, "-m", "teratron", "bench", "--skip-baseline", "--json", "--iters", str(args.iters),
+    """One model's `teratron bench` numbers; the dense model's run includes the HF baseline (the
+    same shape in Hugging Face's Llama) unless --skip-baseline."""
+    with_baseline = name == "dense" and not args.skip_baseline
+    command = [sys.executable, "-m", "teratron", "bench", *([] if with_baseline else ["--skip-baseline"]),
+               "--json", "--iters", str(args.iters),
                "--warmup-iters", str(args.warmup_iters), *flags, *extra, "--profile", "--use-pytorch-profiler",
                "--profile-dir", profile_dir, "--profile-step-start", str(PROFILED_ITERATION),
                "--profile-step-end", str(PROFILED_ITERATION + 1)]
@@ -56,7 +60,7 @@ def bench(name: str, flags: list, args, extra: list, profile_dir: str) -> dict:
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
     print(out, flush=True)
     result = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith('{"teratron"')))
-    return {**result["teratron"], "estimated_peak_gib": result["estimated_peak_gib"],
+    return {**result["teratron"], "estimated_peak_gib": result["estimated_peak_gib"], "baseline": result["baseline"],
             **kernel_times(os.path.join(profile_dir, "kernels_rank0.txt"))}
 
 
@@ -106,6 +110,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--results-md", default=None, help="Append the markdown entry here.")
+    parser.add_argument("--skip-baseline", action="store_true", help="No HF baseline run with the dense model.")
     args, extra = parser.parse_known_args()
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
@@ -125,6 +130,10 @@ def main() -> int:
                      f"{r['attention_params_m']:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {r['mem_peak_gib']:.1f} | "
                      f"{r['attention_ms']:.1f} ({r['attention_ms'] / r['kernel_ms']:.1%}) | {attention_tflops:.0f} |")
+        if r["baseline"]:
+            b = r["baseline"]
+            lines.append(f"| HF Llama ({name} shape, SDPA, torch.compile) | | | {b['tokens_per_sec']:,.0f} | "
+                         f"{b['tflops']:.0f} | {b['mfu']:.1%} | {b['peak_mem_gib']:.1f} | | |")
     shares = {name: r["attention_ms"] / r["kernel_ms"] for name, r in rows}
     if "mla-moe" in shares and "gqa-moe" in shares:
         lines += ["", f"MLA / GQA attention share: {shares['mla-moe'] / shares['gqa-moe']:.2f}x"]

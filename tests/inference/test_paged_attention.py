@@ -114,6 +114,22 @@ def test_triton_kernel_on_gpu_matches_the_reference(n, heads, groups, head_dim, 
 
 
 @gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window_left,with_sinks", [(127, False), (1023, True), (-1, True), (0, True)])
+def test_triton_kernel_on_gpu_with_windows_and_sinks_matches_the_reference(window_left, with_sinks, dtype):
+    """gpt-oss's layers: a window of 128 keys without sinks and of 1,024 with learned sinks, and full
+    attention with sinks, at the lengths where splitting applies (batch 4, up to 2,048 keys)."""
+    case = make_case(16, 4, 64, 16, random_lengths(4, 2048, seed=3), dtype=dtype, device="cuda", seed=3)
+    sinks = torch.linspace(-2.0, 3.0, 16, device="cuda") if with_sinks else None
+    options = dict(window_left=window_left, sinks=sinks)
+    expected = paged_attention_reference(*case.args(), **options)
+    for output in (paged_attention(*case.args(), **options),
+                   paged_attention_triton(*case.args(), num_splits=1, **options),
+                   paged_attention_triton(*case.args(), num_splits=7, **options)):
+        torch.testing.assert_close(output, expected, **GPU_TOLERANCE[dtype])
+
+
+@gpu_test
 @pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
 @pytest.mark.parametrize("n", [256, 1])
 def test_paged_attention_replays_in_a_cuda_graph(attention, n):

@@ -76,7 +76,7 @@ def reference_frequencies(config):
 def rotate_pairs(t, positions, freqs, factor):
     """Channels (2i, 2i + 1) of t [s, b, n, d] turn by position * freqs[i]; the rest pass; times factor."""
     rot = 2 * len(freqs)
-    angle = positions.t().double()[..., None] * freqs  # [s, b, rot/2]
+    angle = positions.t().double()[..., None] * freqs.to(positions.device)  # [s, b, rot/2]
     cos, sin = angle.cos()[:, :, None].to(t.dtype), angle.sin()[:, :, None].to(t.dtype)
     even, odd = t[..., 0:rot:2], t[..., 1:rot:2]
     turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
@@ -116,7 +116,7 @@ def reference_mla(x, w, config, positions, with_rope=True):
     mscale = 0.1 * config.mscale_all_dim * math.log(config.rotary_scaling_factor) + 1
     scale = mscale * mscale / math.sqrt(dn + dr)
     scores = torch.einsum("sbnd,tbnd->bnst", query, key) * scale
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
     context = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, n * dv)
     out = context @ w["linear_proj.weight"].t()
     return out + w["linear_proj.bias"] if "linear_proj.bias" in w else out
@@ -128,7 +128,7 @@ def run_module(attention, x, positions, rotary=None):
     rotary = mla_rotary_embedding(attention.config)(positions) if rotary is None else rotary
     out, bias = attention(x, rotary_pos_emb=rotary)
     out = out if bias is None else out + bias
-    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out * weights).sum().backward()
     grads = {name: p.grad.clone() for name, p in attention.named_parameters()}
     return out.detach(), x.grad, grads
@@ -138,7 +138,7 @@ def run_reference(attention, x, positions, with_rope=True):
     w = {name: p.detach().clone().requires_grad_(True) for name, p in attention.named_parameters()}
     x = x.clone().requires_grad_(True)
     out = reference_mla(x, w, attention.config, positions, with_rope)
-    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out * weights).sum().backward()
     return out.detach(), x.grad, {name: t.grad for name, t in w.items()}
 
@@ -394,3 +394,39 @@ def test_fp8_linears_under_tp_and_sp():
         loss = result["loss"]  # within e4m3's rounding error per token, bf16's on the mean
         assert ((loss - reference["loss"]).abs() <= 2**-4 * reference["loss"].abs()).all(), sp
         assert abs(loss.mean() - reference["loss"].mean()) <= 2**-8 * reference["loss"].mean(), sp
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: DeepSeek's head sizes (q, k 128 + 64, v 128) through SDPA's own choice, the padded
+# flash kernel and torch.compile, bf16, against the math written out in fp32.
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend,compiled", [("auto", False), ("flash", False), ("auto", True)])
+def test_gpu_deepseek_head_sizes_in_bf16_equal_the_math_in_fp32(backend, compiled):
+    check_deepseek_head_sizes(backend, compiled, "cuda", torch.bfloat16)
+
+
+def check_deepseek_head_sizes(backend, compiled, device, dtype):
+    config = make_config(hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                         v_head_dim=128, original_max_position_embeddings=64, attention_backend=backend)
+    attention = build_attention(config).to(device, dtype)
+    s, b = 256, 2
+    x = torch.randn(s, b, 256, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    positions = positions_of(s, b).to(device)
+    rotary = mla_rotary_embedding(config)(positions)
+    module = torch.compile(attention) if compiled else attention
+    out, x_grad, grads = run_module(module, x, positions, rotary)
+    w = {name: p.detach().float().requires_grad_(True) for name, p in attention.named_parameters()}
+    x_ref = x.float().requires_grad_(True)
+    ref = reference_mla(x_ref, w, config, positions)
+    (ref * torch.linspace(-1, 1, ref.numel(), device=device).view_as(ref)).sum().backward()
+    # bf16 inputs and outputs with fp32 accumulation: a few bf16 roundings (2^-8 each) in the norm.
+    assert _relative_error(out, ref.detach()) < 2e-2
+    assert _relative_error(x_grad, x_ref.grad) < 2e-2
+    for name, grad in grads.items():
+        assert _relative_error(grad, w[name].grad) < 2e-2, name
