@@ -9,10 +9,10 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from teratron.process_groups import get_pg_size
+from teratron.transformer.context_parallel import sum_over_context_parallel
 
 
 def get_model_config(model: torch.nn.Module):
@@ -65,7 +65,7 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     if len(outputs) == 3:
         output_tensor, num_tokens, log_dict = outputs
         if not config.calculate_per_token_loss:
-            output_tensor = output_tensor / _micro_batch_tokens(num_tokens, cp_group) * cp_size / num_microbatches
+            output_tensor = output_tensor / sum_over_context_parallel(num_tokens, cp_group) * cp_size / num_microbatches
     elif len(outputs) == 2:
         output_tensor, log_dict = outputs
         output_tensor = output_tensor * cp_size / num_microbatches
@@ -74,15 +74,6 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
                          f"(loss_sum, num_tokens, log_dict)")
     forward_data_store.append(log_dict)
     return output_tensor, num_tokens
-
-
-def _micro_batch_tokens(num_tokens, cp_group):
-    """The micro-batch's token count over its context-parallel ranks (each holds a part of it)."""
-    if get_pg_size(cp_group) == 1:
-        return num_tokens
-    total = torch.as_tensor(num_tokens).detach().clone()
-    dist.all_reduce(total, group=cp_group)
-    return total
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config):

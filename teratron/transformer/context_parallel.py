@@ -198,6 +198,48 @@ def token_layout(attention_mask, cp_size: int, local_length: int, batch: int, de
 _UNPACKED_LAYOUTS: dict = {}
 
 
+# ----- whole-sequence views of per-token tensors ------------------------------------------------
+
+def sum_over_context_parallel(count, cp_group):
+    """A micro-batch's count (tokens, loss sums; no gradient) over its CP ranks, each of which
+    holds a part of the sequence."""
+    if get_pg_size(cp_group) == 1:
+        return count
+    total = torch.as_tensor(count).detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    return total
+
+
+def gather_sequence(tensor, cp_group, attention_mask=None) -> tuple:
+    """This CP rank's per-token tensor [b, s] (ids, labels, masks: no gradient) -> the whole
+    sequence's [b, CP * s] in position order, and the document of every position ([b or 1,
+    CP * s], or None when each row is one document). With CP 1 and no packed documents: the
+    tensor itself."""
+    packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+    cp_size = get_pg_size(cp_group)
+    if cp_size == 1 and packed is None:
+        return tensor, None
+    b, s = tensor.shape
+    layout = token_layout(packed, cp_size, s, b, tensor.device)
+    if cp_size == 1:
+        return tensor, layout.documents
+    order, _ = layout.order(tuple(range(cp_size)), tensor.device)
+    held = _all_gather(tensor.contiguous().view(-1), cp_group).view(cp_size, b, s)  # rank by rank
+    return held.permute(1, 0, 2).reshape(b, cp_size * s).index_select(1, order), layout.documents
+
+
+def scatter_sequence(full, cp_group, attention_mask=None) -> torch.Tensor:
+    """`gather_sequence`'s inverse: the whole sequence [b, CP * s] -> this CP rank's [b, s]."""
+    cp_size = get_pg_size(cp_group)
+    if cp_size == 1:
+        return full
+    packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+    b, s = full.shape[0], full.shape[1] // cp_size
+    _, back = token_layout(packed, cp_size, s, b, full.device).order(tuple(range(cp_size)), full.device)
+    rank = get_pg_rank(cp_group)
+    return full.index_select(1, back[rank * s:(rank + 1) * s])
+
+
 # ----- blocks and their kernels ---------------------------------------------------------------------
 
 def allowed_keys(q_idx, kv_idx, causal: bool, window):
@@ -226,12 +268,19 @@ class KeyMask:
 
     def dense(self) -> torch.Tensor:
         if self._dense is None:
-            q, k = self.q_positions, self.k_positions
-            allowed = allowed_keys(q[:, None], k[None, :], self.causal, self.window)[None]
-            if self.documents is not None:
-                allowed = allowed & (self.documents[:, q, None] == self.documents[:, None, k])
-            self._dense = allowed.unsqueeze(1)
+            self._dense = self._allowed(self.q_positions)
         return self._dense
+
+    def hidden_keys(self, q0: int, q1: int) -> torch.Tensor:
+        """True where queries q0 .. q1 - 1 of the block may not see a key, [b or 1, 1, q1 - q0, sk]."""
+        return ~self._allowed(self.q_positions[q0:q1])
+
+    def _allowed(self, q) -> torch.Tensor:
+        k = self.k_positions
+        allowed = allowed_keys(q[:, None], k[None, :], self.causal, self.window)[None]
+        if self.documents is not None:
+            allowed = allowed & (self.documents[:, q, None] == self.documents[:, None, k])
+        return allowed.unsqueeze(1)
 
     def block_mask(self):
         if self._block_mask is None:
@@ -425,6 +474,20 @@ def block_forward(block: Block, q, k, v, scale: float, flex: bool):
     return flash_forward(q, k, v, block.kind == "causal", scale)
 
 
+@torch.no_grad()
+def record_max_logits(record, block: Block, q, k, scale: float) -> None:
+    """Raise `record` [n] (fp32, QK-clip's per-head max logit) to the largest logit of the
+    block's visible (query, key) pairs."""
+    from teratron.transformer.dot_product_attention import max_attention_logits  # it imports this module
+
+    q, k = q[:, :, block.q], k[:, :, block.kv]
+    if block.kind == "masked":
+        logits = max_attention_logits(q, k, scale, False, hidden_keys=block.mask.hidden_keys)
+    else:
+        logits = max_attention_logits(q, k, scale, block.kind == "causal")
+    record.copy_(torch.maximum(record, logits))
+
+
 def block_backward(block: Block, dout, q, k, v, out, lse, scale: float, flex: bool):
     q, k, v = q[:, :, block.q], k[:, :, block.kv], v[:, :, block.kv]
     dout, out, lse = dout[:, :, block.q], out[:, :, block.q], lse[:, :, block.q]
@@ -500,6 +563,7 @@ class Exchange:
     plans: dict
     scale: float
     flex: bool           # masked blocks on FlexAttention
+    max_logits: torch.Tensor | None = None  # QK-clip's record [n], raised by forward
 
     @property
     def me(self) -> int:
@@ -513,6 +577,8 @@ class Exchange:
         for source, ks, vs in self._key_values(k, v):
             for block in self.blocks(source):
                 merged.add(block.q, *block_forward(block, q, ks, vs, self.scale, self.flex))
+                if self.max_logits is not None:
+                    record_max_logits(self.max_logits, block, q, ks, self.scale)
         return merged.out, merged.lse
 
     def _key_values(self, k, v):
@@ -672,17 +738,20 @@ def runs_here(config: ContextParallelConfig, attention_mask) -> bool:
 
 @torch.compiler.disable
 def context_parallel_attention(config: ContextParallelConfig, query, key, value, attention_mask, causal: bool,
-                               sink=None, dropout_p: float = 0.0):
+                               sink=None, dropout_p: float = 0.0, max_logits=None):
     """query [s, b, np, hq], key [s, b, ng, hq], value [s, b, ng, hv] of this rank's tokens;
     attention_mask None or the batch's PackedSeqParams -> context [s, b, np * hv]. Runs outside
     torch.compile (a compiled layer calls it as is): it communicates, and caches its layouts.
     Dropout (a2a, packed documents without CP) draws from the tensor-parallel RNG tracker: every
-    TP rank holds other heads."""
+    TP rank holds other heads. `max_logits` (QK-clip's record, [np] fp32, or None) is raised to
+    the largest logit each head sees here; under 'a2a' a rank sees its share of the heads, and
+    the record's max-reduction over the CP ranks completes it."""
     with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-        return _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p)
+        return _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p,
+                                           max_logits)
 
 
-def _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p):
+def _context_parallel_attention(config, query, key, value, attention_mask, causal, sink, dropout_p, max_logits):
     if attention_mask is not None and not isinstance(attention_mask, PackedSeqParams):
         raise ValueError("context parallelism and packed sequences take no dense attention mask; pass "
                          "packed_seq_params (documents) or None (causal)")
@@ -690,17 +759,17 @@ def _context_parallel_attention(config, query, key, value, attention_mask, causa
     s, b = query.shape[:2]
     layout = token_layout(attention_mask, cp_size, s, b, query.device)
     if cp_size > 1 and config.comm_type in ("a2a", "a2a+p2p"):
-        out = _attention_after_a2a(config, layout, query, key, value, causal, sink, dropout_p)
+        out = _attention_after_a2a(config, layout, query, key, value, causal, sink, dropout_p, max_logits)
     else:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, h]
         exchange = "local" if cp_size == 1 else config.comm_type
         participants = [(r,) for r in range(cp_size)]
         out = _attend(config, exchange, config.cp_group, layout, participants, get_pg_rank(config.cp_group),
-                      q, k, v, causal, sink, dropout_p).permute(2, 0, 1, 3)
+                      q, k, v, causal, sink, dropout_p, max_logits).permute(2, 0, 1, 3)
     return out.reshape(s, b, -1)
 
 
-def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropout_p):
+def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropout_p, max_logits):
     """Heads exchanged for tokens inside the a2a group, sorted by position, attention (local, or
     a ring between the groups), and back."""
     if config.comm_type == "a2a":
@@ -716,20 +785,20 @@ def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropou
     order, back = layout.order(members, query.device)
     q, k, v = (_heads_to_sequence(t, a2a_group).index_select(0, order).permute(1, 2, 0, 3)
                for t in (query, key, value))
-    if sink is not None:
-        per_rank = heads // size
-        sink = sink[index * per_rank:(index + 1) * per_rank]
+    mine = slice(index * heads // size, (index + 1) * heads // size)  # the heads this rank attends
+    sink = None if sink is None else sink[mine]
+    max_logits = None if max_logits is None else max_logits[mine]
     if ring_group is None:
-        out = _attend(config, "local", None, layout, [members], 0, q, k, v, causal, sink, dropout_p)
+        out = _attend(config, "local", None, layout, [members], 0, q, k, v, causal, sink, dropout_p, max_logits)
     else:
         participants = [tuple(range(o * size, (o + 1) * size)) for o in range(get_pg_size(ring_group))]
         out = _attend(config, "p2p", ring_group, layout, participants, get_pg_rank(ring_group), q, k, v, causal,
-                      sink, dropout_p)
+                      sink, dropout_p, max_logits)
     out = out.permute(2, 0, 1, 3).index_select(0, back)
     return _sequence_to_heads(out.contiguous(), a2a_group)
 
 
-def _attend(config, exchange, group, layout, participants, me, q, k, v, causal, sink, dropout_p):
+def _attend(config, exchange, group, layout, participants, me, q, k, v, causal, sink, dropout_p, max_logits=None):
     """Participant `me`'s queries [b, n, s, hq] over every participant's keys -> [b, n, s, hv].
     `participants[i]`: the CP ranks whose tokens rank i of `group` holds; `exchange`: 'local'
     (one participant), 'p2p' or 'all_gather'."""
@@ -739,13 +808,16 @@ def _attend(config, exchange, group, layout, participants, me, q, k, v, causal, 
     def blocks(i, j):
         return layout.blocks(participants[i], participants[j], causal, config.window, explicit, q.device)
     if exchange == "local":
-        return _local_attention(config, blocks(me, me)[0], q, k, v, sink, dropout_p, flex)
+        block = blocks(me, me)[0]
+        if max_logits is not None:
+            record_max_logits(max_logits, block, q, k, config.scale)
+        return _local_attention(config, block, q, k, v, sink, dropout_p, flex)
     if dropout_p > 0:
         raise ValueError(f"attention_dropout={dropout_p} with cp_comm_type {config.comm_type!r}: context-parallel "
                          "attention has no dropout; set attention_dropout to 0 (--attention-dropout 0)")
     plans = {(me, j): blocks(me, j) for j in range(len(participants))}
     kind = "gather" if exchange == "all_gather" else "ring"
-    return _ExchangedAttention.apply(q, k, v, sink, Exchange(kind, group, plans, config.scale, flex))
+    return _ExchangedAttention.apply(q, k, v, sink, Exchange(kind, group, plans, config.scale, flex, max_logits))
 
 
 def _local_attention(config, block: Block, q, k, v, sink, dropout_p, flex: bool):

@@ -117,11 +117,14 @@ def _grouped_mask(attention_mask, groups: int, sq: int, sk: int):
 
 
 @torch.no_grad()
-def max_attention_logits(q, k, softmax_scale: float, causal: bool, window=None, attention_mask=None):
+def max_attention_logits(q, k, softmax_scale: float, causal: bool, window=None, attention_mask=None,
+                         hidden_keys=None):
     """The largest pre-softmax logit, softmax_scale * q.k, of each query head [np] (fp32) over the
     batch, the queries and the keys each query may attend (`allowed_keys`, less `attention_mask`,
     True = masked out); -inf for a head that attends to nothing. q [b, np, sq, hn], k [b, ng, sk, hn].
-    The scores exist a chunk of queries at a time, over the chunk's key band only."""
+    `hidden_keys(q0, q1)`, instead of causal, window and attention_mask: True where queries
+    q0 .. q1 - 1 may not see a key, [b or 1, 1, q1 - q0, sk] (context-parallel blocks). The scores
+    exist a chunk of queries at a time, over the chunk's key band only."""
     b, heads, sq, _ = q.shape
     groups, sk = k.shape[1], k.shape[2]
     q = q.unflatten(1, (groups, heads // groups))  # [b, ng, np/ng, sq, hn]: heads group by group
@@ -132,13 +135,16 @@ def max_attention_logits(q, k, softmax_scale: float, causal: bool, window=None, 
     largest = torch.full((groups, heads // groups), float("-inf"), device=q.device)
     for q0 in range(0, sq, rows):
         q1 = min(sq, q0 + rows)
-        lo, hi = _key_band(q0, q1, sk, causal, window)
+        lo, hi = (0, sk) if hidden_keys is not None else _key_band(q0, q1, sk, causal, window)
         if lo == hi:
             continue
         scores = torch.matmul(q[..., q0:q1, :], k_t[..., lo:hi]).float() * softmax_scale  # [b, ng, np/ng, c, keys]
-        hidden = ~allowed_keys(positions(q0, q1)[:, None], positions(lo, hi)[None, :], causal, window)
-        if mask is not None:
-            hidden = hidden | mask[..., q0:q1, lo:hi]
+        if hidden_keys is not None:
+            hidden = hidden_keys(q0, q1).unsqueeze(1)
+        else:
+            hidden = ~allowed_keys(positions(q0, q1)[:, None], positions(lo, hi)[None, :], causal, window)
+            if mask is not None:
+                hidden = hidden | mask[..., q0:q1, lo:hi]
         scores = scores.masked_fill(hidden, float("-inf"))
         largest = torch.maximum(largest, scores.amax(dim=(0, 3, 4)))
     return largest.flatten()
@@ -247,12 +253,10 @@ class DotProductAttention(torch.nn.Module):
         causal_type = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         dropout_p = self.dropout_p if self.training else 0.0
         if context_parallel.runs_here(self.context_parallel, attention_mask):  # CP or packed documents
-            if self.track_max_logit and self.training:
-                raise NotImplementedError("--qk-clip / --log-max-attention-logit with packed documents "
-                                          "(--reset-attention-mask, --sequence-packing): packed attention does not "
-                                          "record the max attention logit yet; turn one of them off")
+            record = self.current_max_attn_logits if self.track_max_logit and self.training else None
             return context_parallel.context_parallel_attention(
-                self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset, dropout_p)
+                self.context_parallel, query, key, value, attention_mask, causal_type, self.softmax_offset, dropout_p,
+                record)
         is_causal = attention_mask is None and causal_type
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

@@ -25,20 +25,30 @@ from typing import List, Optional, Union
 import torch
 
 from teratron import tensor_parallel
+from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel import mappings
 from teratron.topology import resolve_pg_collection
+from teratron.transformer.context_parallel import gather_sequence, scatter_sequence, sum_over_context_parallel
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from teratron.transformer.norms import Norm
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
 
-def roll_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:
-    """[b, s] -> [b, s] with position j holding position j + shift's value, zeros at the end."""
-    rolled = torch.zeros_like(tensor)
-    if shift < tensor.shape[-1]:
-        rolled[..., :tensor.shape[-1] - shift] = tensor[..., shift:]
-    return rolled
+def roll_left(tensor: torch.Tensor, shift: int, cp_group=None, attention_mask=None) -> torch.Tensor:
+    """[b, s] -> [b, s] with position j holding position j + shift's value; zeros at the end and,
+    for packed documents (`attention_mask` a PackedSeqParams), where j + shift is in another
+    document. Under context parallelism the tensor is this CP rank's tokens and the shift is
+    along the whole sequence (`gather_sequence`)."""
+    full, documents = gather_sequence(tensor, cp_group, attention_mask)
+    length = full.shape[-1]
+    rolled = torch.zeros_like(full)
+    if shift < length:
+        rolled[..., :length - shift] = full[..., shift:]
+        if documents is not None:
+            other = documents[..., shift:] != documents[..., :length - shift]
+            rolled[..., :length - shift] = rolled[..., :length - shift].masked_fill(other, 0)
+    return scatter_sequence(rolled, cp_group, attention_mask)
 
 
 @dataclass
@@ -120,7 +130,9 @@ class MultiTokenPredictionBlock(torch.nn.Module):
             hidden_states = hidden_states.detach().requires_grad_()
         outputs = []
         for depth, layer in enumerate(self.layers, 1):
-            embeddings = embedding(roll_left(input_ids, depth), roll_left(position_ids, depth))
+            cp = self.pg_collection.cp
+            embeddings = embedding(roll_left(input_ids, depth, cp, attention_mask),
+                                   roll_left(position_ids, depth, cp, attention_mask))
             if recompute:
                 hidden_states = tensor_parallel.checkpoint(layer, False, embeddings, hidden_states, attention_mask,
                                                            rotary_pos_emb, tp_group=self.pg_collection.tp)
@@ -143,20 +155,27 @@ def pop_mtp_losses() -> list:
     return losses
 
 
-def attach_mtp_loss(lm_loss: torch.Tensor, depth_losses: list, config, num_tokens: torch.Tensor) -> torch.Tensor:
+def attach_mtp_loss(lm_loss: torch.Tensor, depth_losses: list, config, num_tokens: torch.Tensor,
+                    cp_group=None) -> torch.Tensor:
     """lm_loss [b, s] with the MTP loss joined to its backward (its value unchanged).
 
     depth_losses: per depth (per-token loss [b, s], its loss mask [b, s]); num_tokens: the
     micro-batch's LM tokens (calculate_per_token_loss scales each depth's mean by it, so the
-    global token division of the gradients gives each depth its mean)."""
+    global token division of the gradients gives each depth its mean). Under context
+    parallelism each rank holds a part of the micro-batch: its share of a depth's mean is its
+    loss sum over the micro-batch's count (the CP ranks' shares add up; the backward scale's
+    factor CP and the gradients' DP x CP average cancel), and the log keeps its own [sum, count]."""
     global _LAST_MTP_LOSSES
     total, report = 0.0, []
+    cp_size = get_pg_size(cp_group)
     for token_loss, mask in depth_losses:
         loss_sum = torch.sum(token_loss.float() * mask)
         count = mask.sum()
         report.append(torch.stack([loss_sum.detach(), count.detach()]))
-        mean = loss_sum / count.clamp(min=1)
-        total = total + (mean * num_tokens if config.calculate_per_token_loss else mean)
+        mean = loss_sum / sum_over_context_parallel(count, cp_group).clamp(min=1)
+        if config.calculate_per_token_loss:  # no average over CP ranks follows: undo the scale's CP
+            mean = mean * sum_over_context_parallel(num_tokens, cp_group) / cp_size
+        total = total + mean
     _LAST_MTP_LOSSES = report
     scaled = total * (config.mtp_loss_scaling_factor / len(depth_losses))
     return MoEAuxLossAutoScaler.apply(lm_loss, scaled)

@@ -794,13 +794,6 @@ class TransformerConfig(ModelParallelConfig):
         cp = self.context_parallel_size
         if cp == 1:
             return
-        if self.qk_clip or self.log_max_attention_logit:
-            raise NotImplementedError(f"qk_clip / log_max_attention_logit (--qk-clip / --log-max-attention-logit) with "
-                                      f"context_parallel_size={cp}: context-parallel attention does not record the max "
-                                      "attention logit yet; turn them off or set context_parallel_size to 1")
-        if self.mtp_num_layers:
-            raise NotImplementedError(f"mtp_num_layers={self.mtp_num_layers} with context_parallel_size={cp}: the MTP "
-                                      "label shift is not context-parallel yet; set one of them off")
         used = {t or "p2p" for t in types}
         hierarchical = self.hierarchical_context_parallel_sizes
         if "a2a+p2p" in used and (hierarchical is None or len(hierarchical) != 2):

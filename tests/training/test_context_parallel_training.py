@@ -9,6 +9,9 @@ offloading, a MoE model with EP 2 (its aux losses and tokens per
 expert too), multi-latent attention, and packed documents (--reset-attention-mask
 --reset-position-ids --eod-mask-loss, so CP ranks hold different numbers of loss tokens) with
 1F1B PP 2. The CP 2 checkpoint loads into one process and continues with the same losses.
+Multi-token prediction under CP 2 x DP 2 (its label shift runs along the whole sequence), and on
+packed documents with QK-clip and per-token loss (the shift stays inside documents; the max
+logit is max-reduced over CP ranks).
 Sequence packing (documents as samples, balanced over DP ranks by tokens, packed into THD rows)
 under CP 2 x DP 2: each document split into 2 x CP chunks.
 """
@@ -139,6 +142,28 @@ def test_packed_documents_with_pipeline(tmp_path):
     reference = _train(data, tmp_path, "docs-single")
     run = _train(data + CP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "docs-cp2-pp2", nproc=4)
     _assert_equal(reference, run, "docs-cp2-pp2")
+
+
+MTP = ["--mtp-num-layers", "2"]
+MTP_KEYS = ["lm_loss", "mtp_1_loss", "mtp_2_loss", "mtp_loss", "grad_norm"]
+QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "0.03", "--log-max-attention-logit"]
+
+
+def test_multi_token_prediction_with_data_parallel_distributed_optimizer(tmp_path):
+    reference = _train(MOCK + MTP, tmp_path, "mtp-single")
+    run = _train(MOCK + MTP + CP2 + ["--use-distributed-optimizer"], tmp_path, "mtp-cp2-dp2", nproc=4)
+    _assert_equal(reference, run, "mtp-cp2-dp2", keys=MTP_KEYS)
+
+
+def test_multi_token_prediction_and_qk_clip_on_packed_documents_with_per_token_loss(tmp_path):
+    """The MTP shift stays inside each document and runs along the whole sequence across CP
+    ranks; QK-clip's max logit is each head's over its documents' keys, max-reduced over CP."""
+    _documents(str(tmp_path / "docs"))
+    data = ["--data-path", str(tmp_path / "docs")] + DOCUMENTS + MTP + QK_CLIP + ["--calculate-per-token-loss"]
+    reference = _train(data, tmp_path, "mtp-docs-single")
+    assert reference[0][0]["max_attention_logit"] > 0.03  # the threshold: the clip acts
+    run = _train(data + CP2, tmp_path, "mtp-docs-cp2", nproc=2)
+    _assert_equal(reference, run, "mtp-docs-cp2", keys=MTP_KEYS + ["max_attention_logit"])
 
 
 PACKING = ["--sequence-packing", "--calculate-per-token-loss", "--micro-batch-size", "1", "--eod-mask-loss",

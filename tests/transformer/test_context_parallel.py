@@ -179,6 +179,8 @@ def _cp_groups():
 
 
 def _check_all_comm_types():
+    """Output, gradients and the max-logit record of every case and comm type against the single
+    process's."""
     groups = _cp_groups()
     rank, failures, checked = dist.get_rank(), [], 0
     for name, (fields, hv, layout) in CASES.items():
@@ -186,13 +188,13 @@ def _check_all_comm_types():
         q, k, v, dout = _inputs(hv, batch, length)
         packed = _packed(layout) if layout else None
         torch.manual_seed(11)
-        single = DotProductAttention(_config(**fields), layer_number=1)
+        single = DotProductAttention(_config(log_max_attention_logit=True, **fields), layer_number=1)
         # The single process attends with a dense mask: documents as Megatron's s x s mask.
         expected, expected_grads = _run(single, q, k, v, dout, _dense_mask(packed, batch, length))
         for cp_size, comm_types in ((2, cp.CP_COMM_TYPES[:3]), (4, cp.CP_COMM_TYPES)):
             for comm_type in comm_types:
                 extra = {"hierarchical_context_parallel_sizes": [2, 2]} if comm_type == "a2a+p2p" else {}
-                config = _config(cp_size, cp_comm_type=comm_type, **extra, **fields)
+                config = _config(cp_size, cp_comm_type=comm_type, log_max_attention_logit=True, **extra, **fields)
                 torch.manual_seed(11)
                 attention = DotProductAttention(config, layer_number=1, pg_collection=groups[cp_size])
                 cp_rank = rank % cp_size
@@ -207,7 +209,12 @@ def _check_all_comm_types():
                     dist.all_reduce(total, group=groups[cp_size].cp)
                     got.append(total)
                     wanted.append(expected_grads[3])
-                for what, a, b in zip(["out", "dq", "dk", "dv", "dsink"], got, wanted):
+                # QK-clip's record: each rank's (its queries; under a2a its heads), max-reduced over CP.
+                max_logits = attention.current_max_attn_logits.clone()
+                dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=groups[cp_size].cp)
+                got.insert(0, max_logits)
+                wanted.insert(0, single.current_max_attn_logits)
+                for what, a, b in zip(["max logit", "out", "dq", "dk", "dv", "dsink"], got, wanted):
                     if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
                         failures.append(f"{name} cp{cp_size} {comm_type} {what}: {(a - b).abs().max().item()}")
                 checked += 1

@@ -94,25 +94,24 @@ def test_core_attention_keeps_no_record_without_the_flags():
     assert not hasattr(attention, "current_max_attn_logits")
 
 
-@pytest.mark.parametrize("flag", ["qk_clip", "log_max_attention_logit"])
-def test_context_parallelism_refuses_the_max_logit_flags(flag):
-    with pytest.raises(NotImplementedError, match=r"^qk_clip / log_max_attention_logit .*context_parallel_size=2"):
-        _config(context_parallel_size=2, **{"log_max_attention_logit": False, flag: True})
-
-
-def test_packed_documents_refuse_the_max_logit_record_in_training_only():
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_packed_documents_record_the_max_within_each_document(window):
+    """Packed documents run the context-parallel module (one participant): the record covers
+    each query's own document's keys only."""
     from teratron.packed_seq_params import PackedSeqParams, cu_seqlens_from_documents
 
-    attention = DotProductAttention(_config(), layer_number=1)
+    attention = DotProductAttention(_config(window_size=window), layer_number=1)
     q, k = _qk(4, 2)
     v = torch.randn(B, 2, SQ, HN)
     qkv = [t.permute(2, 0, 1, 3) for t in (q, k, v)]  # [s, b, n, hn]
-    documents = torch.tensor([[0] * (SQ // 2) + [1] * (SQ - SQ // 2)] * B)
+    documents = torch.tensor([[0] * 4 + [1] * (SQ - 4), [2] * 7 + [3] * (SQ - 7)])
     packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens_from_documents(documents))
-    with pytest.raises(NotImplementedError, match=r"^--qk-clip / --log-max-attention-logit with packed documents"):
-        attention(*qkv, attention_mask=packed)
-    attention.eval()
-    assert attention(*qkv, attention_mask=packed).shape == (SQ, B, 4 * HN)
+    attention(*qkv, attention_mask=packed)
+    allowed = _band(-1 if window is None else window[0]) & (documents[:, :, None] == documents[:, None, :])
+    expected = _explicit(q, k, attention.softmax_scale, allowed[:, None])
+    torch.testing.assert_close(attention.current_max_attn_logits, expected, rtol=1e-6, atol=0)
+    # the cross-document maximum is larger: the test tells them apart
+    assert (_explicit(q, k, attention.softmax_scale, _band(-1)) > expected).any()
 
 
 def _self_attention(config):

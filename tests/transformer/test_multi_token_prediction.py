@@ -217,3 +217,63 @@ def test_defaults_and_learned_positions():
     assert make_config(mtp_loss_scaling_factor=None).mtp_loss_scaling_factor == 0.1  # Megatron's default
     with pytest.raises(ValueError, match=r"mtp_num_layers needs position_embedding_type 'rope' or 'none'"):
         GPTModelConfig(make_config(), vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+# ----- the shift: within documents, and along the whole sequence under context parallelism --------
+
+def _documents_params(documents):
+    from teratron.packed_seq_params import PackedSeqParams, cu_seqlens_from_documents
+
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens_from_documents(documents))
+
+
+def _rolled_by_hand(values, shift, documents=None):
+    """Position j gets j + shift's value when that exists and (with documents) shares j's document."""
+    out = torch.zeros_like(values)
+    for row in range(values.shape[0]):
+        for j in range(values.shape[1] - shift):
+            doc = documents[row] if documents is not None else None
+            if doc is None or doc[j] == doc[j + shift]:
+                out[row, j] = values[row, j + shift]
+    return out
+
+
+@pytest.mark.parametrize("shift", [1, 2, 12])
+def test_roll_left_stays_inside_each_document(shift):
+    from teratron.transformer.multi_token_prediction import roll_left
+
+    values = torch.arange(1, 2 * 12 + 1).view(2, 12)
+    documents = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [3] * 12])
+    assert torch.equal(roll_left(values, shift), _rolled_by_hand(values, shift))
+    assert torch.equal(roll_left(values, shift, attention_mask=_documents_params(documents)),
+                       _rolled_by_hand(values, shift, documents))
+
+
+def _roll_on_cp_ranks():
+    """Every CP 2 / CP 4 rank rolls its tokens (2 x CP chunks; packed documents too) and gets its
+    tokens of the whole sequence rolled."""
+    import torch.distributed as dist
+
+    from teratron.transformer.context_parallel import cp_token_index
+    from teratron.transformer.multi_token_prediction import roll_left
+
+    rank, failures = dist.get_rank(), []
+    groups = {2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2], 4: dist.new_group([0, 1, 2, 3])}
+    values = torch.arange(1, 2 * 16 + 1).view(2, 16)
+    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [3] * 16])
+    for cp_size, group in groups.items():
+        index = cp_token_index(16, cp_size, rank % cp_size)
+        for docs in (None, documents):
+            mask = None if docs is None else _documents_params(docs)
+            for shift in (1, 3):
+                got = roll_left(values.index_select(1, index), shift, group, mask)
+                wanted = _rolled_by_hand(values, shift, docs).index_select(1, index)
+                if not torch.equal(got, wanted):
+                    failures.append((cp_size, docs is not None, shift, got.tolist(), wanted.tolist()))
+    return failures
+
+
+def test_roll_left_under_context_parallelism_is_the_whole_sequence_roll():
+    from dist import run_distributed
+
+    assert run_distributed(_roll_on_cp_ranks, 4) == [[]] * 4

@@ -352,7 +352,3 @@ def test_supported_fields_build():
     # dataclasses.replace re-runs __post_init__ on already-resolved values: it must be idempotent.
     assert dataclasses.replace(c) == c and dataclasses.replace(moe) == moe
 
-
-def test_context_parallelism_refuses_multi_token_prediction():
-    with pytest.raises(NotImplementedError, match=r"^mtp_num_layers=1 with context_parallel_size=2"):
-        _build(mtp_num_layers=1, context_parallel_size=2)

@@ -217,9 +217,10 @@ class GPTModel(torch.nn.Module):
         """lm_loss [b, s] with the MTP depths' losses joined to its backward."""
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
         depths = self.mtp(input_ids, position_ids, hidden_states, self.embedding, attention_mask, rotary_pos_emb)
-        depth_losses = [(self._language_model_loss(roll_left(labels, k), h, weight), roll_left(mask, k))
-                        for k, h in enumerate(depths, 1)]
-        return attach_mtp_loss(lm_loss, depth_losses, self.config, mask.sum())
+        cp = self.pg_collection.cp
+        depth_losses = [(self._language_model_loss(roll_left(labels, k, cp, attention_mask), h, weight),
+                         roll_left(mask, k, cp, attention_mask)) for k, h in enumerate(depths, 1)]
+        return attach_mtp_loss(lm_loss, depth_losses, self.config, mask.sum(), cp)
 
     def _mask_vocab_padding(self, logits):
         """Vocab-parallel logits [s, b, V/tp] with the padding columns set to -inf, so a softmax
