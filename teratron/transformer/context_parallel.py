@@ -290,12 +290,14 @@ class KeyMask:
 
             q, k, documents = self.q_positions, self.k_positions, self.documents
 
+            rows = 1 if documents is None else documents.shape[0]
+
             def mask_mod(b, h, q_idx, kv_idx):
                 allowed = allowed_keys(q[q_idx], k[kv_idx], self.causal, self.window)
                 if documents is not None:
-                    allowed = allowed & (documents[b, q[q_idx]] == documents[b, k[kv_idx]])
+                    row = b if rows > 1 else 0  # one row of documents: every sample's
+                    allowed = allowed & (documents[row, q[q_idx]] == documents[row, k[kv_idx]])
                 return allowed
-            rows = 1 if documents is None else documents.shape[0]
             self._block_mask = fusions.fused(create_block_mask)(mask_mod, rows, None, q.numel(), k.numel(),
                                                                 device=q.device)
         return self._block_mask
@@ -405,8 +407,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     if q.is_cuda:
         # No cumulative lengths (None: the dense kernel, not varlen); without dropout the RNG state is unused.
         rng = torch.zeros((), device=q.device, dtype=torch.int64)
+        # The kernel reads the log-sum-exp as a contiguous [b, n, sq] (a block's rows are a slice).
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng, scale=scale)
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng,
+            scale=scale)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)

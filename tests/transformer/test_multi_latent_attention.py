@@ -130,7 +130,8 @@ def run_module(attention, x, positions, rotary=None):
     out = out if bias is None else out + bias
     weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out * weights).sum().backward()
-    grads = {name: p.grad.clone() for name, p in attention.named_parameters()}
+    module = getattr(attention, "_orig_mod", attention)  # the module inside torch.compile's wrapper
+    grads = {name: p.grad.clone() for name, p in module.named_parameters()}
     return out.detach(), x.grad, grads
 
 
