@@ -86,15 +86,22 @@ class MoELayer(torch.nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         if self.scatter_tokens:
             tokens, probs, routing_map = self._scatter(tokens, probs, routing_map)
-        expert_input, tokens_per_expert, expert_probs = self.token_dispatcher.dispatch(tokens, probs, routing_map)
-        expert_output = self.experts(expert_input, tokens_per_expert, expert_probs)
-        output = self.token_dispatcher.combine(expert_output)
+        output = self._routed_experts(tokens, probs, routing_map)
         if self.scatter_tokens:
             output = gather_from_sequence_parallel_region(output, False, self.tp_group)
         output = output.view(shape)
         if shared_output is not None:
             output = output + shared_output
         return output, None
+
+    @torch.compiler.disable
+    def _routed_experts(self, tokens, probs, routing_map):
+        """Dispatch, the local experts, combine: [t, h] -> [t, h]. Outside torch.compile (a
+        `--torch-compile` layer calls it as is): the tokens per expert are host integers that
+        change every step, and traced they would recompile the layer each time."""
+        expert_input, tokens_per_expert, expert_probs = self.token_dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(expert_input, tokens_per_expert, expert_probs)
+        return self.token_dispatcher.combine(expert_output)
 
     def _shared(self, hidden_states):
         output, bias = self.shared_experts(hidden_states)

@@ -261,3 +261,25 @@ def test_unsupported_options_raise():
         build(make_config(moe_latent_size=8))
     with pytest.raises(ValueError, match="moe_token_dropping"):
         build(make_config(moe_token_dropping=True))
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_compiled_layer_does_not_recompile_as_the_routing_changes(dispatcher):
+    """`--torch-compile` compiles layers whole; the tokens per expert change every step and must
+    not be traced (each new count would recompile the layer until Dynamo gives up)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layer = build(make_config(moe_token_dispatcher_type=dispatcher), grouped=True)
+    layer.compile(backend="eager")  # Dynamo's guards and recompiles; no code generation
+    counts = set()
+    for step in range(6):
+        # Two warm-up calls: the first records the metrics tracker's layout, which is then guarded.
+        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
+            x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(step)) * (step + 1)
+            out, _ = layer(x)
+            out.sum().backward()
+        with torch.no_grad():
+            counts.add(tuple(layer.router(x)[1].sum(dim=0).tolist()))  # this step's tokens per expert
+    clear_aux_losses_tracker()
+    assert len(counts) > 2  # the routing did change
