@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 
 from teratron.dist_checkpointing.storage import COMMON_FILENAME, DamagedCheckpointError
 
@@ -96,11 +97,14 @@ def read_common_state(checkpoint_dir: str) -> dict:
 
 def _metadata_globals() -> dict:
     """(module, name) -> object for everything a DCP .metadata pickle names: dataclasses and enums
-    of plain values, torch.Size, and the path DCP records the checkpoint under."""
+    of plain values, torch.Size, and the path DCP records the checkpoint under (and the save plans
+    Megatron-LM adds)."""
     objects = [dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
                dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
                dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, dcp_filesystem._StorageInfo,
-               torch.Size, torch.serialization._get_layout, collections.OrderedDict]
+               torch.Size, torch.serialization._get_layout, collections.OrderedDict,
+               # Megatron-LM keeps its save plans in .metadata too (planner_data)
+               dcp_planner.SavePlan, dcp_planner.WriteItem, dcp_planner.WriteItemType, dcp_planner.TensorWriteData]
     allowed = {(o.__module__, o.__qualname__): o for o in objects}
     for path_class in (pathlib.PosixPath, pathlib.PurePosixPath):
         allowed[("pathlib", path_class.__name__)] = path_class

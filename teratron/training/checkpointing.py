@@ -30,6 +30,7 @@ import torch.distributed as dist
 from teratron import dist_checkpointing
 from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.checkpoint import all_ranks_true
+from teratron.dist_checkpointing.megatron_format import is_megatron_checkpoint, load_megatron_checkpoint
 from teratron.dist_checkpointing.model_args import model_args_from_config
 
 # Model args that may differ between the saving and the loading run: the padded vocabulary follows
@@ -128,6 +129,8 @@ class Checkpointer:
         if not os.path.isdir(checkpoint_dir):
             raise FileNotFoundError(f"--load {c.load}: the tracker names iteration {iteration} but "
                                     f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
+        if is_megatron_checkpoint(checkpoint_dir):
+            return self._load_megatron(checkpoint_dir, model)
         record = storage.read_metadata(checkpoint_dir)
         self._check_model_args(record.get("model_args", {}), checkpoint_dir)
         self._check_tokenizer(record, checkpoint_dir)
@@ -143,6 +146,25 @@ class Checkpointer:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
         return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
                 common.get("consumed_valid_samples", 0))
+
+    def _load_megatron(self, checkpoint_dir: str, model) -> tuple:
+        """The model weights of a Megatron-LM torch_dist checkpoint; training continues at its
+        iteration and consumed samples (Megatron keeps them in its args) with a fresh optimizer
+        and fresh RNG states, or starts at 0 with --finetune."""
+        c = self.config
+        if not (c.finetune or c.no_load_optim):
+            raise ValueError(f"--load {checkpoint_dir}: a Megatron-LM checkpoint; teratron reads its model weights "
+                             "but not yet its optimizer state; add --no-load-optim (continue at its iteration with a "
+                             "fresh optimizer) or --finetune")
+        common = load_megatron_checkpoint(checkpoint_dir, model, self.run.transformer.num_layers)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"NOTE: loaded the model of Megatron-LM checkpoint {checkpoint_dir}; optimizer and RNG states start "
+                  "fresh", flush=True)
+        if c.finetune:
+            return 0, 0, 0
+        args = common.get("args")
+        return (int(common.get("iteration", 0)), int(getattr(args, "consumed_train_samples", 0)),
+                int(getattr(args, "consumed_valid_samples", 0)))
 
     def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
         current = model_args_from_config(self.run.model)

@@ -1,0 +1,106 @@
+"""Megatron-LM's own checkpoints (`--ckpt-format torch_dist`), read into any teratron layout.
+
+A Megatron-LM iteration folder holds torch.distributed.checkpoint files like teratron's, with
+other names for the same global tensors:
+
+    metadata.json        {"sharded_backend": "torch_dist", ...} (no teratron "format")
+    .metadata, *.distcp  the model as boxes of global tensors, and `common_state` (an object:
+                         args, iteration, checkpoint_version, the scheduler)
+
+    teratron                                    Megatron-LM
+    decoder.layers.<i>.<name>                   decoder.layers.<name>, layer i of a tensor stacked
+                                                over the layers ([L, ...]; per-layer keys
+                                                `decoder.layers.<i>.<name>` when Megatron saved
+                                                its layers apart, e.g. MoE every other layer)
+    decoder.layers.<i>.input_layernorm.*        ...self_attention.linear_qkv.layer_norm_* (Megatron
+    decoder.layers.<i>.pre_mlp_layernorm.*      ...mlp.linear_fc1.layer_norm_*    keeps the norms
+                                                under Transformer Engine's fused names, whichever
+                                                layer implementation wrote them)
+
+Every other name and every tensor's row layout (QKV grouped per query group, SwiGLU's gate and
+up halves, vocabulary padding) is the same, so reading is teratron's own sharded load with keys
+translated: each teratron box becomes a view of the Megatron box it is (a leading layer axis of
+one), and DCP fills it in place under any TP / PP / DP layout. `_extra_state` objects (Transformer
+Engine's FP8 metadata) are not read. Nothing read runs code (`safe_load`).
+"""
+
+import json
+import os
+import re
+
+from teratron.dist_checkpointing import serialization, storage
+from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.model_state import model_sharded_items
+
+SHARDED_BACKEND = "torch_dist"
+COMMON_STATE_KEY = "common_state"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def is_megatron_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether `checkpoint_dir` is an iteration folder Megatron-LM wrote (torch_dist)."""
+    path = os.path.join(checkpoint_dir, storage.METADATA_FILENAME)
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(metadata, dict) and "format" not in metadata and \
+        metadata.get("sharded_backend") == SHARDED_BACKEND
+
+
+def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedTensor:
+    """The Megatron key and box of a teratron model box (a view of the same data)."""
+    match = _LAYER.match(item.key)
+    if match is None:
+        return item
+    layer, name = int(match.group(1)), match.group(2)
+    for candidate in (_FUSED_NORMS.get(name), name):
+        if candidate is None:
+            continue
+        if f"decoder.layers.{layer}.{candidate}" in saved:  # saved layer by layer
+            return ShardedTensor(f"decoder.layers.{layer}.{candidate}", item.data, item.global_shape,
+                                 item.global_offset, item.resizable_rows, item.replica)
+        if f"decoder.layers.{candidate}" in saved:  # stacked over the layers
+            return ShardedTensor(f"decoder.layers.{candidate}", item.data.unsqueeze(0),
+                                 (num_layers,) + tuple(item.global_shape), (layer,) + tuple(item.global_offset),
+                                 item.resizable_rows, item.replica)
+    return item  # reported missing by the load, under teratron's name
+
+
+def _is_megatron_model_key(key: str) -> bool:
+    return not key.startswith(("optimizer.", "rng_state", COMMON_STATE_KEY)) and "_extra_state" not in key
+
+
+def read_common_state(checkpoint_dir: str) -> dict:
+    """Megatron's common state (args, iteration, checkpoint_version, opt_param_scheduler, ...):
+    the `common_state` object of the DCP files, or a `common.pt` file (older Megatron-LM)."""
+    saved = serialization.saved_keys(checkpoint_dir)
+    keys = [key for key in saved if key == COMMON_STATE_KEY or key.startswith(COMMON_STATE_KEY + "/")]
+    if not keys:
+        from teratron.dist_checkpointing.safe_load import read_common_state as read_common_file
+
+        return read_common_file(checkpoint_dir)
+    common = serialization.load_full(checkpoint_dir, lambda key: key == keys[0])[keys[0]]
+    if isinstance(common, list) and len(common) == 1:  # Megatron saves it as a one-item list
+        common = common[0]
+    if not isinstance(common, dict):
+        raise storage.DamagedCheckpointError(f"{checkpoint_dir}: Megatron-LM's common state is a "
+                                             f"{type(common).__name__}, not a dict; the checkpoint is damaged")
+    return common
+
+
+def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int) -> dict:
+    """Load the model weights of a Megatron-LM torch_dist folder into `model_chunks` (any layout;
+    a collective over the ranks); returns Megatron's common state."""
+    saved = serialization.saved_keys(checkpoint_dir)
+    items = [_megatron_box(item, saved, num_layers) for item in model_sharded_items(model_chunks)]
+    serialization.load(items, checkpoint_dir, unexpected_filter=_is_megatron_model_key)
+    return read_common_state(checkpoint_dir)
+

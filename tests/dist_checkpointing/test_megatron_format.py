@@ -1,0 +1,133 @@
+"""Checkpoints Megatron-LM wrote (fixtures/megatron_core: Megatron Core's own `dist_checkpointing.save`
+of its GPTModel at TP 1 and TP 2, with the logits of its own forward of a fixed batch; made by
+megatron/make_megatron_fixture.py) load into teratron under TP 1 and TP 2 and give Megatron's
+logits: the key translation (layers stacked, norms under fused names) and the row layouts (grouped
+QKV, SwiGLU halves) are Megatron's."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist import run_distributed
+from teratron import parallel_state as ps
+from teratron.dist_checkpointing import storage
+from teratron.dist_checkpointing.megatron_format import (is_megatron_checkpoint, load_megatron_checkpoint,
+                                                         read_common_state)
+from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+from teratron.process_groups import ProcessGroupCollection
+from teratron.transformer.transformer_config import TransformerConfig
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_core")
+LAYERS, VOCAB, SEQ = 2, 64, 8
+
+
+def _folder(saved_tp: int) -> str:
+    return os.path.join(FIXTURES, f"tp{saved_tp}", "iter_0000005")
+
+
+def _model(tp: int):
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu,
+                               normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+                               attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=True)
+    torch.manual_seed(123)  # other weights than Megatron's: the load must replace every one
+    pg = None if dist.is_initialized() else ProcessGroupCollection()
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=False,
+                    position_embedding_type="rope", pg_collection=pg).eval()
+
+
+def _logits_after_load(saved_tp: int, tp: int) -> torch.Tensor:
+    """This TP layout's full-vocabulary logits of the fixture's batch, after loading the
+    checkpoint Megatron saved at `saved_tp`."""
+    model = _model(tp)
+    common = load_megatron_checkpoint(_folder(saved_tp), [model], LAYERS)
+    assert common["iteration"] == 5 and common["args"].tensor_model_parallel_size == saved_tp
+    batch = torch.load(os.path.join(FIXTURES, f"tp{saved_tp}", "logits.pt"))
+    with torch.no_grad():
+        logits = model(batch["tokens"], None)  # [b, s, V/tp]
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits)
+        logits = torch.cat(parts, dim=-1)
+    return logits, batch["logits"]
+
+
+@pytest.mark.parametrize("saved_tp", [1, 2])
+def test_megatron_checkpoint_gives_megatrons_logits_in_one_process(saved_tp):
+    assert is_megatron_checkpoint(_folder(saved_tp))
+    logits, megatron_logits = _logits_after_load(saved_tp, 1)
+    torch.testing.assert_close(logits, megatron_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_checkpoints_give_megatrons_logits_under_tensor_parallelism():
+    for logits, megatron_logits in [pair for results in run_distributed(_both_fixtures_at_tp2, 2) for pair in results]:
+        torch.testing.assert_close(logits, megatron_logits, rtol=1e-5, atol=1e-5)
+
+
+def _both_fixtures_at_tp2():
+    ps.initialize_model_parallel(2, 1)
+    return [_logits_after_load(saved_tp, 2) for saved_tp in (1, 2)]
+
+
+def test_teratron_and_megatron_folders_are_told_apart(tmp_path):
+    assert not is_megatron_checkpoint(str(tmp_path))
+    (tmp_path / storage.METADATA_FILENAME).write_text('{"format": "teratron", "sharded_backend": "torch_dist"}')
+    assert not is_megatron_checkpoint(str(tmp_path))
+    assert read_common_state(_folder(1))["checkpoint_version"] == 3.0
+
+
+def test_another_architecture_is_named_in_one_line():
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                               gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+                               add_bias_linear=False, use_cpu_initialization=True)  # no GQA: another QKV shape
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", pg_collection=ProcessGroupCollection())
+    with pytest.raises(ValueError, match=r"does not match: .*linear_qkv.weight: saved \(2, 64, 32\), expected \(2, 96, 32\)") as error:
+        load_megatron_checkpoint(_folder(1), [model], LAYERS)
+    assert "\n" not in str(error.value)
+
+
+TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "48", "--swiglu", "--normalization", "RMSNorm",
+         "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+         "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size", "64",
+         "--make-vocab-size-divisible-by", "64", "--tokenizer-type", "NullTokenizer", "--mock-data",
+         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "7", "--lr", "1e-3",
+         "--log-interval", "1", "--eval-iters", "0", "--no-progress-bar"]
+
+
+def _train(tmp_path, *flags):
+    import shutil
+    import subprocess
+    import sys
+
+    load = tmp_path / "load"
+    if not load.exists():
+        shutil.copytree(os.path.join(FIXTURES, "tp1"), load)
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "teratron", "train", *TRAIN, "--load", str(load),
+                           "--metrics-file", str(metrics), *flags], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, metrics
+
+
+def test_training_continues_a_megatron_checkpoint_at_its_iteration(tmp_path):
+    import json
+
+    proc, metrics = _train(tmp_path, "--no-load-optim")
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded the model of Megatron-LM checkpoint" in proc.stdout
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [6, 7]
+    proc, metrics = _train(tmp_path, "--finetune", "--train-iters", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()][-1] == 1
+
+
+def test_megatron_optimizer_state_is_refused_in_one_line(tmp_path):
+    proc, _ = _train(tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("teratron: error: --load ")
+    assert "add --no-load-optim" in proc.stderr
