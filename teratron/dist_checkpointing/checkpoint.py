@@ -14,6 +14,7 @@ then tracker). Loading checks those checksums first, each rank a share. RNG stat
 them.
 """
 
+import json
 import os
 import random
 import re
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from teratron.dist_checkpointing import serialization, storage
+from teratron.dist_checkpointing import megatron_format, serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import is_model_key, model_sharded_items, param_layouts, unwrap
 from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, optimizer_common_state,
@@ -211,17 +212,21 @@ def verify_checkpoint(checkpoint_dir: str, metadata: dict, group=None) -> None:
         raise storage.DamagedCheckpointError(errors[0])
 
 
-def _finish(root, iteration, files, error, common, metadata) -> str:
+def _finish(root, iteration, files, error, common, metadata, ckpt_format="teratron") -> str:
     """All ranks: publish when every rank wrote its part (`files` are their records), else remove
     the attempt and raise."""
     tmp = storage.temporary_dir(root, iteration)
     ok = files is not None
     if ok and _rank() == 0:
         try:
-            common_file = os.path.join(tmp, storage.COMMON_FILENAME)
-            torch.save(common, common_file)
-            files = {**files, storage.COMMON_FILENAME: storage.file_record(common_file)}
-            storage.write_metadata(tmp, {"iteration": iteration, **metadata, "files": files})
+            if ckpt_format == "torch_dist":  # the common state went into the DCP files
+                storage.replace_file(os.path.join(tmp, storage.METADATA_FILENAME),
+                                     json.dumps(megatron_format.megatron_metadata()))
+            else:
+                common_file = os.path.join(tmp, storage.COMMON_FILENAME)
+                torch.save(common, common_file)
+                files = {**files, storage.COMMON_FILENAME: storage.file_record(common_file)}
+                storage.write_metadata(tmp, {"iteration": iteration, **metadata, "files": files})
         except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
             ok, error = False, e
     if not all_ranks_true(ok):
@@ -253,16 +258,29 @@ def _items_of_every_rank(model_chunks, optimizer, with_rng):
     return (items, None) if all_ranks_true(error is None) else (None, error)
 
 
+def _as_megatron(items, model_chunks, common, metadata, iteration) -> list:
+    """Items under Megatron-LM's names, and (rank 0) its common state as the object it reads."""
+    items = megatron_format.to_megatron_items(items, **megatron_format.stacking(model_chunks))
+    if _rank() == 0:
+        state = megatron_format.megatron_common_state(common, metadata, iteration)
+        items.append(ShardedObject(megatron_format.COMMON_STATE_KEY + "/shard_0_1", [state]))
+    return items
+
+
 def save_checkpoint(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
-                    with_rng=True) -> str:
-    """Write and publish iteration `iteration` under `root` (a collective); returns its folder."""
-    items, error = _items_of_every_rank(model_chunks, optimizer, with_rng)
+                    with_rng=True, ckpt_format="teratron") -> str:
+    """Write and publish iteration `iteration` under `root` (a collective); returns its folder.
+    `ckpt_format` 'torch_dist': Megatron-LM's layout (`megatron_format`; no RNG states)."""
+    megatron = ckpt_format == "torch_dist"
+    items, error = _items_of_every_rank(model_chunks, optimizer, with_rng and not megatron)
+    common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng and not megatron)
     files = None
     if items is not None:
         check_finite(items, root, iteration)
+        if megatron:
+            items = _as_megatron(items, model_chunks, common, metadata, iteration)
         files, error = _write(items, _begin(root, iteration))
-    common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng)
-    return _finish(root, iteration, files, error, common, metadata)
+    return _finish(root, iteration, files, error, common, metadata, ckpt_format)
 
 
 def _snapshot(items):
@@ -292,8 +310,9 @@ def _async_group():
 class AsyncSave:
     """A checkpoint being written by a background thread; `finalize` publishes it."""
 
-    def __init__(self, root, iteration, items, common, metadata):
+    def __init__(self, root, iteration, items, common, metadata, ckpt_format="teratron"):
         self.root, self.iteration, self.common, self.metadata = root, iteration, common, metadata
+        self.ckpt_format = ckpt_format
         self.files, self.error = None, None
         group = _async_group()
         self.thread = threading.Thread(target=self._write, args=(items, group), daemon=True,
@@ -309,19 +328,22 @@ class AsyncSave:
             self.thread.join()
         if not all_ranks_true(not self.thread.is_alive()):
             return False
-        _finish(self.root, self.iteration, self.files, self.error, self.common, self.metadata)
+        _finish(self.root, self.iteration, self.files, self.error, self.common, self.metadata, self.ckpt_format)
         return True
 
 
 def start_async_save(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
-                     with_rng=True) -> AsyncSave:
+                     with_rng=True, ckpt_format="teratron") -> AsyncSave:
     """Snapshot the state now and write it in the background (a collective)."""
-    items = sharded_items(model_chunks, optimizer, with_rng)
+    megatron = ckpt_format == "torch_dist"
+    items = sharded_items(model_chunks, optimizer, with_rng and not megatron)
     check_finite(items, root, iteration)
     _begin(root, iteration)
     items = _snapshot(items)
-    common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng)
-    return AsyncSave(root, iteration, items, common, metadata)
+    common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng and not megatron)
+    if megatron:
+        items = _as_megatron(items, model_chunks, common, metadata, iteration)
+    return AsyncSave(root, iteration, items, common, metadata, ckpt_format)
 
 
 def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer=True, load_rng=True,

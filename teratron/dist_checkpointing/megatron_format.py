@@ -24,16 +24,18 @@ one), and DCP fills it in place under any TP / PP / DP layout. `_extra_state` ob
 Engine's FP8 metadata) are not read. Nothing read runs code (`safe_load`).
 """
 
+import argparse
 import json
 import os
 import re
 
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
-from teratron.dist_checkpointing.model_state import model_sharded_items
+from teratron.dist_checkpointing.model_state import model_sharded_items, unwrap
 
 SHARDED_BACKEND = "torch_dist"
 COMMON_STATE_KEY = "common_state"
+_OPTIMIZER_STATE = "optimizer.state."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _FUSED_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -72,6 +74,61 @@ def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedT
                                  (num_layers,) + tuple(item.global_shape), (layer,) + tuple(item.global_offset),
                                  item.resizable_rows, item.replica)
     return item  # reported missing by the load, under teratron's name
+
+
+def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
+    """This rank's teratron items (model, and optimizer states named after the model's keys)
+    under Megatron-LM's names: layers stacked over `num_layers` when `stacked` (Megatron's rule:
+    every layer alike), else per layer; the attention norm under its fused name, the MLP norm too
+    where the layer's MLP is dense (an MoE layer keeps `pre_mlp_layernorm`)."""
+    dense = {match.group(1) for match in map(_LAYER.match, (item.key for item in items))
+             if match is not None and match.group(2) == "mlp.linear_fc1.weight"}
+    out = []
+    for item in items:
+        prefix, key = "", item.key
+        if key.startswith(_OPTIMIZER_STATE):  # optimizer.state.<name>.<model key>
+            name, key = key[len(_OPTIMIZER_STATE):].split(".", 1)
+            prefix = f"{_OPTIMIZER_STATE}{name}."
+        match = _LAYER.match(key) if isinstance(item, ShardedTensor) else None
+        if match is None:
+            out.append(item)
+            continue
+        layer, name = match.group(1), match.group(2)
+        if name.startswith("input_layernorm.") or (name.startswith("pre_mlp_layernorm.") and layer in dense):
+            name = _FUSED_NORMS[name]
+        if stacked:
+            out.append(ShardedTensor(f"{prefix}decoder.layers.{name}", item.data.unsqueeze(0),
+                                     (num_layers,) + tuple(item.global_shape), (int(layer),) + tuple(item.global_offset),
+                                     item.resizable_rows, item.replica))
+        else:
+            out.append(ShardedTensor(f"{prefix}decoder.layers.{layer}.{name}", item.data, item.global_shape,
+                                     item.global_offset, item.resizable_rows, item.replica))
+    return out
+
+
+def megatron_common_state(common: dict, metadata: dict, iteration: int) -> dict:
+    """Megatron-LM's common state of a teratron save: its args (a Namespace of Megatron's flag
+    names: the model's, and the consumed samples it resumes from), checkpoint_version 3.0,
+    iteration and scheduler; teratron's own common entries ride along under their names."""
+    args = argparse.Namespace(**metadata.get("model_args", {}), ckpt_format=SHARDED_BACKEND,
+                              consumed_train_samples=common.get("consumed_train_samples", 0),
+                              consumed_valid_samples=common.get("consumed_valid_samples", 0))
+    return {**common, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+
+
+def stacking(model_chunks) -> dict:
+    """to_megatron_items' num_layers and stacked for this model (Megatron stacks the layers
+    unless they differ: MoE on some layers only)."""
+    config = unwrap(model_chunks[0]).config
+    freq = config.moe_layer_freq
+    uniform = config.num_moe_experts is None or (isinstance(freq, int) and freq == 1)
+    return {"num_layers": config.num_layers, "stacked": uniform}
+
+
+def megatron_metadata() -> dict:
+    """metadata.json of a Megatron-LM torch_dist checkpoint."""
+    return {"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
+            "common_backend_version": 1}
 
 
 def _is_megatron_model_key(key: str) -> bool:

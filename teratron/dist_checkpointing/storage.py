@@ -84,7 +84,7 @@ def read_tracker(root: str):
     return int(text)
 
 
-def _replace_file(path: str, text: str) -> None:
+def replace_file(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
         f.flush()
@@ -123,7 +123,7 @@ def publish(root: str, iteration: int) -> str:
     final = iteration_dir(root, iteration)
     _move_into_place(temporary_dir(root, iteration), final)
     _fsync_dir(root)
-    _replace_file(os.path.join(root, TRACKER_FILENAME), str(iteration))
+    replace_file(os.path.join(root, TRACKER_FILENAME), str(iteration))
     _fsync_dir(root)
     return final
 
@@ -170,7 +170,7 @@ def verify_files(checkpoint_dir: str, metadata: dict, names=None) -> None:
 
 def write_metadata(checkpoint_dir: str, metadata: dict) -> None:
     body = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata}
-    _replace_file(os.path.join(checkpoint_dir, METADATA_FILENAME), json.dumps(body, indent=1, sort_keys=True))
+    replace_file(os.path.join(checkpoint_dir, METADATA_FILENAME), json.dumps(body, indent=1, sort_keys=True))
 
 
 def read_metadata(checkpoint_dir: str) -> dict:

@@ -131,3 +131,59 @@ def test_megatron_optimizer_state_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("teratron: error: --load ")
     assert "add --no-load-optim" in proc.stderr
+
+
+# ----- writing Megatron-LM's layout (--ckpt-format torch_dist) -------------------------------------
+
+def _save_megatron_layout(root, tp=1):
+    from teratron.dist_checkpointing import save_checkpoint
+
+    model = _model(tp)
+    common = {"iteration": 5, "consumed_train_samples": 40, "consumed_valid_samples": 8}
+    metadata = {"model_args": {"num_layers": LAYERS, "hidden_size": 32}}
+    folder = save_checkpoint(str(root), 5, [model], common=common, metadata=metadata, ckpt_format="torch_dist")
+    return model, folder
+
+
+def _model_keys(folder):
+    from teratron.dist_checkpointing import serialization
+
+    return {key: shape for key, shape in serialization.saved_keys(folder).items()
+            if shape is not None and "_extra_state" not in key}
+
+
+def test_teratron_writes_the_keys_and_shapes_megatron_writes(tmp_path):
+    _, folder = _save_megatron_layout(tmp_path)
+    assert is_megatron_checkpoint(folder)
+    assert _model_keys(folder) == _model_keys(_folder(1))  # Megatron Core's own save of this architecture
+    assert not os.path.exists(os.path.join(folder, storage.COMMON_FILENAME))
+    common = read_common_state(folder)
+    assert (common["iteration"], common["checkpoint_version"]) == (5, 3.0)
+    assert (common["args"].consumed_train_samples, common["args"].num_layers) == (40, LAYERS)
+
+
+def test_megatron_layout_round_trips_under_any_tensor_parallel_size(tmp_path):
+    saved, folder = _save_megatron_layout(tmp_path)
+    loaded = _model(1)
+    torch.manual_seed(7)
+    for p in loaded.parameters():
+        p.data.normal_()
+    load_megatron_checkpoint(folder, [loaded], LAYERS)
+    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    full = {name: t.clone() for name, t in saved.state_dict().items()}
+    for shards in run_distributed(_load_at_tp2, 2, folder):
+        for name, (dim, shard, rank) in shards.items():
+            expected = full[name] if dim is None else full[name].chunk(2, dim)[rank]
+            if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds its gate and up rows
+                gate, up = full[name].chunk(2, 0)
+                expected = torch.cat([gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]])
+            assert torch.equal(shard, expected), name
+
+
+def _load_at_tp2(folder):
+    ps.initialize_model_parallel(2, 1)
+    model = _model(2)
+    load_megatron_checkpoint(folder, [model], LAYERS)
+    return {name: (getattr(t, "partition_dim", None) if getattr(t, "tensor_model_parallel", False) else None,
+                   t.detach().clone(), dist.get_rank()) for name, t in model.state_dict(keep_vars=True).items()}
