@@ -47,7 +47,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.topology import resolve_pg_collection
-from teratron.transformer import context_parallel
+from teratron.transformer import banded_attention, context_parallel
 from teratron.transformer.context_parallel import allowed_keys
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 from teratron.transformer.transformer_config import pattern_layer_number
@@ -273,8 +273,13 @@ class DotProductAttention(torch.nn.Module):
         self.current_max_attn_logits.copy_(torch.maximum(self.current_max_attn_logits, logits))
 
     def _attend(self, q, k, v, attention_mask, is_causal, dropout_p):
-        """The kernel: SDPA for plain attention, FlexAttention for a window or a sink on CUDA, the
-        reference for the unfused backend and for windows or sinks elsewhere."""
+        """The kernel: SDPA for plain attention, the banded dense kernels for a wide causal window,
+        FlexAttention for other windows or a sink on CUDA, the reference for the unfused backend
+        and for those windows or sinks elsewhere."""
+        if banded_attention.runs_banded(self.window_size, is_causal, dropout_p, q, k, v, self.use_reference):
+            kernel = banded_attention.cuda_kernel(self.config.attention_backend, q, v) if q.is_cuda else "flash"
+            return banded_attention.banded_attention(q, k, v, self.window_size[0], self.softmax_scale,
+                                                     self.softmax_offset, kernel)
         plain = self.window_size is None and self.softmax_offset is None
         if self.use_reference or (not plain and not q.is_cuda):
             return self._reference(q, k, v, attention_mask, is_causal, dropout_p)
