@@ -105,15 +105,14 @@ def _merge(out_own, lse_own, out_previous, lse_previous, sink):
     return _kernel(out).to(out_own.dtype), _kernel(lse)
 
 
-def _add_previous(grad_own, grad_previous, queries: bool):
-    """A gradient [m, C, heads, h] of chunk rows: the own-chunk block's plus the previous-chunk
-    block's (rows reversed), which covers chunks 1.. for queries, chunks ..m-2 for keys and values
-    (fp32)."""
-    grad = grad_own.float()
+def _add_previous(grad_own, grad_previous, queries: bool, dtype):
+    """A gradient [m, C, heads, h] of chunk rows in `dtype`: the own-chunk block's plus the
+    previous-chunk block's (rows reversed), which covers chunks 1.. for queries, chunks ..m-2 for
+    keys and values (summed in fp32)."""
     if grad_previous is None:
-        return grad
+        return grad_own.to(dtype)
     chunks = (1, 0) if queries else (0, 1)
-    return grad + F.pad(grad_previous.flip(1).float(), (0, 0, 0, 0, 0, 0, *chunks))
+    return (grad_own.float() + F.pad(grad_previous.flip(1).float(), (0, 0, 0, 0, 0, 0, *chunks))).to(dtype)
 
 
 def _compiled(fn, on_cuda: bool):
@@ -158,8 +157,8 @@ class _BandedAttention(torch.autograd.Function):
             previous = block_grads(*(_previous(t[1:]) for t in (doutr, qr)), *(_previous(t[:-1]) for t in (kr, vr)),
                                    *(_previous(t[1:]) for t in (out, lse)))
         add = _compiled(_add_previous, q.is_cuda)
-        grads = [_from_chunks(add(g, p, queries=i == 0), b, s).to(t.dtype)
-                 for i, (g, p, t) in enumerate(zip(own, previous, (q, k, v)))]
+        grads = [_from_chunks(add(own_grad, previous_grad, i == 0, t.dtype), b, s)
+                 for i, (own_grad, previous_grad, t) in enumerate(zip(own, previous, (q, k, v)))]
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_grad(dout, _from_chunks(out, b, s), _from_chunks(lse.unsqueeze(-1), b, s)[..., 0], sink)

@@ -14,13 +14,17 @@ sees and how its softmax is normalised:
 `_attend` picks the kernel, all with one meaning:
 - `scaled_dot_product_attention` for plain attention (flash, cuDNN or memory-efficient kernels on
   GPU, see `_SDPA_BACKENDS`);
-- FlexAttention (compiled) for a window or a sink on CUDA: the window is a block mask, built once
-  per (sq, sk, causal, window) and cached, so windowed layers skip the blocks outside the band
-  and nothing of size s x s is built; the sink rescales the plain output by its log-sum-exp L:
+- the banded path (`banded_attention`) for a causal window of at least 256 keys without dropout
+  (16-bit on CUDA, any dtype on the CPU): chunks of the window's width on the dense causal
+  kernels with log-sum-exp (cuDNN's or, with `attention_backend` flash or where cuDNN cannot run,
+  aten's flash kernel; on the CPU aten's CPU flash kernel), the sink merged into their log-sum-exp;
+- FlexAttention (compiled) for other windows or a sink on CUDA: the window is a block mask,
+  built once per (sq, sk, causal, window) and cached, so windowed layers skip the blocks outside
+  the band and nothing of size s x s is built; the sink rescales the plain output by its log-sum-exp L:
   sum_k exp(s_k) / (exp(z) + sum_k exp(s_k)) = sigmoid(L - z), so out_sink = out * sigmoid(L - z),
   differentiable in the scores (through L) and in z;
-- the explicit reference (`attention_backend` unfused / local, and windows or sinks on CPU, where
-  FlexAttention has no backward): it materialises the scores, softmax in fp32 when
+- the explicit reference (`attention_backend` unfused / local, and those windows or sinks on CPU,
+  where FlexAttention has no backward): it materialises the scores, softmax in fp32 when
   `attention_softmax_in_fp32`, the sink as an extra column.
 Dropout of attention probabilities runs under the tensor-parallel RNG tracker, since every TP
 rank holds different heads; FlexAttention has none, so a window or sink with dropout on CUDA is
