@@ -82,9 +82,9 @@ def _from_chunks(rows, b: int, s: int):
     return rows.reshape(m * size, b, heads // b, h)[:s].permute(1, 2, 0, 3)
 
 
-def _previous(rows):
-    """The blocks of chunks 1.. against their previous chunks: queries' rows (chunks 1..) or keys'
-    and values' (chunks ..m-2), row order reversed."""
+def _reversed(rows):
+    """Chunk rows [m, C, heads, h] with each chunk's rows in reverse order: the previous-chunk
+    block's inputs (queries of chunks 1.., keys and values of chunks ..m-2) and outputs."""
     return rows.flip(1)
 
 
@@ -99,7 +99,7 @@ def _merge(out_own, lse_own, out_previous, lse_previous, sink):
     sink logits [b * n] (or None) -> (out q's dtype, L fp32), chunk rows."""
     out, lse = out_own.float(), lse_own
     if out_previous is not None:
-        later, later_lse = merge_by_lse(out[1:], lse[1:], out_previous.flip(1).float(), lse_previous.flip(1))
+        later, later_lse = merge_by_lse(out[1:], lse[1:], _reversed(out_previous).float(), _reversed(lse_previous))
         out, lse = torch.cat([out[:1], later]), torch.cat([lse[:1], later_lse])
     out, lse = apply_sink(_kernel(out), _kernel(lse), sink)  # per head: the heads' dim as apply_sink has it
     return _kernel(out).to(out_own.dtype), _kernel(lse)
@@ -112,7 +112,7 @@ def _add_previous(grad_own, grad_previous, queries: bool, dtype):
     if grad_previous is None:
         return grad_own.to(dtype)
     chunks = (1, 0) if queries else (0, 1)
-    return (grad_own.float() + F.pad(grad_previous.flip(1).float(), (0, 0, 0, 0, 0, 0, *chunks))).to(dtype)
+    return (grad_own.float() + F.pad(_reversed(grad_previous).float(), (0, 0, 0, 0, 0, 0, *chunks))).to(dtype)
 
 
 def _compiled(fn, on_cuda: bool):
@@ -130,8 +130,8 @@ class _BandedAttention(torch.autograd.Function):
         out_own, lse_own = flash_forward(_kernel(qr), _kernel(kr), _kernel(vr), True, scale, kernel)
         out_previous = lse_previous = None
         if qr.shape[0] > 1:
-            out_previous, lse_previous = flash_forward(_kernel(_previous(qr[1:])), _kernel(_previous(kr[:-1])),
-                                                       _kernel(_previous(vr[:-1])), True, scale, kernel)
+            out_previous, lse_previous = flash_forward(_kernel(_reversed(qr[1:])), _kernel(_reversed(kr[:-1])),
+                                                       _kernel(_reversed(vr[:-1])), True, scale, kernel)
             out_previous, lse_previous = _kernel(out_previous), _kernel(lse_previous)
         heads_sink = None if sink is None else sink.repeat(b)  # the sink of every (sample, head)
         out, lse = _compiled(_merge, q.is_cuda)(_kernel(out_own), _kernel(lse_own), out_previous, lse_previous,
@@ -154,8 +154,8 @@ class _BandedAttention(torch.autograd.Function):
         own = block_grads(doutr, qr, kr, vr, out, lse)
         previous = [None] * 3
         if qr.shape[0] > 1:
-            previous = block_grads(*(_previous(t[1:]) for t in (doutr, qr)), *(_previous(t[:-1]) for t in (kr, vr)),
-                                   *(_previous(t[1:]) for t in (out, lse)))
+            previous = block_grads(*(_reversed(t[1:]) for t in (doutr, qr)), *(_reversed(t[:-1]) for t in (kr, vr)),
+                                   *(_reversed(t[1:]) for t in (out, lse)))
         add = _compiled(_add_previous, q.is_cuda)
         grads = [_from_chunks(add(own_grad, previous_grad, i == 0, t.dtype), b, s)
                  for i, (own_grad, previous_grad, t) in enumerate(zip(own, previous, (q, k, v)))]
