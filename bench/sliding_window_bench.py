@@ -7,19 +7,25 @@ full causal attention's time; docs/performance.md).
 One GPU, bf16, the benchmark model's heads (16 x 128; --groups for GQA). Every case is teratron's
 `DotProductAttention` as a training layer builds it: full causal attention runs SDPA (`auto`:
 SDPA's own choice, and pinned to `flash` and to cuDNN's `fused` kernel, so the window is compared
-with the fastest), the windowed layer FlexAttention, compiled, with its cached block mask; the
-windowed layer with learned sinks (`softmax_type learnable`) and FlexAttention over the full
-causal mask (the kernel's own cost, no window) are measured too. Each case runs --warmup steps
-first (compilation included), then --iters timed steps between CUDA events. Prints one RESULT
-line per case (ms per forward + backward, peak memory) and the ratios window / full causal,
-against the fastest full-causal kernel and against `auto`, next to the ratio of the key counts.
+with the fastest); the windowed layer runs banded (`banded_attention`: chunks of the window on the
+dense causal kernels), once with each CUDA kernel (`attention_backend` fused: cuDNN, flash: aten's
+flash), and with learned sinks (`softmax_type learnable`); for comparison the windowed layer on
+FlexAttention (what windows under `banded_attention.MIN_WINDOW` run: compiled, a cached block
+mask), with and without sinks, and FlexAttention over the full causal mask (the kernel's own
+cost, no window). Each case runs --warmup steps first (compilation included), then --iters timed
+steps between CUDA events. Prints one RESULT line per case (ms per forward + backward, peak
+memory) and the ratios window / full causal, against the fastest full-causal kernel and against
+`auto`, next to the ratio of the key counts.
 """
 
 import argparse
+import contextlib
 
 import torch
 
+from teratron.transformer import banded_attention
 from teratron.transformer.dot_product_attention import DotProductAttention
+from teratron.transformer.enums import AttnBackend
 from teratron.transformer.transformer_config import TransformerConfig
 
 
@@ -32,9 +38,21 @@ def build(args, window=None, softmax_type="vanilla", backend="auto"):
     return DotProductAttention(config, layer_number=1)
 
 
-def flex_full_causal(args):
-    """The windowed layer's kernel over the whole causal mask: a window wider than the sequence."""
-    return build(args, window=(args.seq_length, 0))
+@contextlib.contextmanager
+def on_flex_attention():
+    """Windows of any width on FlexAttention, as those under banded_attention.MIN_WINDOW run."""
+    saved = banded_attention.MIN_WINDOW
+    banded_attention.MIN_WINDOW = float("inf")
+    try:
+        yield
+    finally:
+        banded_attention.MIN_WINDOW = saved
+
+
+def banded_kernel(args, backend: str) -> str:
+    """The CUDA kernel the banded path takes under this attention_backend."""
+    q = torch.empty(args.batch, args.heads, args.seq_length, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    return banded_attention.cuda_kernel(AttnBackend[backend], q, q)
 
 
 def time_forward_backward(attention, args):
@@ -85,31 +103,42 @@ def main():
         raise SystemExit("sliding_window_bench: needs a CUDA GPU")
     torch.manual_seed(0)
     window = (args.window, 0)
-    cases = {
-        "full causal, SDPA auto": lambda: build(args),
-        "full causal, SDPA flash": lambda: build(args, backend="flash"),
-        "full causal, SDPA cuDNN (fused)": lambda: build(args, backend="fused"),
-        "full causal, FlexAttention": lambda: flex_full_causal(args),
-        f"window {args.window}, FlexAttention": lambda: build(args, window=window),
-        f"window {args.window} + learned sinks, FlexAttention": lambda: build(args, window, "learnable"),
+    flex = on_flex_attention
+    plain = contextlib.nullcontext
+    sinks = f"window {args.window} + learned sinks"
+    cases = {  # name: (layer, the context it runs in)
+        "full causal, SDPA auto": (lambda: build(args), plain),
+        "full causal, SDPA flash": (lambda: build(args, backend="flash"), plain),
+        "full causal, SDPA cuDNN (fused)": (lambda: build(args, backend="fused"), plain),
+        "full causal, FlexAttention": (lambda: build(args, window=(args.seq_length, 0)), flex),
+        f"window {args.window}, FlexAttention": (lambda: build(args, window=window), flex),
+        f"{sinks}, FlexAttention": (lambda: build(args, window, "learnable"), flex),
     }
+    for backend in ("fused", "flash"):
+        kernel = banded_kernel(args, backend)
+        cases[f"window {args.window}, banded {backend} ({kernel})"] = (
+            lambda backend=backend: build(args, window=window, backend=backend), plain)
+        cases[f"{sinks}, banded {backend} ({kernel})"] = (
+            lambda backend=backend: build(args, window, "learnable", backend), plain)
     shape = (f"seq {args.seq_length}, batch {args.batch}, heads {args.heads} (kv {args.groups}) x {args.head_dim}, "
              f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     times = {}
-    for name, make in cases.items():
+    for name, (make, context) in cases.items():
         try:
-            ms, peak = time_forward_backward(make().cuda(), args)
+            with context():
+                ms, peak = time_forward_backward(make().cuda(), args)
         except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
             print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
             continue
         times[name] = ms
         print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB ({shape})", flush=True)
-    windowed = times[f"window {args.window}, FlexAttention"]
     full = {name: ms for name, ms in times.items() if name.startswith("full causal, SDPA")}
     fastest = min(full, key=full.get)
-    print(f"RESULT window/full causal: {windowed / full[fastest]:.3f} (vs the fastest, {fastest}); "
-          f"{windowed / times['full causal, SDPA auto']:.3f} (vs SDPA auto); target <= {1 / 6:.3f}; "
-          f"visible keys {visible_keys_ratio(args.seq_length, args.window):.3f}", flush=True)
+    for name, ms in times.items():
+        if name.startswith(f"window {args.window}"):
+            print(f"RESULT {name} / full causal: {ms / full[fastest]:.3f} (vs the fastest, {fastest}); "
+                  f"{ms / times['full causal, SDPA auto']:.3f} (vs SDPA auto); target <= {1 / 6:.3f}; "
+                  f"visible keys {visible_keys_ratio(args.seq_length, args.window):.3f}", flush=True)
 
 
 if __name__ == "__main__":

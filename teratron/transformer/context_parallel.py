@@ -383,37 +383,46 @@ def _pad_heads(q, k, v):
     return tuple(t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1])) for t in (q, k, v))
 
 
-def flash_forward(q, k, v, causal: bool, scale: float):
-    """q [b, n, sq, hq], k [b, g, sk, hq], v [b, g, sk, hv] -> (out [b, n, sq, hv] fp32,
-    log-sum-exp [b, n, sq] fp32)."""
+def flash_forward(q, k, v, causal: bool, scale: float, kernel: str = "flash"):
+    """q [b, n, sq, hq], k [b, g, sk, hq], v [b, g, sk, hv] -> (out [b, n, sq, hv] in q's dtype,
+    log-sum-exp [b, n, sq] fp32). On CUDA aten's flash kernel, or cuDNN's fused attention with
+    `kernel` 'cudnn'; on the CPU aten's flash kernel for the CPU."""
     hv = v.shape[-1]
     k, v = _expand_groups(k, v, q.shape[1])
     q, k, v = _pad_heads(q, k, v)
-    if q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    else:
+    if not q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out[..., :hv].float(), lse.float()
+    elif kernel == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=scale)[:2]
+        lse = lse.reshape(q.shape[:3])  # cuDNN's statistics may carry a trailing dim of 1
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out[..., :hv], lse.float()
 
 
-def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """Gradients of q, k, v of one block given the final output `out` and log-sum-exp `lse` of
-    these queries and the gradient of that output."""
+def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str = "flash"):
+    """Gradients of q, k, v of one block given the final output `out` (q's dtype) and log-sum-exp
+    `lse` of these queries and the gradient of that output; `kernel` as `flash_forward`'s."""
     groups, hq, hv = q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1]
     k, v = _expand_groups(k, v, q.shape[1])
     q, k, v = _pad_heads(q, k, v)
     size = q.shape[-1]
     out, dout = (t if size == hv else F.pad(t, (0, size - hv)) for t in (out, dout))
-    if q.is_cuda:
-        # No cumulative lengths (None: the dense kernel, not varlen); without dropout the RNG state is unused.
-        rng = torch.zeros((), device=q.device, dtype=torch.int64)
-        # The kernel reads the log-sum-exp as a contiguous [b, n, sq] (a block's rows are a slice).
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng,
-            scale=scale)
-    else:
+    if not q.is_cuda:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    else:
+        # No cumulative lengths (None: the dense kernel, not varlen); without dropout the RNG state is unused.
+        rng = torch.zeros((), device=q.device, dtype=torch.int64)
+        if kernel == "cudnn":  # no attention bias; the statistics as cuDNN's forward lays them out, [b, n, sq, 1]
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), rng, rng, None, None, None, q.shape[2],
+                k.shape[2], 0.0, causal, scale=scale)
+        else:  # the kernel reads the log-sum-exp as a contiguous [b, n, sq] (a block's rows are a slice)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng,
+                scale=scale)
     return dq[..., :hq], _fold_groups(dk[..., :hq], groups), _fold_groups(dv[..., :hv], groups)
 
 
@@ -474,8 +483,9 @@ def block_forward(block: Block, q, k, v, scale: float, flex: bool):
     q, k, v = q[:, :, block.q], k[:, :, block.kv], v[:, :, block.kv]
     if block.kind == "masked":
         out, lse = masked_forward(q, k, v, block.mask, scale, flex)
-        return out.float(), lse.float()
-    return flash_forward(q, k, v, block.kind == "causal", scale)
+    else:
+        out, lse = flash_forward(q, k, v, block.kind == "causal", scale)
+    return out.float(), lse.float()
 
 
 @torch.no_grad()
@@ -511,21 +521,34 @@ class _Merged:
         self.lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
 
     def add(self, rows: slice, out, lse) -> None:
-        old = self.lse[:, :, rows]
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-        keep = torch.exp(old - safe).unsqueeze(-1)
-        take = torch.exp(lse - safe).unsqueeze(-1)
-        self.out[:, :, rows] = self.out[:, :, rows] * keep + out * take
-        self.lse[:, :, rows] = new
+        self.out[:, :, rows], self.lse[:, :, rows] = merge_by_lse(self.out[:, :, rows], self.lse[:, :, rows], out, lse)
+
+
+def merge_by_lse(out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two key sets from each one's output [..., s, h] and log-sum-exp
+    [..., s]: (sum_i exp(L_i - L) o_i, L = logaddexp(L_a, L_b)); a set a query saw nothing of
+    (L_i = -inf) adds nothing."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = out_a * torch.exp(lse_a - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)
+    return out, lse
 
 
 def apply_sink(out, lse, sink):
-    """Add the sink logits z [n] to the softmax: out *= exp(L - L'), L' = logaddexp(L, z)."""
+    """Add the sink logits z [n] to the softmax of out [b, n, s, h], lse [b, n, s]: out *= exp(L - L'),
+    L' = logaddexp(L, z)."""
     if sink is None:
         return out, lse
     total = torch.logaddexp(lse, sink.float().view(1, -1, 1))
     return out * torch.exp(lse - total).unsqueeze(-1), total
+
+
+def sink_grad(dout, out, lse, sink):
+    """The gradient of the sink logits z [n] from every query's final output and its gradient
+    [b, n, s, h] and final log-sum-exp [b, n, s]: the sink is a key of value 0, so dz = -sum over
+    queries of P_sink * rowsum(dO * O), P_sink = exp(z - L)."""
+    final = (dout.float() * out.float()).sum(-1)
+    return -(torch.exp(sink.float().view(1, -1, 1) - lse) * final).sum((0, 2)).to(sink.dtype)
 
 
 # ----- exchanges --------------------------------------------------------------------------------
@@ -667,11 +690,7 @@ class _ExchangedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = ctx.exchange.backward(dout.contiguous(), q, k, v, out, lse)
-        dsink = None
-        if sink is not None and ctx.needs_input_grad[3]:
-            # The sink is a key of value 0: dz = -sum over queries of P_sink * rowsum(dO * O).
-            final = (dout.float() * out.float()).sum(-1)
-            dsink = -(torch.exp(sink.float().view(1, -1, 1) - lse) * final).sum((0, 2)).to(sink.dtype)
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None
 
 

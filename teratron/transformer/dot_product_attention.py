@@ -14,13 +14,17 @@ sees and how its softmax is normalised:
 `_attend` picks the kernel, all with one meaning:
 - `scaled_dot_product_attention` for plain attention (flash, cuDNN or memory-efficient kernels on
   GPU, see `_SDPA_BACKENDS`);
-- FlexAttention (compiled) for a window or a sink on CUDA: the window is a block mask, built once
-  per (sq, sk, causal, window) and cached, so windowed layers skip the blocks outside the band
-  and nothing of size s x s is built; the sink rescales the plain output by its log-sum-exp L:
+- the banded path (`banded_attention`) for a causal window of at least 256 keys without dropout
+  (16-bit on CUDA, any dtype on the CPU): chunks of the window's width on the dense causal
+  kernels with log-sum-exp (cuDNN's or, with `attention_backend` flash or where cuDNN cannot run,
+  aten's flash kernel; on the CPU aten's CPU flash kernel), the sink merged into their log-sum-exp;
+- FlexAttention (compiled) for other windows or a sink on CUDA: the window is a block mask,
+  built once per (sq, sk, causal, window) and cached, so windowed layers skip the blocks outside
+  the band and nothing of size s x s is built; the sink rescales the plain output by its log-sum-exp L:
   sum_k exp(s_k) / (exp(z) + sum_k exp(s_k)) = sigmoid(L - z), so out_sink = out * sigmoid(L - z),
   differentiable in the scores (through L) and in z;
-- the explicit reference (`attention_backend` unfused / local, and windows or sinks on CPU, where
-  FlexAttention has no backward): it materialises the scores, softmax in fp32 when
+- the explicit reference (`attention_backend` unfused / local, and those windows or sinks on CPU,
+  where FlexAttention has no backward): it materialises the scores, softmax in fp32 when
   `attention_softmax_in_fp32`, the sink as an extra column.
 Dropout of attention probabilities runs under the tensor-parallel RNG tracker, since every TP
 rank holds different heads; FlexAttention has none, so a window or sink with dropout on CUDA is
@@ -47,7 +51,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.topology import resolve_pg_collection
-from teratron.transformer import context_parallel
+from teratron.transformer import banded_attention, context_parallel
 from teratron.transformer.context_parallel import allowed_keys
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 from teratron.transformer.transformer_config import pattern_layer_number
@@ -273,8 +277,13 @@ class DotProductAttention(torch.nn.Module):
         self.current_max_attn_logits.copy_(torch.maximum(self.current_max_attn_logits, logits))
 
     def _attend(self, q, k, v, attention_mask, is_causal, dropout_p):
-        """The kernel: SDPA for plain attention, FlexAttention for a window or a sink on CUDA, the
-        reference for the unfused backend and for windows or sinks elsewhere."""
+        """The kernel: SDPA for plain attention, the banded dense kernels for a wide causal window,
+        FlexAttention for other windows or a sink on CUDA, the reference for the unfused backend
+        and for those windows or sinks elsewhere."""
+        if banded_attention.runs_banded(self.window_size, is_causal, dropout_p, q, k, v, self.use_reference):
+            kernel = banded_attention.cuda_kernel(self.config.attention_backend, q, v) if q.is_cuda else "flash"
+            return banded_attention.banded_attention(q, k, v, self.window_size[0], self.softmax_scale,
+                                                     self.softmax_offset, kernel)
         plain = self.window_size is None and self.softmax_offset is None
         if self.use_reference or (not plain and not q.is_cuda):
             return self._reference(q, k, v, attention_mask, is_causal, dropout_p)
