@@ -288,3 +288,18 @@ def test_only_loopback_hosts_are_private():
 
     assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(_is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.org"))
+
+
+def test_readme_python_api_block_runs(imported):
+    """The README's "From Python" inference block, run as written on the imported checkpoint: its
+    logits are the full vocabulary's and its greedy texts are the engine's."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = readme.split("<!-- python-api")[1].split("```python\n")[1].split("```")[0]
+    ckpt, _ = imported
+    scope = {}
+    exec(block.replace('"ckpt/tiny-llama"', repr(ckpt)), scope)  # noqa: S102 - our own README's code
+    model, tokenizer, outputs = scope["model"], scope["tokenizer"], scope["outputs"]
+    assert scope["logits"].shape == (1, len(tokenizer.tokenize("The cat")), model.vocab_size)
+    engine = DynamicInferenceEngine(model, tokenizer, ENGINE)
+    again = engine.generate(["The cat", "A dog"], SamplingParams(temperature=0, num_tokens_to_generate=8))
+    assert [o.text for o in outputs] == [o.text for o in again] and all(o.token_ids for o in outputs)
