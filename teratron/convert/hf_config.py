@@ -66,6 +66,13 @@ def _export_window(a: dict, family: str) -> int | None:
     return window[0] + 1
 
 
+def _rope_args(hf: dict, source: str) -> dict:
+    """RoPE's base and, for a Llama 3 scaled config, use_rope_scaling and its factors."""
+    rope = rope_args_from_hf(hf, source, llama3=True)
+    scaled = rope.pop("rope_type") == "llama3"
+    return {**rope, "use_rope_scaling": scaled}
+
+
 def _llama_style_args(hf: dict, source: str) -> dict:
     """The model args of the Llama-style families and their MoE variants."""
     family = hf["model_type"]
@@ -79,7 +86,7 @@ def _llama_style_args(hf: dict, source: str) -> dict:
         "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "swiglu": True,
         "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias,
         "qk_layernorm": family in ("qwen3", "qwen3_moe"), "position_embedding_type": "rope",
-        "rotary_base": rope_args_from_hf(hf, source)["rotary_base"],
+        **_rope_args(hf, source),
         **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else {}),
         **_window_args(hf, family, source),
     }
@@ -114,7 +121,7 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         "num_attention_heads": hf["num_attention_heads"], "normalization": "RMSNorm",
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "rotary_percent": 1.0, "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab, "use_rope_scaling": False,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
         **MOE_DEFAULTS, **family_args(hf, source),
     }
@@ -168,7 +175,8 @@ def _llama_style_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dic
     _check_llama_shaped(a)
     sliding_window = _export_window(a, family)
     fields = {"intermediate_size": a["ffn_hidden_size"], "num_key_value_heads": a["num_query_groups"],
-              "head_dim": a["kv_channels"], "rope_theta": a["rotary_base"], "rope_scaling": None}
+              "head_dim": a["kv_channels"]}
+    set_rope_fields(fields, rope_of_model_args(a), base)
     if family in MOE_FAMILIES:
         fields.update(moe_hf_fields(a, family, base, aux_loss_coeff))
     if family in ("llama", "qwen3", "qwen3_moe"):
@@ -182,6 +190,9 @@ def _llama_style_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dic
 
 def _own_module_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict:
     """DeepSeek-V3's or gpt-oss's fields, RoPE written as the base wrote it when unchanged."""
+    if a.get("use_rope_scaling"):
+        raise ValueError(f"the checkpoint's model has use_rope_scaling (Llama 3's RoPE scaling); {family} has YaRN "
+                         "or unscaled RoPE only, so it has no Hugging Face counterpart")
     fields = deepseek_hf_fields(a) if family == "deepseek_v3" else gpt_oss_hf_fields(a, base)
     if family == "gpt_oss" and aux_loss_coeff is not None:
         fields["router_aux_loss_coef"] = aux_loss_coeff
