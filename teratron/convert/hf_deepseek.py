@@ -174,7 +174,8 @@ def _check_exportable(a: dict) -> None:
               "window_size": None, "softmax_type": "vanilla", "no_rope_freq": None,
               "activation_func_clamp_value": None, "glu_linear_offset": 0.0, "position_embedding_type": "rope"}
     if a["num_experts"]:
-        needed.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        needed.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_shared_expert_gate=False)
     for name, value in needed.items():
         if a.get(name, value) != value:
             raise ValueError(f"the checkpoint's MLA model has {name}={a.get(name)!r}; DeepSeek-V3 needs {value!r}, so "

@@ -295,6 +295,8 @@ def _add_moe_args(parser):
                    help="Hidden size of the shared experts (None: none).")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Run the shared experts after the router (Megatron's overlap order).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output per token by a learned sigmoid gate (Qwen2-MoE).")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"],
                    help="Router score function.")
