@@ -1,4 +1,10 @@
-"""config.json fields every family reads alike: the required ones, and RoPE with YaRN or Llama 3's scaling.
+"""config.json fields every family reads alike: the required ones, per-layer sliding windows, and
+RoPE with YaRN or Llama 3's scaling.
+
+Per-layer windows (gpt-oss, Qwen2-MoE): `layer_types` marks each layer "sliding_attention" or
+"full_attention"; a sliding layer's query sees itself and the `sliding_window` - 1 tokens before
+it (transformers' mask), teratron's window_size (W - 1, 0), with window_attn_skip_freq the 0/1
+list (1 = windowed) when not every layer is.
 
 transformers 5 writes `rope_parameters` (rope_type, rope_theta, and YaRN's factor,
 original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate);
@@ -18,8 +24,10 @@ attention_factor are refused.
 """
 
 from teratron.dist_checkpointing.model_args import ROPE_SCALING_ARGS, YARN_ARGS
+from teratron.transformer.dot_product_attention import is_layer_window_attention
 
 ROPE_THETA_DEFAULT = 10000.0
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def require_fields(hf: dict, source: str, names) -> None:
@@ -28,6 +36,27 @@ def require_fields(hf: dict, source: str, names) -> None:
     if missing:
         raise ValueError(f"{source}: config.json lacks {', '.join(missing)}; it is not a complete "
                          f"{hf.get('model_type')} config")
+
+
+def layer_window_args(types: list, window, layers: int, source: str) -> dict:
+    """window_size and window_attn_skip_freq of per-layer `types` with window `window` ({} when
+    no layer is windowed)."""
+    if len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"{source}: layer_types must give {layers} entries of {SLIDING!r} or {FULL!r}, got {types}")
+    pattern = [int(t == SLIDING) for t in types]
+    if not any(pattern):
+        return {}
+    if not window or window < 1:
+        raise ValueError(f"{source}: layer_types has sliding layers but sliding_window={window}; give the window's "
+                         "size in tokens")
+    return {"window_size": [window - 1, 0], "window_attn_skip_freq": None if all(pattern) else pattern}
+
+
+def layer_types(a: dict) -> list:
+    """`layer_window_args`' inverse: the layer_types of the model's windows (causal, (W - 1, 0))."""
+    window, skip = a.get("window_size"), a.get("window_attn_skip_freq")
+    return [SLIDING if window is not None and is_layer_window_attention(window, skip, n) else FULL
+            for n in range(1, a["num_layers"] + 1)]
 
 
 def _rope_fields(hf: dict) -> dict:

@@ -15,7 +15,7 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
              bias), teratron's fc1 is [gate; up]; down_proj [f, h] is fc2 transposed
 
 MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's expert bias),
-the shared experts and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
+the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
 weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
 gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
 DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
@@ -79,10 +79,13 @@ ROUTER_TABLE = [
     (_L + "mlp.router.bias", [_H + "{router}.bias"], None),
     (_L + "mlp.router.expert_bias", [_H + "{router}.e_score_correction_bias"], None),
 ]
-SHARED_EXPERTS_TABLE = [  # DeepSeek-V3
+SHARED_EXPERTS_TABLE = [  # DeepSeek-V3 (mlp.shared_experts.), Qwen2-MoE (mlp.shared_expert.)
     (_L + "mlp.shared_experts.linear_fc1.weight",
-     [_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"], "gate_up"),
-    (_L + "mlp.shared_experts.linear_fc2.weight", [_H + "mlp.shared_experts.down_proj.weight"], None),
+     [_H + "{shared}gate_proj.weight", _H + "{shared}up_proj.weight"], "gate_up"),
+    (_L + "mlp.shared_experts.linear_fc2.weight", [_H + "{shared}down_proj.weight"], None),
+]
+SHARED_EXPERT_GATE_TABLE = [  # Qwen2-MoE: sigmoid(x . w) scales the shared expert, w [1, h]
+    (_L + "mlp.shared_experts.gate_weight", [_H + "mlp.shared_expert_gate.weight"], None),
 ]
 EXPERT_TABLE = [  # SequentialMLP: once per expert
     (_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", [_X + "{gate}.weight", _X + "{up}.weight"], "gate_up"),
@@ -119,7 +122,8 @@ STACKED_EXPERTS = {"gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj",
 _Q = dict(moe="mlp.", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj")
 HF_MOE_NAMES = {
     "mixtral": dict(moe="block_sparse_moe.", router="block_sparse_moe.gate", gate="w1", up="w3", down="w2"),
-    "qwen3_moe": _Q, "deepseek_v3": _Q, "gpt_oss": dict(moe="mlp.", router="mlp.router"),
+    "qwen2_moe": dict(_Q, shared="mlp.shared_expert."), "qwen3_moe": _Q,
+    "deepseek_v3": dict(_Q, shared="mlp.shared_experts."), "gpt_oss": dict(moe="mlp.", router="mlp.router"),
 }
 # Buffers some HF checkpoints carry that hold no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -222,7 +226,9 @@ def _moe_rows(a, family, i):
     num_experts, words = moe_arg(a, "num_experts"), HF_MOE_NAMES[family]
     yield from _expand(ROUTER_TABLE, i=i, **words)
     if moe_arg(a, "moe_shared_expert_intermediate_size"):
-        yield from _expand(SHARED_EXPERTS_TABLE, i=i)
+        yield from _expand(SHARED_EXPERTS_TABLE, i=i, **words)
+    if moe_arg(a, "moe_shared_expert_gate"):
+        yield from _expand(SHARED_EXPERT_GATE_TABLE, i=i)
     stacked = family in STACKED_EXPERTS
     if moe_arg(a, "moe_grouped_gemm"):
         table = STACKED_GROUPED_EXPERTS_TABLE if stacked else GROUPED_EXPERTS_TABLE
