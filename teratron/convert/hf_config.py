@@ -152,7 +152,8 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         "num_attention_heads": hf["num_attention_heads"], "normalization": "RMSNorm",
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "rotary_percent": 1.0, "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab, "use_rope_scaling": False,
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
+        "use_rope_scaling": False,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
         **MOE_DEFAULTS, **family_args(hf, source),
     }

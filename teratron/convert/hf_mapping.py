@@ -15,7 +15,8 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
              bias), teratron's fc1 is [gate; up]; down_proj [f, h] is fc2 transposed
 
 MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's expert bias),
-the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
+the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (SequentialMLP's
+`local_experts.{e}` or GroupedMLP's
 weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
 gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
 DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same

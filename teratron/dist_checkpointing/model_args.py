@@ -19,7 +19,8 @@ from teratron.transformer.mlp import quick_gelu
 # The MoE architecture and its meaning when absent: a dense model (num_experts None).
 MOE_DEFAULTS = {
     "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": None, "moe_grouped_gemm": False,
-    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_router_pre_softmax": False,
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_layer_freq": 1,
+    "moe_router_pre_softmax": False,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
     "moe_router_enable_expert_bias": False, "moe_router_num_groups": None, "moe_router_group_topk": None,
 }

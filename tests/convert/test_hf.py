@@ -112,14 +112,15 @@ def test_refusals(tmp_path):
     src = tmp_path / "hf"
     make_hf_model("llama", src)
     config = json.loads((src / "config.json").read_text())
-    with pytest.raises(ValueError, match="rope type 'linear' \\(rope_scaling\\) is not supported by teratron's RoPE for "
-                                         "llama; only default and llama3 rotary embeddings convert"):
+    with pytest.raises(ValueError, match="rope type 'linear' \\(rope_scaling\\) is not supported by teratron's "
+                                         "RoPE for llama; only default and llama3 rotary embeddings convert"):
         (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))
         from_hf(str(src))
     with pytest.raises(ValueError, match="rope_scaling of type llama3 lacks factor"):
         (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}}))
         from_hf(str(src))
-    with pytest.raises(ValueError, match="Llama 3 RoPE scaling with factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0"):
+    with pytest.raises(ValueError, match="Llama 3 RoPE scaling with factor=8.0, low_freq_factor=4.0, "
+                                         "high_freq_factor=4.0"):
         (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}))
         from_hf(str(src))

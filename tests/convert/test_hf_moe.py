@@ -255,8 +255,8 @@ def test_qwen2_moe_refusals(tmp_path):
     args = model_args_from_hf(hf, "cfg")
     for change, message in [
         (dict(qk_layernorm=True), "the checkpoint's MoE model has qk_layernorm=True; Qwen2-MoE needs False"),
-        (dict(moe_router_score_function="sigmoid"), "the checkpoint's MoE model has moe_router_score_function='sigmoid'; "
-                                                      "Qwen2-MoE needs 'softmax'"),
+        (dict(moe_router_score_function="sigmoid"),
+         "the checkpoint's MoE model has moe_router_score_function='sigmoid'; Qwen2-MoE needs 'softmax'"),
         (dict(window_size=[3, 2]), "the checkpoint's model has window_size=\\[3, 2\\]; Qwen2-MoE's windows are causal"),
         (dict(moe_shared_expert_gate=False), "the checkpoint's MoE model has moe_shared_expert_intermediate_size=40; "
                                              "Mixtral and Qwen3-MoE need None"),

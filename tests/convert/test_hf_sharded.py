@@ -60,6 +60,12 @@ def test_a_sharded_folder_imports_equal_to_the_single_file(tmp_path):
     model, _ = from_hf(str(sharded))
     with torch.no_grad():
         assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    # A model the folder does not describe is refused, naming the tensor.
+    other = build_model_chunks(gpt_config_from_model_args(
+        {**model_args_from_hf(read_config(sharded), "cfg"), "ffn_hidden_size": 48}))
+    with pytest.raises(ValueError, match=r"^--hf-path .*: decoder.layers.0.mlp.linear_fc1.weight has shape \[80, 32\] "
+                                         r"in the files but \[96, 32\] in the model; build the model from"):
+        load_hf_weights(str(sharded), other)
 
 
 class LiveTensors:

@@ -78,7 +78,8 @@ def test_the_model_rotates_by_the_scaled_frequencies_and_records_them():
 def test_refusals():
     with pytest.raises(ValueError, match=r"^rope_scaling \(Llama 3.x\) scales plain RoPE"):
         GPTModelConfig(_model_config().transformer, vocab_size=64, max_position_embeddings=32, rope_scaling=True)
-    with pytest.raises(ValueError, match=r"^rope_scaling_high_freq_factor=1.0 must exceed rope_scaling_low_freq_factor"):
+    with pytest.raises(ValueError, match=r"^rope_scaling_high_freq_factor=1.0 must exceed "
+                                         r"rope_scaling_low_freq_factor"):
         _model_config(rope_scaling=True, rope_scaling_high_freq_factor=1.0)
 
 

@@ -1,8 +1,9 @@
 """MoELayer under expert (EP = 2, 4), tensor (+ sequence) and expert-tensor parallelism, with
-both token dispatchers and shared experts (gated or not), equals the EP = 1 single-process layer: outputs, input grads, every
-parameter and every gradient (reduced over its data-parallel group as DDP would), the logged
-metrics and the quantile-balancing bias. Weights come from the same seed (layout-invariant
-init), never copied. One launch of 4 ranks runs every layout.
+both token dispatchers and shared experts (gated or not), equals the EP = 1 single-process
+layer: outputs, input grads, every parameter and every gradient (reduced over its
+data-parallel group as DDP would), the logged metrics and the quantile-balancing bias. Weights
+come from the same seed (layout-invariant init), never copied. One launch of 4 ranks runs every
+layout.
 """
 
 import dataclasses
