@@ -1,6 +1,7 @@
 """Hugging Face <-> teratron: a model in memory, or a checkpoint on disk.
 
     model, config = from_hf("path/to/llama")          single-process GPTModel (fp32 by default)
+    load_hf_weights("path/to/llama", model_chunks)   fill a model of any TP/PP/EP layout (this rank's part)
     import_hf("path/to/llama", "ckpt", tp=2, pp=2)   a sharded checkpoint (loads into any layout)
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
 
@@ -8,9 +9,16 @@ Weights map through the tables of `hf_mapping`; the config through `hf_config` (
 `hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is
 exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
 training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
+
+Reading streams the files shard by shard (`hf_mapping.stream_hf_to_teratron`), dtypes as stored:
+`load_hf_weights` copies each converted tensor's boxes into the rank's parameters and drops it,
+and `import_hf` has each tensor produced as the checkpoint writer reaches it, so neither holds
+more than one shard (plus the inputs of tensors spanning shards) besides, for a model, its own
+parameters.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -18,17 +26,18 @@ import shutil
 import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
-from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_reader
-from teratron.convert.hf_mapping import check_hf_tensors, hf_to_teratron, mtp_copies, teratron_to_hf
+from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_fix
+from teratron.convert.hf_mapping import check_hf_tensors, mtp_copies, stream_hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
-from teratron.convert.safetensors_io import HFWeights, save_hf_weights
+from teratron.convert.safetensors_io import HFWeights, readable_by_others, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
 from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
-from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.dist_checkpointing.model_state import is_model_key, model_sharded_items, unwrap
 from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.models.gpt.builder import build_gpt_model
 from teratron.process_groups import ProcessGroupCollection
+from teratron.topology import current_topology, set_current_topology
 from teratron.transformer.moe import moe_layer_pattern
 
 # Files of an HF model folder besides the weights: config, generation defaults, tokenizer.
@@ -52,12 +61,24 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
+@contextlib.contextmanager
+def _one_process():
+    """Models built inside are single-process ones (groups of one) even in a parallel run: the
+    whole model, as from_hf and the shape check need it."""
+    previous = current_topology()
+    set_current_topology(None)
+    try:
+        yield
+    finally:
+        set_current_topology(previous)
+
+
 def expected_hf_shapes(model_args: dict, family: str) -> dict:
     """HF tensor name -> shape for the model of `model_args`: the parameters of the model built on
     the meta device (no memory) mapped through the export transforms, so the import expects
     exactly what an export of that model writes."""
     model_config = gpt_config_from_model_args(model_args, perform_initialization=False)
-    with torch.device("meta"):
+    with torch.device("meta"), _one_process():
         model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
     return {name: tuple(t.shape) for name, t in teratron_to_hf(model.state_dict(), model_args, family).items()}
 
@@ -72,15 +93,66 @@ def _model_args(path, hf, weights, make_vocab_size_divisible_by=1, tensor_model_
     return model_args
 
 
-def _read_hf(path, model_args, hf, weights):
-    """The teratron state dict of the HF folder, read only after every file's header matched the
-    config (names and shapes)."""
+def _check_hf(path, model_args, hf, weights) -> None:
+    """Every file's header matches the config (names and shapes); DeepSeek's MTP copies are copies."""
     family, source = hf["model_type"], f"--hf-path {path}"
     check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source)
     if family == "deepseek_v3":
         check_mtp_copies(weights.read, weights.shapes, mtp_copies(model_args), source)
-    read = rope_layout_reader(hf, weights.read) if family == "deepseek_v3" else weights.read
-    return hf_to_teratron(read, model_args, family)
+
+
+def _stream(model_args, hf, weights, meta: bool = False):
+    """(teratron name, global tensor) of the checked HF folder, shard by shard."""
+    fix = rope_layout_fix(hf) if hf["model_type"] == "deepseek_v3" else None
+    return stream_hf_to_teratron(weights, model_args, hf["model_type"], fix, meta)
+
+
+def _copy_box(box: ShardedTensor, tensor: torch.Tensor, source: str) -> None:
+    """Copy the box's part of the global `tensor` into it; vocabulary rows past the files' are
+    the model's padding (zero)."""
+    fits = tuple(tensor.shape[1:]) == tuple(box.global_shape[1:]) if box.resizable_rows \
+        else tuple(tensor.shape) == tuple(box.global_shape)
+    if not fits:
+        raise ValueError(f"{source}: {box.key} has shape {list(tensor.shape)} in the files but "
+                         f"{list(box.global_shape)} in the model; build the model from this folder's config.json")
+    data = box.data
+    if box.resizable_rows:
+        keep = max(0, min(data.shape[0], tensor.shape[0] - box.global_offset[0]))
+        data.narrow(0, keep, data.shape[0] - keep).zero_()
+        data = data.narrow(0, 0, keep)
+    region = tuple(slice(offset, offset + length) for offset, length in zip(box.global_offset, data.shape))
+    with torch.no_grad():
+        data.copy_(tensor[region])
+
+
+def _fill(model_chunks, stream, source: str, pg_collection=None) -> None:
+    """Copy each streamed tensor's boxes into the chunks' parameters (this rank's); tensors of
+    other ranks' parameters are dropped as they come."""
+    boxes = {}
+    for item in model_sharded_items(model_chunks, pg_collection):
+        boxes.setdefault(item.key, []).append(item)
+    for key, tensor in stream:
+        for box in boxes.pop(key, ()):
+            _copy_box(box, tensor, source)
+        del tensor  # before the stream reads on
+    if boxes:
+        more = f" (and {len(boxes) - 1} more)" if len(boxes) > 1 else ""
+        raise ValueError(f"{source}: the model has {sorted(boxes)[0]}{more}, which the files do not give; build "
+                         "the model from this folder's config.json")
+
+
+def load_hf_weights(path: str, model_chunks, pg_collection=None) -> None:
+    """Fill this rank's parameters of `model_chunks` (a GPTModel's chunks in any TP/PP/EP layout,
+    built from the folder's config.json, e.g. through `model_args_from_hf`) from the HF folder
+    `path`, read shard by shard: a rank holds its own parameters plus at most one shard and the
+    inputs of tensors spanning shards, never the whole model."""
+    hf = read_hf_config(path)
+    weights = HFWeights(path)
+    model_args = _model_args(path, hf, weights)
+    if model_args["num_experts"]:
+        model_args["moe_grouped_gemm"] = unwrap(model_chunks[0]).config.moe_grouped_gemm
+    _check_hf(path, model_args, hf, weights)
+    _fill(model_chunks, _stream(model_args, hf, weights), f"--hf-path {path}", pg_collection)
 
 
 def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_gemm: bool = False):
@@ -99,16 +171,20 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
     model_config = gpt_config_from_model_args(model_args, params_dtype=params_dtype, perform_initialization=False,
                                               **overrides)
     config = model_config.transformer
-    model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
-    model.load_state_dict(_read_hf(path, model_args, hf, weights), strict=True)
+    with _one_process():
+        model = build_gpt_model(model_config, pg_collection=ProcessGroupCollection())
+    _check_hf(path, model_args, hf, weights)
+    _fill([model], _stream(model_args, hf, weights), f"--hf-path {path}")
     return model.eval(), config
 
 
 def _copy_side_files(src: str, dst: str, skip=()) -> None:
+    """Copies with the mode `open` gives (readable by others), whatever the source's."""
     os.makedirs(dst, exist_ok=True)
     for name in HF_SIDE_FILES:
         if name not in skip and os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+            readable_by_others(os.path.join(dst, name))
 
 
 def _check_mlp_split(model_args: dict, config) -> None:
@@ -152,13 +228,12 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     _check_mlp_split(model_args, config)
     if os.path.exists(save) and os.listdir(save):
         raise FileExistsError(f"--save {save}: exists and is not empty; import into a new folder")
-    state = _read_hf(hf_path, model_args, hf, weights)
+    _check_hf(hf_path, model_args, hf, weights)
     created = not os.path.exists(save)
     try:
         tmp = storage.temporary_dir(save, 0)
         os.makedirs(tmp)
-        items = [ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in state.items()]
-        serialization.save(items, tmp, no_dist=True)
+        _save_streamed(model_args, hf, weights, tmp)
         storage.write_metadata(tmp, {
             "iteration": 0, "model_args": model_args, "has_optimizer": False,
             "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -172,6 +247,21 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
         if not created:
             os.makedirs(save, exist_ok=True)
         raise
+
+
+def _save_streamed(model_args, hf, weights, checkpoint_dir: str) -> None:
+    """The HF tensors as a layout-free DCP checkpoint: planned from the headers (the stream run on
+    the meta device), each tensor produced by the stream as the writer reaches it."""
+    planned = [ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim())
+               for key, t in _stream(model_args, hf, weights, meta=True)]
+    stream = _stream(model_args, hf, weights)
+
+    def resolve(item):
+        key, tensor = next(stream)
+        assert key == item.key, f"the HF stream gives {key} where the writer expects {item.key}"
+        return tensor
+    serialization.save(planned, checkpoint_dir, no_dist=True, resolve=resolve)
+    assert next(stream, None) is None, "the HF stream gives more tensors than were planned"
 
 
 def _trained_aux_loss_coeff(checkpoint_dir: str):

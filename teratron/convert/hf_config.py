@@ -3,19 +3,21 @@
 Llama 2/3, Mistral, Qwen2 and Qwen3 are one architecture to teratron: RMSNorm, SwiGLU, RoPE
 (rotate-half, as Megatron's default), grouped-query attention, no position table. They differ in
 biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection), qk-norm
-(Qwen3) and tied embeddings. Mixtral (Mistral's attention) and Qwen3-MoE (Qwen3's) replace MLPs
-by MoE layers; their MoE fields map in `hf_moe`. Mistral's and Mixtral's
-sliding window becomes `window_size` on every layer. DeepSeek-V3 (`hf_deepseek`) and gpt-oss
-(`hf_gpt_oss`) map in their own modules; the fields every family shares (sizes, RMSNorm,
-vocabulary, tied embeddings) here. Features teratron does not convert (other RoPE scalings,
-other families' sliding windows, other activations, Qwen2-MoE's gated shared expert, quantized
-weights) are refused with the field's name.
+(Qwen3) and tied embeddings. Mixtral (Mistral's attention), Qwen2-MoE (Qwen2's, its QKV bias
+`qkv_bias`) and Qwen3-MoE (Qwen3's) replace MLPs by MoE layers; their MoE fields map in `hf_moe`.
+Mistral's and Mixtral's sliding window becomes `window_size` on every layer, Qwen2-MoE's
+per-layer windows (`layer_types`) window_size with window_attn_skip_freq. DeepSeek-V3
+(`hf_deepseek`) and gpt-oss (`hf_gpt_oss`) map in their own modules; the fields every family
+shares (sizes, RMSNorm, vocabulary, tied embeddings) here. Features teratron does not convert
+(other RoPE scalings, other families' sliding windows, other activations, quantized weights)
+are refused with the field's name.
 """
 
 from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
-from teratron.convert.hf_fields import require_fields, rope_args_from_hf, rope_of_model_args, set_rope_fields
+from teratron.convert.hf_fields import (FULL, SLIDING, layer_types, layer_window_args, require_fields,
+                                        rope_args_from_hf, rope_of_model_args, set_rope_fields)
 from teratron.convert.hf_gpt_oss import gpt_oss_args, gpt_oss_hf_fields
-from teratron.convert.hf_moe import (MOE_FAMILIES, REFUSED, moe_args_from_hf, moe_export_family,
+from teratron.convert.hf_moe import (MOE_FAMILIES, MOE_REQUIRED_FIELDS, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
 from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULTS
 
@@ -29,6 +31,8 @@ def _biases(hf: dict, family: str, source: str) -> tuple:
     """(add_bias_linear, add_qkv_bias) for the family's bias flags."""
     if family == "qwen2":
         return False, True
+    if family == "qwen2_moe":
+        return False, bool(hf.get("qkv_bias", True))
     attention_bias = bool(hf.get("attention_bias", False))
     mlp_bias = bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
@@ -42,8 +46,11 @@ WINDOW_FAMILIES = ("mistral", "mixtral")
 
 def _window_args(hf: dict, family: str, source: str) -> dict:
     """Mistral's and Mixtral's `sliding_window` W (each query sees itself and the W - 1 tokens
-    before it, as transformers masks it) as window_size (W - 1, 0) on every layer; nothing when the
-    window never bites (W >= max_position_embeddings) or is off."""
+    before it, as transformers masks it) as window_size (W - 1, 0) on every layer, Qwen2-MoE's on
+    the layers its layer_types mark; nothing when the window never bites (W >=
+    max_position_embeddings) or is off."""
+    if family == "qwen2_moe":
+        return _qwen2_moe_window_args(hf, source)
     window = hf.get("sliding_window")
     if not hf.get("use_sliding_window", family in WINDOW_FAMILIES) or window is None \
             or window >= hf.get("max_position_embeddings", 0):
@@ -52,6 +59,34 @@ def _window_args(hf: dict, family: str, source: str) -> dict:
         raise ValueError(f"{source}: use_sliding_window with sliding_window={window} ({family}); teratron "
                          f"converts the sliding windows of {' and '.join(WINDOW_FAMILIES)} only")
     return {"window_size": [window - 1, 0]}
+
+
+def _qwen2_moe_window_args(hf: dict, source: str) -> dict:
+    """Windows on the layers `layer_types` marks sliding, or, without it, as transformers 5
+    derives them: every other layer from the first below max_window_layers, with
+    use_sliding_window (without it transformers' window is 0, i.e. none)."""
+    layers, use = hf["num_hidden_layers"], hf.get("use_sliding_window", False)
+    types = hf.get("layer_types") or [SLIDING if use and (i + 1) % 2 and i < hf.get("max_window_layers", 28) else FULL
+                                      for i in range(layers)]
+    window = hf.get("sliding_window") if use else 0
+    if window and window >= hf.get("max_position_embeddings", 0):
+        return {}
+    return layer_window_args(types, window, layers, source)
+
+
+def _window_fields(a: dict, family: str) -> dict:
+    """The exported config's window fields: Mistral's and Mixtral's `sliding_window`, Qwen2-MoE's
+    per-layer ones."""
+    if family != "qwen2_moe":
+        window = _export_window(a, family)
+        return {"sliding_window": window} if family in WINDOW_FAMILIES else {}
+    window = a.get("window_size")
+    if window is not None and window[1] != 0:
+        raise ValueError(f"the checkpoint's model has window_size={list(window)}; Qwen2-MoE's windows are causal "
+                         "(W - 1, 0), the export writes only those")
+    types = layer_types(a)
+    return {"use_sliding_window": window is not None, "layer_types": types,
+            **({"sliding_window": window[0] + 1} if window is not None else {})}
 
 
 def _export_window(a: dict, family: str) -> int | None:
@@ -66,12 +101,17 @@ def _export_window(a: dict, family: str) -> int | None:
     return window[0] + 1
 
 
+def _rope_args(hf: dict, source: str) -> dict:
+    """RoPE's base and, for a Llama 3 scaled config, use_rope_scaling and its factors."""
+    rope = rope_args_from_hf(hf, source, llama3=True)
+    scaled = rope.pop("rope_type") == "llama3"
+    return {**rope, "use_rope_scaling": scaled}
+
+
 def _llama_style_args(hf: dict, source: str) -> dict:
     """The model args of the Llama-style families and their MoE variants."""
     family = hf["model_type"]
-    require_fields(hf, source, ["intermediate_size"] + (
-        ["num_experts_per_tok"] + (["moe_intermediate_size"] if family == "qwen3_moe" else [])
-        if family in MOE_FAMILIES else []))
+    require_fields(hf, source, ["intermediate_size"] + MOE_REQUIRED_FIELDS.get(family, []))
     heads = hf["num_attention_heads"]
     add_bias_linear, add_qkv_bias = _biases(hf, family, source)
     return {
@@ -79,7 +119,7 @@ def _llama_style_args(hf: dict, source: str) -> dict:
         "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "swiglu": True,
         "add_bias_linear": add_bias_linear, "add_qkv_bias": add_qkv_bias,
         "qk_layernorm": family in ("qwen3", "qwen3_moe"), "position_embedding_type": "rope",
-        "rotary_base": rope_args_from_hf(hf, source)["rotary_base"],
+        **_rope_args(hf, source),
         **(moe_args_from_hf(hf, family, source) if family in MOE_FAMILIES else {}),
         **_window_args(hf, family, source),
     }
@@ -87,8 +127,6 @@ def _llama_style_args(hf: dict, source: str) -> dict:
 
 def _check_family(hf: dict, source: str) -> str:
     family = hf.get("model_type")
-    if family in REFUSED:
-        raise ValueError(f"{source}: model_type {family!r}: {REFUSED[family]}")
     if family not in FAMILIES:
         raise ValueError(f"{source}: model_type {family!r} is not convertible; supported: {', '.join(FAMILIES)}")
     if hf.get("quantization_config"):
@@ -115,6 +153,7 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "rotary_percent": 1.0, "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
+        "use_rope_scaling": False,
         "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
         **MOE_DEFAULTS, **family_args(hf, source),
     }
@@ -149,7 +188,8 @@ def export_family(a: dict, base_type) -> str:
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM",
                   **{family: architecture for family, (_, architecture) in OWN_MODULE_FAMILIES.items()}}
 
 
@@ -166,22 +206,23 @@ def _check_llama_shaped(a: dict) -> None:
 
 def _llama_style_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict:
     _check_llama_shaped(a)
-    sliding_window = _export_window(a, family)
     fields = {"intermediate_size": a["ffn_hidden_size"], "num_key_value_heads": a["num_query_groups"],
-              "head_dim": a["kv_channels"], "rope_theta": a["rotary_base"], "rope_scaling": None}
+              "head_dim": a["kv_channels"], **_window_fields(a, family)}
+    set_rope_fields(fields, rope_of_model_args(a), base)
     if family in MOE_FAMILIES:
         fields.update(moe_hf_fields(a, family, base, aux_loss_coeff))
     if family in ("llama", "qwen3", "qwen3_moe"):
         fields["attention_bias"] = a["add_bias_linear"]
     if family == "llama":
         fields["mlp_bias"] = a["add_bias_linear"]
-    if family in WINDOW_FAMILIES:
-        fields["sliding_window"] = sliding_window
     return fields
 
 
 def _own_module_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict:
     """DeepSeek-V3's or gpt-oss's fields, RoPE written as the base wrote it when unchanged."""
+    if a.get("use_rope_scaling"):
+        raise ValueError(f"the checkpoint's model has use_rope_scaling (Llama 3's RoPE scaling); {family} has YaRN "
+                         "or unscaled RoPE only, so it has no Hugging Face counterpart")
     fields = deepseek_hf_fields(a) if family == "deepseek_v3" else gpt_oss_hf_fields(a, base)
     if family == "gpt_oss" and aux_loss_coeff is not None:
         fields["router_aux_loss_coef"] = aux_loss_coeff

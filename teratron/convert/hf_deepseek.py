@@ -151,15 +151,14 @@ def _halves_to_pairs(rows: torch.Tensor, d: int) -> torch.Tensor:
     return rows[..., order, :]
 
 
-def rope_layout_reader(hf: dict, read):
-    """`read` (HF tensor name -> tensor) with the positional rows put in teratron's pair layout
-    when the checkpoint rotates halves (rope_interleave false)."""
+def rope_layout_fix(hf: dict):
+    """(HF tensor name, tensor) -> the tensor with its positional rows in teratron's pair layout
+    when the checkpoint rotates halves (rope_interleave false); None when it does not."""
     if hf.get("rope_interleave", True):
-        return read
+        return None
     d, nope = hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
 
-    def reordered(name):
-        t = read(name)
+    def reordered(name, t):
         if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
             heads = t.view(-1, nope + d, t.shape[-1])
             return torch.cat([heads[:, :nope], _halves_to_pairs(heads[:, nope:], d)], dim=1).reshape(t.shape)
@@ -174,7 +173,8 @@ def _check_exportable(a: dict) -> None:
               "window_size": None, "softmax_type": "vanilla", "no_rope_freq": None,
               "activation_func_clamp_value": None, "glu_linear_offset": 0.0, "position_embedding_type": "rope"}
     if a["num_experts"]:
-        needed.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        needed.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_shared_expert_gate=False)
     for name, value in needed.items():
         if a.get(name, value) != value:
             raise ValueError(f"the checkpoint's MLA model has {name}={a.get(name)!r}; DeepSeek-V3 needs {value!r}, so "

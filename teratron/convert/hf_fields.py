@@ -1,8 +1,20 @@
-"""config.json fields every family reads alike: the required ones, and RoPE with YaRN.
+"""config.json fields every family reads alike: the required ones, per-layer sliding windows, and
+RoPE with YaRN or Llama 3's scaling.
+
+Per-layer windows (gpt-oss, Qwen2-MoE): `layer_types` marks each layer "sliding_attention" or
+"full_attention"; a sliding layer's query sees itself and the `sliding_window` - 1 tokens before
+it (transformers' mask), teratron's window_size (W - 1, 0), with window_attn_skip_freq the 0/1
+list (1 = windowed) when not every layer is.
 
 transformers 5 writes `rope_parameters` (rope_type, rope_theta, and YaRN's factor,
 original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate);
 transformers 4 and the Hub's configs `rope_theta` and `rope_scaling`. Both read the same.
+
+Llama 3.x's scaling (rope_type llama3: factor, low_freq_factor, high_freq_factor,
+original_max_position_embeddings) is teratron's `--use-rope-scaling` with the config's values
+(Megatron's fixed 1, 4 and 8192 where the config lacks the two factors; the original length, as
+transformers reads it, from the config's top-level original_max_position_embeddings, else
+max_position_embeddings).
 
 YaRN's concentration factor in transformers is mscale(s, mscale) / mscale(s, mscale_all_dim)
 when both are non-zero, else mscale(s, 1) (mscale ignored): Megatron's mscale 1 with
@@ -11,9 +23,11 @@ mscale_all_dim 0. `truncate` False keeps the ramp's bounds fractional
 attention_factor are refused.
 """
 
-from teratron.dist_checkpointing.model_args import YARN_ARGS
+from teratron.dist_checkpointing.model_args import ROPE_SCALING_ARGS, YARN_ARGS
+from teratron.transformer.dot_product_attention import is_layer_window_attention
 
 ROPE_THETA_DEFAULT = 10000.0
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def require_fields(hf: dict, source: str, names) -> None:
@@ -22,6 +36,27 @@ def require_fields(hf: dict, source: str, names) -> None:
     if missing:
         raise ValueError(f"{source}: config.json lacks {', '.join(missing)}; it is not a complete "
                          f"{hf.get('model_type')} config")
+
+
+def layer_window_args(types: list, window, layers: int, source: str) -> dict:
+    """window_size and window_attn_skip_freq of per-layer `types` with window `window` ({} when
+    no layer is windowed)."""
+    if len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"{source}: layer_types must give {layers} entries of {SLIDING!r} or {FULL!r}, got {types}")
+    pattern = [int(t == SLIDING) for t in types]
+    if not any(pattern):
+        return {}
+    if not window or window < 1:
+        raise ValueError(f"{source}: layer_types has sliding layers but sliding_window={window}; give the window's "
+                         "size in tokens")
+    return {"window_size": [window - 1, 0], "window_attn_skip_freq": None if all(pattern) else pattern}
+
+
+def layer_types(a: dict) -> list:
+    """`layer_window_args`' inverse: the layer_types of the model's windows (causal, (W - 1, 0))."""
+    window, skip = a.get("window_size"), a.get("window_attn_skip_freq")
+    return [SLIDING if window is not None and is_layer_window_attention(window, skip, n) else FULL
+            for n in range(1, a["num_layers"] + 1)]
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -34,18 +69,23 @@ def _rope_fields(hf: dict) -> dict:
     return params
 
 
-def rope_args_from_hf(hf: dict, source: str, default_theta: float = ROPE_THETA_DEFAULT, yarn: bool = False) -> dict:
+def rope_args_from_hf(hf: dict, source: str, default_theta: float = ROPE_THETA_DEFAULT, yarn: bool = False,
+                      llama3: bool = False) -> dict:
     """{"rotary_base"} and, with `yarn` allowed and a YaRN config, {"rope_type": "yarn"} plus the
-    YaRN args under their flag names (model_args.YARN_ARGS); else {"rope_type": "rope"}."""
+    YaRN args under their flag names (model_args.YARN_ARGS); with `llama3` allowed and a Llama 3
+    config, {"rope_type": "llama3"} plus the scaling's (model_args.ROPE_SCALING_ARGS); else
+    {"rope_type": "rope"}."""
     params = _rope_fields(hf)
     rope_type = params.get("rope_type") or "default"
     base = float(params.get("rope_theta", default_theta))
+    allowed = ["default"] + ["yarn"] * yarn + ["llama3"] * llama3
+    if rope_type not in allowed:
+        raise ValueError(f"{source}: rope type {rope_type!r} (rope_scaling) is not supported by teratron's "
+                         f"RoPE for {hf.get('model_type')}; only {' and '.join(allowed)} rotary embeddings convert")
     if rope_type == "default":
         return {"rotary_base": base, "rope_type": "rope"}
-    if rope_type != "yarn" or not yarn:
-        supported = "default and yarn" if yarn else "the default (unscaled)"
-        raise ValueError(f"{source}: rope type {rope_type!r} (rope_scaling) is not supported by teratron's "
-                         f"RoPE for {hf.get('model_type')}; only {supported} rotary embeddings convert")
+    if rope_type == "llama3":
+        return {"rotary_base": base, "rope_type": "llama3", **_llama3_args(hf, params, source)}
     if params.get("partial_rotary_factor", 1.0) != 1.0 or params.get("attention_factor") is not None:
         name = "partial_rotary_factor" if params.get("partial_rotary_factor", 1.0) != 1.0 else "attention_factor"
         raise ValueError(f"{source}: YaRN with {name}={params[name]} does not convert; teratron's YaRN rotates "
@@ -69,8 +109,28 @@ def rope_args_from_hf(hf: dict, source: str, default_theta: float = ROPE_THETA_D
             "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
 
 
+def _llama3_args(hf: dict, params: dict, source: str) -> dict:
+    if params.get("factor") is None:
+        raise ValueError(f"{source}: rope_scaling of type llama3 lacks factor; it is not a complete Llama 3 config")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: Llama 3 RoPE scaling with partial_rotary_factor={params['partial_rotary_factor']} "
+                         "does not convert; only full rotation does")
+    original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
+        or hf.get("max_position_embeddings")
+    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
+    if not high > low > 0 or params["factor"] <= 0 or not original:
+        raise ValueError(f"{source}: Llama 3 RoPE scaling with factor={params['factor']}, low_freq_factor={low}, "
+                         f"high_freq_factor={high}, original_max_position_embeddings={original}; it needs "
+                         "high_freq_factor > low_freq_factor > 0 and a positive factor and original length")
+    return dict(zip(ROPE_SCALING_ARGS, (float(params["factor"]), low, high, int(original))))
+
+
 def hf_rope_parameters(rope: dict) -> dict:
     """transformers 5's rope_parameters of `rope` (as `rope_args_from_hf` returns it)."""
+    if rope["rope_type"] == "llama3":
+        return {"rope_type": "llama3", "rope_theta": rope["rotary_base"],
+                **dict(zip(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                           (rope[arg] for arg in ROPE_SCALING_ARGS)))}
     if rope["rope_type"] != "yarn":
         return {"rope_type": "default", "rope_theta": rope["rotary_base"]}
     mscale, mscale_all_dim = rope["mscale"], rope["mscale_all_dim"]
@@ -90,7 +150,11 @@ def hf_rope_parameters(rope: dict) -> dict:
 
 def rope_of_model_args(a: dict) -> dict:
     """The RoPE of a model, as `rope_args_from_hf` gives it: plain attention's YaRN
-    (position_embedding_type 'yarn') or MLA's (rope_type 'yarn', ramp bounds always rounded)."""
+    (position_embedding_type 'yarn') or MLA's (rope_type 'yarn', ramp bounds always rounded), or
+    Llama 3's scaling (use_rope_scaling)."""
+    if a.get("use_rope_scaling"):
+        return {"rotary_base": float(a["rotary_base"]), "rope_type": "llama3",
+                **{name: a[name] for name in ROPE_SCALING_ARGS}}
     yarn = a["position_embedding_type"] == "yarn" or (a.get("multi_latent_attention") and a["rope_type"] == "yarn")
     if not yarn:
         return {"rotary_base": float(a["rotary_base"]), "rope_type": "rope"}
@@ -107,7 +171,7 @@ def set_rope_fields(hf: dict, rope: dict, base: dict) -> None:
     for key in _ROPE_KEYS:
         hf.pop(key, None)
     try:
-        unchanged = bool(base) and rope_args_from_hf(base, "", yarn=True) == rope
+        unchanged = bool(base) and rope_args_from_hf(base, "", yarn=True, llama3=True) == rope
     except (ValueError, KeyError, TypeError):
         unchanged = False
     if unchanged:

@@ -11,27 +11,20 @@ clamped to at most swiglu_limit and up to [-limit, limit] (quick_geglu, glu_line
 activation_func_clamp_value limit). transformers' `swiglu_alpha` must be quick GELU's 1.702.
 """
 
-from teratron.convert.hf_fields import require_fields, rope_args_from_hf
+from teratron.convert.hf_fields import FULL, SLIDING, layer_types, layer_window_args, require_fields, rope_args_from_hf
 from teratron.dist_checkpointing.model_args import YARN_ARGS
-from teratron.transformer.dot_product_attention import is_layer_window_attention
 from teratron.transformer.moe import moe_layer_pattern
 
 FAMILY = "gpt_oss"
 QUICK_GELU_ALPHA = 1.702
-_SLIDING, _FULL = "sliding_attention", "full_attention"
 
 
 def _window_args(hf: dict, source: str) -> dict:
     layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [_SLIDING if (i + 1) % 2 else _FULL for i in range(layers)]
-    if len(types) != layers or set(types) - {_SLIDING, _FULL}:
-        raise ValueError(f"{source}: layer_types must give {layers} entries of {_SLIDING!r} or {_FULL!r}, got "
-                         f"{types}")
-    pattern = [int(t == _SLIDING) for t in types]
-    window = hf.get("sliding_window")
-    if not any(pattern) or window is None:
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    if hf.get("sliding_window") is None:
         return {}
-    return {"window_size": [window - 1, 0], "window_attn_skip_freq": None if all(pattern) else pattern}
+    return layer_window_args(types, hf["sliding_window"], layers, source)
 
 
 def gpt_oss_args(hf: dict, source: str) -> dict:
@@ -76,12 +69,6 @@ def _check_exportable(a: dict) -> None:
                          f"and window_size={a['window_size']}; gpt-oss clamps its experts and has causal windows")
 
 
-def _layer_types(a: dict) -> list:
-    window, skip = a["window_size"], a["window_attn_skip_freq"]
-    return [_SLIDING if window is not None and is_layer_window_attention(window, skip, n) else _FULL
-            for n in range(1, a["num_layers"] + 1)]
-
-
 def gpt_oss_hf_fields(a: dict, base: dict) -> dict:
     """The gpt-oss fields of the exported config.json but RoPE (`base`: the imported config, or {})."""
     _check_exportable(a)
@@ -89,6 +76,6 @@ def gpt_oss_hf_fields(a: dict, base: dict) -> dict:
         "intermediate_size": a["moe_ffn_hidden_size"], "head_dim": a["kv_channels"],
         "num_key_value_heads": a["num_query_groups"], "num_local_experts": a["num_experts"],
         "num_experts_per_tok": a["moe_router_topk"], "swiglu_alpha": QUICK_GELU_ALPHA,
-        "swiglu_limit": a["activation_func_clamp_value"], "attention_bias": True, "layer_types": _layer_types(a),
+        "swiglu_limit": a["activation_func_clamp_value"], "attention_bias": True, "layer_types": layer_types(a),
         "sliding_window": a["window_size"][0] + 1 if a["window_size"] is not None else base.get("sliding_window"),
     }

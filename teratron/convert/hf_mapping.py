@@ -15,7 +15,8 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
              bias), teratron's fc1 is [gate; up]; down_proj [f, h] is fc2 transposed
 
 MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's expert bias),
-the shared experts and the experts (SequentialMLP's `local_experts.{e}` or GroupedMLP's
+the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (SequentialMLP's
+`local_experts.{e}` or GroupedMLP's
 weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
 gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
 DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
@@ -23,10 +24,10 @@ rows as a decoder layer, their transformer layer's (`mtp.layers.{k}.transformer_
 
 No RoPE permutation: HF Llama-style checkpoints and teratron both rotate halves (i, i + d/2), and
 DeepSeek's (2i, 2i + 1) pairs are MLA's (a rotate-half DeepSeek checkpoint is reordered on
-reading, `hf_deepseek.rope_layout_reader`).
+reading, `hf_deepseek.rope_layout_fix`).
 """
 
-import functools
+import collections
 import re
 
 import torch
@@ -79,10 +80,13 @@ ROUTER_TABLE = [
     (_L + "mlp.router.bias", [_H + "{router}.bias"], None),
     (_L + "mlp.router.expert_bias", [_H + "{router}.e_score_correction_bias"], None),
 ]
-SHARED_EXPERTS_TABLE = [  # DeepSeek-V3
+SHARED_EXPERTS_TABLE = [  # DeepSeek-V3 (mlp.shared_experts.), Qwen2-MoE (mlp.shared_expert.)
     (_L + "mlp.shared_experts.linear_fc1.weight",
-     [_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"], "gate_up"),
-    (_L + "mlp.shared_experts.linear_fc2.weight", [_H + "mlp.shared_experts.down_proj.weight"], None),
+     [_H + "{shared}gate_proj.weight", _H + "{shared}up_proj.weight"], "gate_up"),
+    (_L + "mlp.shared_experts.linear_fc2.weight", [_H + "{shared}down_proj.weight"], None),
+]
+SHARED_EXPERT_GATE_TABLE = [  # Qwen2-MoE: sigmoid(x . w) scales the shared expert, w [1, h]
+    (_L + "mlp.shared_experts.gate_weight", [_H + "mlp.shared_expert_gate.weight"], None),
 ]
 EXPERT_TABLE = [  # SequentialMLP: once per expert
     (_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", [_X + "{gate}.weight", _X + "{up}.weight"], "gate_up"),
@@ -119,7 +123,8 @@ STACKED_EXPERTS = {"gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj",
 _Q = dict(moe="mlp.", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj")
 HF_MOE_NAMES = {
     "mixtral": dict(moe="block_sparse_moe.", router="block_sparse_moe.gate", gate="w1", up="w3", down="w2"),
-    "qwen3_moe": _Q, "deepseek_v3": _Q, "gpt_oss": dict(moe="mlp.", router="mlp.router"),
+    "qwen2_moe": dict(_Q, shared="mlp.shared_expert."), "qwen3_moe": _Q,
+    "deepseek_v3": dict(_Q, shared="mlp.shared_experts."), "gpt_oss": dict(moe="mlp.", router="mlp.router"),
 }
 # Buffers some HF checkpoints carry that hold no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -222,7 +227,9 @@ def _moe_rows(a, family, i):
     num_experts, words = moe_arg(a, "num_experts"), HF_MOE_NAMES[family]
     yield from _expand(ROUTER_TABLE, i=i, **words)
     if moe_arg(a, "moe_shared_expert_intermediate_size"):
-        yield from _expand(SHARED_EXPERTS_TABLE, i=i)
+        yield from _expand(SHARED_EXPERTS_TABLE, i=i, **words)
+    if moe_arg(a, "moe_shared_expert_gate"):
+        yield from _expand(SHARED_EXPERT_GATE_TABLE, i=i)
     stacked = family in STACKED_EXPERTS
     if moe_arg(a, "moe_grouped_gemm"):
         table = STACKED_GROUPED_EXPERTS_TABLE if stacked else GROUPED_EXPERTS_TABLE
@@ -267,19 +274,13 @@ def mtp_copies(a) -> dict:
 _EXPERT_SLICE = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<name>\w+)$")
 
 
-def _stacked_reader(read, family):
-    """`read` with expert e's slice of a stacked tensor under {layer}.experts.{e}.{name}; the
-    stacked tensors of one layer are read once."""
-    if family not in STACKED_EXPERTS:
-        return read
-    cached = functools.lru_cache(maxsize=len(STACKED_EXPERTS[family]))(read)
-
-    def read_slice(name):
-        match = _EXPERT_SLICE.match(name)
-        if not match:
-            return read(name)
-        return cached(f"{match['layer']}.{match['name']}")[int(match["e"])]
-    return read_slice
+def _source(name: str, family: str) -> tuple:
+    """(the file's tensor name, expert index or None) of a row's HF name: gpt-oss's per-expert
+    names are slices of the stacked tensor {layer}.experts.{name}."""
+    match = _EXPERT_SLICE.match(name) if family in STACKED_EXPERTS else None
+    if not match:
+        return name, None
+    return f"{match['layer']}.{match['name']}", int(match["e"])
 
 
 def _stack_experts(tensors: dict, family) -> dict:
@@ -327,12 +328,49 @@ def _more(names) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def hf_to_teratron(read, a, family: str) -> dict:
-    """Global teratron state dict from the HF tensors of `family` (its model_type); `read(name)`
-    loads one HF tensor. Check the files first (`check_hf_tensors`)."""
-    read = _stacked_reader(read, family)
-    return {name: TRANSFORMS[transform][0]([read(n) for n in names], a).contiguous()
-            for name, names, transform in _rows(a, family)}
+def _shard_schedule(rows: list, weights, family: str) -> list:
+    """For each shard file in order: (file, the tensors rows read from it, the rows whose last
+    input it holds), so a row is converted as soon as its inputs are in."""
+    position = {filename: i for i, filename in enumerate(weights.shard_files())}
+    schedule = [(filename, set(), []) for filename in weights.shard_files()]
+    for row in rows:
+        files = []
+        for name in row[1]:
+            tensor_name = _source(name, family)[0]
+            files.append(position[weights.files[tensor_name]])
+            schedule[files[-1]][1].add(tensor_name)
+        schedule[max(files)][2].append(row)
+    return schedule
+
+
+def stream_hf_to_teratron(weights, a, family: str, fix=None, meta: bool = False):
+    """Yield (teratron name, global tensor) for every tensor of the model, reading the HF files of
+    `family` shard by shard (`weights`: safetensors_io.HFWeights; check them first with
+    `check_hf_tensors`). A row is converted once its last input is read, and each HF tensor is
+    dropped once every row using it is done: at most one shard plus the inputs of rows that span
+    shards is held. Dtypes stay as stored. `fix(name, tensor)` adjusts an HF tensor as it is read
+    (DeepSeek's RoPE layout); `meta` yields meta tensors of the right shapes and dtypes, reading
+    no data (in the same order)."""
+    rows = list(_rows(a, family))
+    uses = collections.Counter(_source(name, family)[0] for row in rows for name in row[1])
+    held = {}
+    for filename, names, done in _shard_schedule(rows, weights, family):
+        shard = (weights.meta_shard if meta else weights.read_shard)(filename, sorted(names))
+        held.update({name: fix(name, t) if fix else t for name, t in shard.items()})
+        del shard  # `held` alone keeps the tensors, so each goes when its last row is done
+        for name, hf_names, transform in done:
+            sources = [_source(n, family) for n in hf_names]
+            inputs = [held[tensor_name] if e is None else held[tensor_name][e] for tensor_name, e in sources]
+            tensor = TRANSFORMS[transform][0](inputs, a).contiguous()
+            if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a stacked tensor: not all of it
+                tensor = tensor.clone()
+            del inputs
+            for tensor_name, _ in sources:
+                uses[tensor_name] -= 1
+                if not uses[tensor_name]:
+                    del held[tensor_name]
+            yield name, tensor
+            del tensor  # the consumer's now
 
 
 def teratron_to_hf(state: dict, a, family: str) -> dict:

@@ -1,17 +1,21 @@
-"""The MoE half of the Hugging Face config mapping: Mixtral and Qwen3-MoE.
+"""The MoE half of the Hugging Face config mapping: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Both route with a softmax over all experts and keep the top k. Mixtral always renormalises the k
+All route with a softmax over all experts and keep the top k. Mixtral always renormalises the k
 kept probabilities to sum 1, which is exactly a softmax over the k kept logits: teratron's
-softmax router with `moe_router_pre_softmax=False`. Qwen3-MoE renormalises when `norm_topk_prob`
-is set (the same) and otherwise weights by the full-softmax probabilities
+softmax router with `moe_router_pre_softmax=False`. The Qwen MoEs renormalise when
+`norm_topk_prob` is set (the same) and otherwise weight by the full-softmax probabilities
 (`moe_router_pre_softmax=True`). Top-1 with renormalisation (every weight 1.0) has no teratron
 router and is refused.
 
-Which layers are MoE: Mixtral all of them; Qwen3-MoE layer i (0-based) unless i is in
-`mlp_only_layers`, and only when (i + 1) % decoder_sparse_step == 0 (its dense layers use
-`intermediate_size`, its experts `moe_intermediate_size`). Megatron's integer `moe_layer_freq` N
-counts from the first layer instead (i % N == 0); model args record any pattern but "all layers"
-as the 0/1 list (`canonical_moe_layer_freq`).
+Qwen2-MoE adds a shared expert of `shared_expert_intermediate_size` that every token runs,
+scaled per token by sigmoid(x . shared_expert_gate): teratron's shared experts with
+`moe_shared_expert_gate`. Its attention has biases on q, k and v (`qkv_bias`, default true).
+
+Which layers are MoE: Mixtral all of them; the Qwen MoEs' layer i (0-based) unless i is in
+`mlp_only_layers`, and only when (i + 1) % decoder_sparse_step == 0 (their dense layers use
+`intermediate_size`, their experts `moe_intermediate_size`). Megatron's integer `moe_layer_freq`
+N counts from the first layer instead (i % N == 0); model args record any pattern but "all
+layers" as the 0/1 list (`canonical_moe_layer_freq`).
 
 `router_aux_loss_coef` becomes Megatron's aux-loss coefficient one to one, as Megatron's own
 converters map it; the losses are defined differently (HF: one switch loss over every layer's
@@ -24,11 +28,10 @@ import warnings
 from teratron.dist_checkpointing.model_args import canonical_moe_layer_freq
 from teratron.transformer.moe import moe_layer_pattern
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
-REFUSED = {
-    "qwen2_moe": "Qwen2-MoE's shared expert is scaled by a learned sigmoid gate, which teratron's "
-                 "shared experts do not model; it cannot convert",
-}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_REQUIRED_FIELDS = {"mixtral": ["num_experts_per_tok"],
+                       "qwen2_moe": ["num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"],
+                       "qwen3_moe": ["num_experts_per_tok", "moe_intermediate_size"]}
 
 
 def _num_experts(hf: dict) -> int:
@@ -46,7 +49,7 @@ def hf_moe_pattern(hf: dict, family: str) -> list:
 
 
 def moe_args_from_hf(hf: dict, family: str, source: str) -> dict:
-    """The MoE model args of a Mixtral / Qwen3-MoE config."""
+    """The MoE model args of a Mixtral / Qwen2-MoE / Qwen3-MoE config."""
     if _num_experts(hf) is None:
         raise ValueError(f"{source}: config.json lacks num_experts (or num_local_experts); it is not a "
                          f"complete {family} config")
@@ -65,11 +68,22 @@ def moe_args_from_hf(hf: dict, family: str, source: str) -> dict:
     return {
         "num_experts": _num_experts(hf), "moe_router_topk": topk,
         "moe_ffn_hidden_size": hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
-        "moe_grouped_gemm": False, "moe_shared_expert_intermediate_size": None,
+        "moe_grouped_gemm": False, **_shared_expert_args(hf, family, source),
         "moe_layer_freq": canonical_moe_layer_freq(len(pattern), pattern), "moe_router_pre_softmax": not renormalise,
         "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
         "moe_router_enable_expert_bias": False,
     }
+
+
+def _shared_expert_args(hf: dict, family: str, source: str) -> dict:
+    """Qwen2-MoE's gated shared expert; none for the others."""
+    if family != "qwen2_moe":
+        return {"moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False}
+    size = hf["shared_expert_intermediate_size"]
+    if size < 1:
+        raise ValueError(f"{source}: shared_expert_intermediate_size={size}; transformers' qwen2_moe always runs its "
+                         "shared expert, give its positive size")
+    return {"moe_shared_expert_intermediate_size": size, "moe_shared_expert_gate": True}
 
 
 def moe_training_config_from_hf(hf: dict) -> dict:
@@ -78,25 +92,33 @@ def moe_training_config_from_hf(hf: dict) -> dict:
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
 
 
-def _check_exportable(a: dict) -> None:
+def _check_exportable(a: dict, gated: bool) -> None:
+    """The router and biases every family here shares; the shared experts, gated, only Qwen2-MoE
+    has (with its QKV bias and without qk-norm)."""
+    families = "Qwen2-MoE" if gated else "Mixtral and Qwen3-MoE"
     unsupported = {
-        "moe_shared_expert_intermediate_size": (a["moe_shared_expert_intermediate_size"], None),
         "moe_router_score_function": (a["moe_router_score_function"], "softmax"),
         "moe_router_topk_scaling_factor": (a["moe_router_topk_scaling_factor"], None),
         "moe_router_enable_expert_bias": (a["moe_router_enable_expert_bias"], False),
         "moe_router_num_groups": (a["moe_router_num_groups"], None),
         "add_bias_linear": (a["add_bias_linear"], False),
-        "add_qkv_bias": (a["add_qkv_bias"], False),
+        **({"qk_layernorm": (a["qk_layernorm"], False)} if gated else {
+            "moe_shared_expert_intermediate_size": (a["moe_shared_expert_intermediate_size"], None),
+            "add_qkv_bias": (a["add_qkv_bias"], False)}),
     }
     for name, (value, supported) in unsupported.items():
         if value != supported:
-            raise ValueError(f"the checkpoint's MoE model has {name}={value!r}; Mixtral and Qwen3-MoE need "
+            raise ValueError(f"the checkpoint's MoE model has {name}={value!r}; {families} need{'s' * gated} "
                              f"{supported!r}, so it has no Hugging Face family to export to")
 
 
 def moe_export_family(a: dict) -> str:
-    """qwen3_moe for qk-norm models, else mixtral (every layer MoE, renormalised top-k)."""
-    _check_exportable(a)
+    """qwen2_moe for gated shared experts, qwen3_moe for qk-norm models, else mixtral (every
+    layer MoE, renormalised top-k)."""
+    gated = bool(a.get("moe_shared_expert_gate"))
+    _check_exportable(a, gated)
+    if gated:
+        return "qwen2_moe"
     if a["qk_layernorm"]:
         return "qwen3_moe"
     if not all(moe_layer_pattern(a["num_layers"], a["moe_layer_freq"])):
@@ -108,10 +130,10 @@ def moe_export_family(a: dict) -> str:
     return "mixtral"
 
 
-def _sparse_layers(pattern: list, base: dict) -> dict:
+def _sparse_layers(pattern: list, family: str, base: dict) -> dict:
     """decoder_sparse_step / mlp_only_layers giving `pattern`: the base's own when they do."""
-    if base.get("model_type") == "qwen3_moe" and base.get("num_hidden_layers") == len(pattern) \
-            and hf_moe_pattern(base, "qwen3_moe") == pattern:
+    if base.get("model_type") == family and base.get("num_hidden_layers") == len(pattern) \
+            and hf_moe_pattern(base, family) == pattern:
         return {"decoder_sparse_step": base.get("decoder_sparse_step", 1),
                 "mlp_only_layers": list(base.get("mlp_only_layers") or [])}
     return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
@@ -126,6 +148,9 @@ def moe_hf_fields(a: dict, family: str, base: dict, aux_loss_coeff=None) -> dict
         return {**fields, "num_local_experts": a["num_experts"], "intermediate_size": a["moe_ffn_hidden_size"]}
     pattern = moe_layer_pattern(a["num_layers"], a["moe_layer_freq"])
     experts_key = "num_local_experts" if "num_local_experts" in base else "num_experts"  # transformers 5 / hub
+    if family == "qwen2_moe":
+        fields.update(shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
+                      qkv_bias=a["add_qkv_bias"])
     return {**fields, experts_key: a["num_experts"], "moe_intermediate_size": a["moe_ffn_hidden_size"],
             "intermediate_size": a["ffn_hidden_size"], "norm_topk_prob": not a["moe_router_pre_softmax"],
-            **_sparse_layers(pattern, base)}
+            **_sparse_layers(pattern, family, base)}

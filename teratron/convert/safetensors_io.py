@@ -1,4 +1,11 @@
-"""Hugging Face weight folders: safetensors files, sharded with a `model.safetensors.index.json`."""
+"""Hugging Face weight folders: safetensors files, sharded with a `model.safetensors.index.json`.
+
+Reading goes shard by shard (`HFWeights.read_shard`: the named tensors of one file, in their
+stored dtype), so a converter holds one shard at a time; writing splits the tensors into shards
+of at most `max_shard_bytes` with the index, as transformers' `save_pretrained(max_shard_size=)`
+does. Written files are readable by others (0666 less the umask, as `open` creates files;
+safetensors' own writer makes them 0600).
+"""
 
 import json
 import os
@@ -24,27 +31,51 @@ def _read_weight_map(index: str) -> dict:
     return weight_map
 
 
+# safetensors' dtype names (the header's) -> torch dtypes.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 class HFWeights:
     """The tensors of a Hugging Face folder's safetensors files. Opening reads every file's header
-    (names, shapes; a damaged, truncated or inconsistent file refuses here, naming it), so a model
-    is checked before any data is read; `read(name)` loads one tensor."""
+    (names, shapes, dtypes; a damaged, truncated or inconsistent file refuses here, naming it), so a
+    model is checked before any data is read; `read(name)` loads one tensor, `read_shard` the
+    named tensors of one file (`shard_files` in order)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.files = _weight_map(path)  # tensor name -> file name
-        self.shapes = {}  # tensor name -> shape, from the headers
-        for filename in sorted(set(self.files.values())):
+        self.shapes, self.dtypes = {}, {}  # tensor name -> shape / torch dtype, from the headers
+        for filename in self.shard_files():
             with _open(path, filename) as f:
                 stored = set(f.keys())
                 for name in (n for n, file in self.files.items() if file == filename):
                     if name not in stored:
                         raise ValueError(f"{os.path.join(path, filename)}: has no tensor {name}, which "
                                          f"{INDEX_FILENAME} places there; restore the file or the index")
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+                    header = f.get_slice(name)
+                    self.shapes[name] = tuple(header.get_shape())
+                    self.dtypes[name] = _DTYPES.get(header.get_dtype())
+                    if self.dtypes[name] is None:
+                        raise ValueError(f"{os.path.join(path, filename)}: {name} is stored as {header.get_dtype()}, "
+                                         "which teratron does not read; save the model in bf16, fp16 or fp32")
+
+    def shard_files(self) -> list:
+        return sorted(set(self.files.values()))
 
     def read(self, name: str) -> torch.Tensor:
         with _open(self.path, self.files[name]) as f:
             return f.get_tensor(name)
+
+    def read_shard(self, filename: str, names) -> dict:
+        """name -> tensor (as stored) of `names`, all in file `filename`."""
+        with _open(self.path, filename) as f:
+            return {name: f.get_tensor(name) for name in names}
+
+    def meta_shard(self, filename: str, names) -> dict:
+        """`read_shard` on the meta device: the shapes and dtypes, no data."""
+        return {name: torch.empty(self.shapes[name], dtype=self.dtypes[name], device="meta") for name in names}
 
 
 def _weight_map(path: str) -> dict:
@@ -75,6 +106,13 @@ def _open(path: str, filename: str):
                          "truncated: download or save the model again") from None
 
 
+def readable_by_others(file: str) -> None:
+    """Give `file` the mode `open` would have (0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+
+
 def save_hf_weights(tensors: dict, path: str, max_shard_bytes: int) -> list:
     """Write `tensors` as safetensors shards of at most max_shard_bytes (a single larger tensor
     gets its own shard) plus the index; returns the file names."""
@@ -88,15 +126,20 @@ def save_hf_weights(tensors: dict, path: str, max_shard_bytes: int) -> list:
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILENAME), metadata={"format": "pt"})
+        _save_shard(shards[0], os.path.join(path, SINGLE_FILENAME))
         return [SINGLE_FILENAME]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, filename), metadata={"format": "pt"})
+        _save_shard(shard, os.path.join(path, filename))
         weight_map.update(dict.fromkeys(shard, filename))
         names.append(filename)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(path, INDEX_FILENAME), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return names + [INDEX_FILENAME]
+
+
+def _save_shard(tensors: dict, file: str) -> None:
+    save_file(tensors, file, metadata={"format": "pt"})
+    readable_by_others(file)

@@ -19,7 +19,8 @@ from teratron.transformer.mlp import quick_gelu
 # The MoE architecture and its meaning when absent: a dense model (num_experts None).
 MOE_DEFAULTS = {
     "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": None, "moe_grouped_gemm": False,
-    "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1, "moe_router_pre_softmax": False,
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_layer_freq": 1,
+    "moe_router_pre_softmax": False,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
     "moe_router_enable_expert_bias": False, "moe_router_num_groups": None, "moe_router_group_topk": None,
 }
@@ -49,10 +50,16 @@ YARN_ARGS = {
     "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
 }
 
+# Llama 3.x RoPE scaling (`use_rope_scaling`, always recorded): the factors' flag dests, which are
+# GPTModelConfig's field names too; recorded for such models only.
+ROPE_SCALING_ARGS = ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                     "rope_scaling_original_max_position_embeddings")
+
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
+    "use_rope_scaling", *ROPE_SCALING_ARGS,
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
     "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
 )
@@ -70,7 +77,7 @@ def model_args_from_config(model) -> dict:
         add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
-        rotary_interleaved=c.rotary_interleaved,
+        rotary_interleaved=c.rotary_interleaved, use_rope_scaling=model.rope_scaling,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
@@ -81,6 +88,8 @@ def model_args_from_config(model) -> dict:
         out.update({arg: getattr(c, field) for arg, field in MLA_ARGS.items()})
     if model.position_embedding_type == "yarn":
         out.update({arg: getattr(c, field) for arg, field in YARN_ARGS.items()})
+    if model.rope_scaling:
+        out.update({arg: getattr(model, arg) for arg in ROPE_SCALING_ARGS})
     if c.num_moe_experts:
         out.update({name: getattr(c, name) for name in MOE_DEFAULTS if name != "num_experts"},
                    num_experts=c.num_moe_experts,
@@ -147,7 +156,8 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         config_class(**kwargs), vocab_size=a["vocab_size"] or a["padded_vocab_size"],
         max_position_embeddings=a["max_position_embeddings"],
         position_embedding_type=a["position_embedding_type"], rotary_percent=a["rotary_percent"],
-        rotary_base=a["rotary_base"],
+        rotary_base=a["rotary_base"], rope_scaling=a.get("use_rope_scaling", False),
+        **({arg: a[arg] for arg in ROPE_SCALING_ARGS} if a.get("use_rope_scaling") else {}),
         share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         padded_vocab_size=padded_vocab_size or a["padded_vocab_size"],

@@ -31,8 +31,13 @@ def _narrow(tensor, offsets, lengths):
 
 
 class ShardedSavePlanner(DefaultSavePlanner):
-    def __init__(self, items):
+    """Writes the items' boxes and objects; with `resolve(item) -> tensor` the boxes' data are
+    placeholders (e.g. meta tensors of the right shape and dtype) and each is produced only when
+    DCP writes it."""
+
+    def __init__(self, items, resolve=None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.resolve = resolve
         self.tensors = {_index(t.key, t.global_offset): t for t in items
                         if isinstance(t, ShardedTensor) and t.data.numel() and not t.replica}
         self.objects = {o.key: o.value for o in items if isinstance(o, ShardedObject)}
@@ -57,7 +62,8 @@ class ShardedSavePlanner(DefaultSavePlanner):
             buffer = io.BytesIO()
             torch.save(self.objects[write_item.index.fqn], buffer)
             return buffer
-        return self.tensors[_index(write_item.index.fqn, write_item.index.offset)].data.detach()
+        item = self.tensors[_index(write_item.index.fqn, write_item.index.offset)]
+        return self.resolve(item) if self.resolve else item.data.detach()
 
 
 class ShardedLoadPlanner(DefaultLoadPlanner):

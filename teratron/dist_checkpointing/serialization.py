@@ -68,12 +68,17 @@ def _read(checkpoint_dir: str, planner, process_group=None, no_dist: bool = Fals
                       "or incomplete") from None
 
 
-def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False) -> list:
+def save(items: list, checkpoint_dir: str, process_group=None, no_dist: bool = False, resolve=None) -> list:
     """Write every rank's items into `checkpoint_dir` (a collective over `process_group`, unless
-    `no_dist`: this process writes alone); returns the names of the files written (all ranks')."""
-    writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+    `no_dist`: this process writes alone); returns the names of the files written (all ranks').
+
+    With `resolve(item) -> tensor` the items' data are placeholders (meta tensors of the right
+    shape and dtype) and each tensor is produced as DCP writes it, in the items' order; each then
+    goes to a file of its own (DCP keeps every tensor of a file until the file is done), so one
+    tensor at a time is in memory (a streaming import)."""
+    writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=resolve is None, thread_count=1)
     with _quiet_single_process():
-        metadata = dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items),
+        metadata = dcp.save({}, storage_writer=writer, planner=ShardedSavePlanner(items, resolve),
                             process_group=process_group, no_dist=no_dist or not dist.is_initialized())
     # Older PyTorch (2.11) returns the plan's metadata without the storage layout the writer
     # filled in: then read it back from the .metadata file the save just published.

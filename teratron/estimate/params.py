@@ -117,6 +117,7 @@ def moe_params(config) -> tuple:
     dense = [config.num_moe_experts * h] + ([config.num_moe_experts] if config.add_bias_linear else [])
     if config.moe_shared_expert_intermediate_size is not None:
         dense += _mlp(config, config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size)
+        dense += [h] if config.moe_shared_expert_gate else []
     return dense, experts
 
 

@@ -105,6 +105,16 @@ def _add_network_args(parser):
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head RoPE rotates.")
     g.add_argument("--rotary-interleaved", action="store_true", help="Rotate even/odd pairs (RoFormer style).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE scaling (--position-embedding-type rope): long wavelengths divided by "
+                        "--rope-scaling-factor, short ones kept, a blend between.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x RoPE scaling factor.")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="Llama 3.x RoPE scaling: wavelengths over original / this are divided by the factor.")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="Llama 3.x RoPE scaling: wavelengths under original / this keep their frequency.")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="Llama 3.x RoPE scaling: the context length of the model before scaling.")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                    help="Normalisation layer.")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
@@ -285,6 +295,8 @@ def _add_moe_args(parser):
                    help="Hidden size of the shared experts (None: none).")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Run the shared experts after the router (Megatron's overlap order).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output per token by a learned sigmoid gate (Qwen2-MoE).")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"],
                    help="Router score function.")

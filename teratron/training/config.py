@@ -364,6 +364,7 @@ RENAMED = {
     "ddp_bucket_size": ("ddp", "bucket_size", None),
     "ddp_average_in_collective": ("ddp", "average_in_collective", None),
     "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
+    "use_rope_scaling": ("model", "rope_scaling", None),
     "yarn_original_max_position_embeddings": ("mla", "original_max_position_embeddings", None),
     "yarn_beta_fast": ("mla", "beta_fast", None),
     "yarn_beta_slow": ("mla", "beta_slow", None),

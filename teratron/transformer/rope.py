@@ -12,6 +12,14 @@ length), takes f_i / scaling_factor where it is long (fewer than `beta_slow` tur
 blend in between; the rotated channels are multiplied by the concentration factor
 `yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all_dim)`, and multi-latent attention multiplies
 its softmax scale by `yarn_mscale(s, mscale_all_dim)^2` (DeepSeek-V2/V3, Megatron's MLA).
+
+Llama 3.x scaling (Megatron's `rope_scaling`, `rope_scaling_factor`) stretches plain RoPE by
+wavelength: pair i of wavelength w_i = 2 pi / f_i keeps f_i where w_i is shorter than
+original / high_freq_factor, takes f_i / factor where w_i is longer than original /
+low_freq_factor, and in between the blend (1 - r) f_i / factor + r f_i with
+r = (original / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor). Megatron fixes
+low_freq_factor 1, high_freq_factor 4 and original 8192 (Llama 3.1's); teratron takes them as
+arguments with those defaults, so a Hugging Face config's own values carry over.
 """
 
 import math
@@ -20,10 +28,13 @@ import torch
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Maps position ids [b, s] to rotation angles [s, b, 1, rot_dim] (the layout `apply` takes)."""
+    """Maps position ids [b, s] to rotation angles [s, b, 1, rot_dim] (the layout `apply` takes);
+    with `rope_scaling`, Llama 3.x's frequencies (`llama3_inv_freq`)."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
-                 rotary_base: float = 10000.0):
+                 rotary_base: float = 10000.0, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 rope_scaling_low_freq_factor: float = 1.0, rope_scaling_high_freq_factor: float = 4.0,
+                 rope_scaling_original_max_position_embeddings: int = 8192):
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent={rotary_percent} must be in (0, 1]")
@@ -35,6 +46,9 @@ class RotaryEmbedding(torch.nn.Module):
             )
         self.rotary_interleaved = rotary_interleaved
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+        if rope_scaling:
+            inv_freq = llama3_inv_freq(inv_freq, rope_scaling_factor, rope_scaling_low_freq_factor,
+                                       rope_scaling_high_freq_factor, rope_scaling_original_max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +59,21 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             emb = torch.cat([angles, angles], dim=-1)  # f0 f1 ... f0 f1 ...
         return emb.unsqueeze(2)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                    high_freq_factor: float = 4.0, original_max_position_embeddings: int = 8192) -> torch.Tensor:
+    """Llama 3.x's frequencies [rot_dim / 2] from RoPE's `inv_freq` (see the module docstring)."""
+    if not high_freq_factor > low_freq_factor > 0 or factor <= 0 or original_max_position_embeddings < 1:
+        raise ValueError(f"Llama 3 RoPE scaling needs high_freq_factor > low_freq_factor > 0, factor > 0 and "
+                         f"original_max_position_embeddings >= 1; got {high_freq_factor}, {low_freq_factor}, "
+                         f"{factor}, {original_max_position_embeddings}")
+    wavelength = 2 * math.pi / inv_freq
+    ratio = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - ratio) * inv_freq / factor + ratio * inv_freq
+    short = wavelength < original_max_position_embeddings / high_freq_factor
+    long = wavelength > original_max_position_embeddings / low_freq_factor
+    return torch.where(short, inv_freq, torch.where(long, inv_freq / factor, blended))
 
 
 def yarn_mscale(scaling_factor: float, mscale: float = 1.0) -> float:

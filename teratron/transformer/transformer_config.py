@@ -92,7 +92,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 # The yarn_* fields are Megatron's too: config attributes its argument parser sets, not declared.
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
                          "offload_modules", "min_offloaded_tensor_size",
-                         "freeze_base_model_for_mtp",  # Megatron's, newer than the reference
+                         "freeze_base_model_for_mtp", "moe_shared_expert_gate",  # Megatron's, newer than the reference
                          *YARN_FIELDS)
 
 
@@ -432,6 +432,10 @@ class TransformerConfig(ModelParallelConfig):
 
     moe_shared_expert_overlap: bool = False
     """Overlap shared-expert compute with dispatch communication (alltoall/flex only)."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . w_gate), a learned [1, h] weight
+    (Qwen2-MoE's shared expert gate)."""
 
     moe_layer_freq: Union[int, List[int]] = 1
     """MoE layer pattern: every N-th layer is MoE, or a 0/1 list with one entry per layer."""
@@ -1114,6 +1118,8 @@ class TransformerConfig(ModelParallelConfig):
                 f"moe_token_drop_policy={self.moe_token_drop_policy!r}; use 'probs' or 'position'"
             )
         shared = self.moe_shared_expert_intermediate_size
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("moe_shared_expert_gate gates the shared experts; set moe_shared_expert_intermediate_size")
         if shared is not None:
             if shared < 1:
                 raise ValueError(f"moe_shared_expert_intermediate_size must be positive, got {shared}")

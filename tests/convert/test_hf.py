@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from convert.hf_testing import (TOKENIZER_FILES, VOCAB, convert, finetune, hf_logits,
-                                hf_tensors, ids_and_positions, save_random_hf_model)
+                                hf_tensors, ids_and_positions, read_config, save_random_hf_model)
 from dist import run_distributed
 from teratron import parallel_state as ps
 from teratron import cli
@@ -29,6 +29,11 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, attention_bias=True, mlp_bias=True)),
+    # Llama 3.x RoPE scaling; head 8 and base 1000 give wavelengths 6.3, 35, 199 and 1117 against
+    # the bounds 64 / 4 = 16 and 64 / 1: one pair kept, one blended, two divided by the factor.
+    "llama3_scaling": ("LlamaConfig", "LlamaForCausalLM", dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="llama3", rope_theta=1000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     # A window of 4 tokens (each query sees itself and 3 before) on sequences of 12: it bites.
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
@@ -56,6 +61,11 @@ def test_import_export_round_trip(family, tmp_path):
     assert config.qk_layernorm == (family == "qwen3") and config.num_query_groups == FAMILIES[family][2].get(
         "num_key_value_heads", 2)
     assert config.window_size == ((3, 0) if family == "mistral_window" else None)
+    if family == "llama3_scaling":  # the scaling changes the logits, by far more than the tolerance
+        unscaled, _ = from_hf(str(src))
+        unscaled.rotary_pos_emb.inv_freq.copy_(1.0 / 1000.0 ** (torch.arange(0, 8, 2) / 8))
+        with torch.no_grad():
+            assert (unscaled(ids, positions) - reference).abs().max() > 0.1
 
     assert cli.main(["convert", "import-hf", "--hf-path", str(src), "--save", str(ckpt),
                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]) == 0
@@ -69,6 +79,8 @@ def test_import_export_round_trip(family, tmp_path):
     for name in TOKENIZER_FILES:
         assert filecmp.cmp(src / name, out / name, shallow=False)
     assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+    if family == "llama3_scaling":
+        assert read_config(out)["rope_parameters"] == read_config(src)["rope_parameters"]
 
 
 def _tp2_reload_and_save(ckpt, resaved):
@@ -100,8 +112,17 @@ def test_refusals(tmp_path):
     src = tmp_path / "hf"
     make_hf_model("llama", src)
     config = json.loads((src / "config.json").read_text())
-    with pytest.raises(ValueError, match="rope type 'llama3'"):
-        (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="rope type 'linear' \\(rope_scaling\\) is not supported by teratron's "
+                                         "RoPE for llama; only default and llama3 rotary embeddings convert"):
+        (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))
+        from_hf(str(src))
+    with pytest.raises(ValueError, match="rope_scaling of type llama3 lacks factor"):
+        (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}}))
+        from_hf(str(src))
+    with pytest.raises(ValueError, match="Llama 3 RoPE scaling with factor=8.0, low_freq_factor=4.0, "
+                                         "high_freq_factor=4.0"):
+        (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}))
         from_hf(str(src))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         (src / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
@@ -170,13 +191,23 @@ def test_damaged_inputs_and_failed_writes(tmp_path, monkeypatch):
         convert("export-hf", "--load", str(ckpt), "--out", str(out))
 
 
-def test_finetune_an_imported_model_and_export_it(tmp_path):
-    """import-hf -> `teratron train --load --finetune` (flags matching the model) -> export-hf:
-    transformers loads the trained weights and agrees with teratron's own logits for them."""
+FINETUNE_FLAGS = {
+    "llama": ("--rotary-base", "500000"),
+    "llama3_scaling": ("--rotary-base", "1000", "--disable-bias-linear", "--max-position-embeddings", "128",
+                       "--use-rope-scaling", "--rope-scaling-factor", "4",
+                       "--rope-scaling-original-max-position-embeddings", "64"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FINETUNE_FLAGS))
+def test_finetune_an_imported_model_and_export_it(family, tmp_path):
+    """import-hf -> `teratron train --load --finetune` (flags matching the model, Megatron's
+    --use-rope-scaling for Llama 3's RoPE) -> export-hf: transformers loads the trained weights
+    and agrees with teratron's own logits for them."""
     src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
-    make_hf_model("llama", src)
+    make_hf_model(family, src)
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
-    finetune(ckpt, trained, "--num-layers", "2", "--ffn-hidden-size", "40", "--rotary-base", "500000")
+    finetune(ckpt, trained, "--num-layers", "2", "--ffn-hidden-size", "40", *FINETUNE_FLAGS[family])
     assert storage.read_tracker(str(trained)) == 2
     convert("export-hf", "--load", str(trained), "--out", str(out))
     changed = hf_tensors(out)["model.layers.0.mlp.up_proj.weight"]

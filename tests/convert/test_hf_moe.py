@@ -1,5 +1,6 @@
-"""Hugging Face conversion of the MoE families: tiny random Mixtral and Qwen3-MoE models built
-offline with transformers (every weight random). Imported logits equal transformers' (fp32,
+"""Hugging Face conversion of the MoE families: tiny random Mixtral, Qwen2-MoE (its gated shared
+expert, QKV biases, per-layer windows) and Qwen3-MoE models built offline with transformers
+(every weight random). Imported logits equal transformers' (fp32,
 1e-4, dropless) with either expert class; import-hf -> export-hf gives back the same tensors and
 config, and transformers loads the export with the same logits; a checkpoint imported at EP = 1
 loads at EP = 2 (and expert-TP = 2) with the same logits and re-saves to the same weights; a
@@ -36,6 +37,17 @@ FAMILIES = {
     "qwen3_moe_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                        dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3, mlp_only_layers=[2],
                             norm_topk_prob=True, tie_word_embeddings=True, router_aux_loss_coef=0.02)),
+    # layers 0 and 2 (layer 1 in mlp_only_layers), weights not renormalised, the gated shared expert,
+    # QKV biases, a window of 4 (biting on 12 tokens) on layer 0 only (max_window_layers 2)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+                       num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=False, use_sliding_window=True,
+                       sliding_window=4, max_window_layers=2)),
+    # layer 1 only (decoder_sparse_step 2), top-2 renormalised, no QKV bias, tied embeddings, no windows
+    "qwen2_moe_norm": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                       dict(moe_intermediate_size=24, shared_expert_intermediate_size=16, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True, qkv_bias=False,
+                            tie_word_embeddings=True)),
 }
 
 
@@ -58,10 +70,17 @@ def test_moe_import_export_round_trip(family, tmp_path):
         model, config = from_hf(str(src), moe_grouped_gemm=grouped)
         with torch.no_grad():
             assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
-    expected_freq = {"mixtral": 1, "qwen3_moe": [0, 1, 0], "qwen3_moe_norm": [1, 1, 0]}[family]
+    expected_freq = {"mixtral": 1, "qwen3_moe": [0, 1, 0], "qwen3_moe_norm": [1, 1, 0], "qwen2_moe": [1, 0, 1],
+                     "qwen2_moe_norm": [0, 1, 0]}[family]
     assert (config.num_moe_experts, config.moe_layer_freq) == (4, expected_freq)
-    assert config.moe_router_pre_softmax == (family == "qwen3_moe")
+    assert config.moe_router_pre_softmax == (family in ("qwen3_moe", "qwen2_moe"))
     assert config.moe_aux_loss_coeff == read_config(src)["router_aux_loss_coef"]
+    qwen2 = family.startswith("qwen2_moe")
+    assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (
+        ({"qwen2_moe": 40, "qwen2_moe_norm": 16}[family], True) if qwen2 else (None, False))
+    assert config.add_qkv_bias == (family == "qwen2_moe")
+    assert (config.window_size, config.window_attn_skip_freq) == (((3, 0), [1, 0, 0]) if family == "qwen2_moe"
+                                                                  else (None, None))
 
     original = hf_tensors(src)
     for grouped in (False, True):
@@ -76,12 +95,8 @@ def test_moe_import_export_round_trip(family, tmp_path):
         assert set(original) == set(exported)
         for name in original:
             assert torch.equal(original[name], exported[name]), name
-        # The config comes back, with rope_theta for transformers 5's rope_parameters and head_dim set.
-        exported_config, source_config = read_config(out), read_config(src)
-        rope_theta = source_config.pop("rope_parameters")["rope_theta"] if family != "qwen3_moe_norm" \
-            else source_config["rope_theta"]
-        assert exported_config == {**source_config, "rope_theta": rope_theta, "rope_scaling": None,
-                                   "head_dim": config.kv_channels}
+        # The config comes back (RoPE in the source's own fields), with head_dim set.
+        assert read_config(out) == {**read_config(src), "head_dim": config.kv_channels}
         for name in TOKENIZER_FILES:
             assert (out / name).read_bytes() == (src / name).read_bytes()
         assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
@@ -103,19 +118,20 @@ def _expert_parallel_reload(ckpt, resaved):
         with torch.no_grad():
             logits.append(model(*ids_and_positions())[..., :VOCAB])
         if ep == 2:
-            assert len(model.decoder.layers[1].mlp.local_expert_indices) == 2
+            moe = [layer.mlp for layer in model.decoder.layers if hasattr(layer.mlp, "local_expert_indices")]
+            assert moe and all(len(mlp.local_expert_indices) == 2 for mlp in moe)
             save_checkpoint(resaved, 3, [model], metadata={"model_args": model_args})
         ps.destroy_model_parallel()
     return logits
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
-def test_expert_parallel_load_and_export(grouped, tmp_path):
-    """import-hf (EP = 1) -> EP = 2 and TP = 2 loads (logits as transformers') -> EP = 2 save ->
-    export-hf without the HF side files (the config is rebuilt from the model args) -> the same
-    tensors, and transformers agrees."""
+@pytest.mark.parametrize("family,grouped", [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True)])
+def test_expert_parallel_load_and_export(family, grouped, tmp_path):
+    """import-hf (EP = 1) -> EP = 2 and TP = 2 loads (logits as transformers'; Qwen2-MoE's gated
+    shared expert and windows too) -> EP = 2 save -> export-hf without the HF side files (the
+    config is rebuilt from the model args) -> the same tensors, and transformers agrees."""
     src, ckpt, resaved, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "resaved", tmp_path / "out"
-    reference = make_moe_model("qwen3_moe", src)
+    reference = make_moe_model(family, src)
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), *(["--moe-grouped-gemm"] if grouped else []))
     for rank_logits in (t for per_rank in run_distributed(_expert_parallel_reload, 2, str(ckpt), str(resaved))
                         for t in per_rank):
@@ -126,8 +142,12 @@ def test_expert_parallel_load_and_export(grouped, tmp_path):
     for name in original:
         assert torch.equal(original[name], exported[name]), name
     rebuilt = read_config(out)
-    assert rebuilt["model_type"] == "qwen3_moe"
-    assert (rebuilt["decoder_sparse_step"], rebuilt["mlp_only_layers"]) == (1, [0, 2])
+    assert rebuilt["model_type"] == family
+    assert (rebuilt["decoder_sparse_step"], rebuilt["mlp_only_layers"]) == (1, [0, 2] if family == "qwen3_moe" else [1])
+    if family == "qwen2_moe":
+        assert (rebuilt["use_sliding_window"], rebuilt["sliding_window"], rebuilt["layer_types"]) == (
+            True, 4, ["sliding_attention", "full_attention", "full_attention"])
+        assert (rebuilt["shared_expert_intermediate_size"], rebuilt["qkv_bias"]) == (40, True)
     assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
 
 
@@ -152,12 +172,32 @@ def test_finetune_an_imported_mixtral_and_export_it(tmp_path):
     assert_close(hf_logits(str(out)), ours, rtol=0, atol=1e-4)
 
 
+def test_finetune_an_imported_qwen2_moe_and_export_it(tmp_path):
+    """Qwen2-MoE through `teratron train` with Megatron's flags for it (the gated shared expert:
+    --moe-shared-expert-gate; the window on layer 0): the trained gate and shared expert export,
+    and transformers agrees with teratron's logits for them."""
+    src, ckpt, trained, out = (tmp_path / n for n in ("hf", "ckpt", "trained", "out"))
+    make_moe_model("qwen2_moe", src)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+    finetune(ckpt, trained, "--num-layers", "3", "--ffn-hidden-size", "48", "--norm-epsilon", "1e-5",
+             "--disable-bias-linear", "--add-qkv-bias", "--window-size", "3,0", "--window-attn-skip-freq", "[1,0,0]",
+             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-layer-freq",
+             "[1,0,1]", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "40",
+             "--moe-shared-expert-gate", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01")
+    convert("export-hf", "--load", str(trained), "--out", str(out))
+    assert read_config(out)["router_aux_loss_coef"] == 0.01
+    for name in ("model.layers.2.mlp.shared_expert_gate.weight", "model.layers.0.mlp.shared_expert.down_proj.weight"):
+        assert not torch.equal(hf_tensors(out)[name], hf_tensors(src)[name]), name
+    model, _ = from_hf(str(out))
+    with torch.no_grad():
+        ours = model(*ids_and_positions())
+    assert_close(hf_logits(str(out)), ours, rtol=0, atol=1e-4)
+
+
 def test_moe_refusals(tmp_path):
     src = tmp_path / "hf"
     make_moe_model("qwen3_moe", src)
     hf = read_config(src)
-    with pytest.raises(ValueError, match="model_type 'qwen2_moe': Qwen2-MoE's shared expert"):
-        model_args_from_hf({**hf, "model_type": "qwen2_moe"}, "cfg")
     with pytest.raises(ValueError, match="num_experts_per_tok=1 with renormalised weights"):
         model_args_from_hf({**hf, "num_experts_per_tok": 1, "norm_topk_prob": True}, "cfg")
     assert model_args_from_hf({**hf, "num_experts_per_tok": 1}, "cfg")["moe_router_pre_softmax"]
@@ -194,3 +234,32 @@ def test_moe_refusals(tmp_path):
         hf_config_from_model_args({**no_qk_norm, "moe_layer_freq": 1})
     assert hf_config_from_model_args({**no_qk_norm, "moe_layer_freq": 1, "moe_router_pre_softmax": False}) \
         ["model_type"] == "mixtral"
+
+
+def test_qwen2_moe_refusals(tmp_path):
+    src = tmp_path / "hf"
+    make_moe_model("qwen2_moe", src)
+    hf = read_config(src)
+    for change, message in [
+        (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0; transformers' qwen2_moe always"),
+        (dict(shared_expert_intermediate_size=None), "config.json lacks shared_expert_intermediate_size"),
+        (dict(use_sliding_window=False), "layer_types has sliding layers but sliding_window=0"),
+        (dict(layer_types=["sliding_attention"] * 2), "layer_types must give 3 entries"),
+    ]:
+        with pytest.raises(ValueError, match=f"^cfg: {message}"):
+            model_args_from_hf({**hf, **change}, "cfg")
+    # Without layer_types, transformers 5's rule: every other layer below max_window_layers.
+    derived = {k: v for k, v in hf.items() if k != "layer_types"}
+    assert model_args_from_hf({**derived, "max_window_layers": 3}, "cfg")["window_attn_skip_freq"] == [1, 0, 1]
+    assert "window_size" not in model_args_from_hf({**derived, "use_sliding_window": False}, "cfg")
+    args = model_args_from_hf(hf, "cfg")
+    for change, message in [
+        (dict(qk_layernorm=True), "the checkpoint's MoE model has qk_layernorm=True; Qwen2-MoE needs False"),
+        (dict(moe_router_score_function="sigmoid"),
+         "the checkpoint's MoE model has moe_router_score_function='sigmoid'; Qwen2-MoE needs 'softmax'"),
+        (dict(window_size=[3, 2]), "the checkpoint's model has window_size=\\[3, 2\\]; Qwen2-MoE's windows are causal"),
+        (dict(moe_shared_expert_gate=False), "the checkpoint's MoE model has moe_shared_expert_intermediate_size=40; "
+                                             "Mixtral and Qwen3-MoE need None"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            hf_config_from_model_args({**args, **change})

@@ -31,6 +31,7 @@ SHAPES = [
     "--num-experts 4 --moe-router-topk 2",
     "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --swiglu --moe-ffn-hidden-size 48 "
     "--moe-shared-expert-intermediate-size 32",
+    "--num-experts 4 --moe-router-topk 2 --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate",
     "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --untie-embeddings-and-output-weights",
     "--mtp-num-layers 2 --position-embedding-type rope",
     "--mtp-num-layers 1 --position-embedding-type none --untie-embeddings-and-output-weights --num-experts 4 "

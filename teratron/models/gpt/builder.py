@@ -28,7 +28,11 @@ def build_gpt_model(model: GPTModelConfig, pre_process: bool = True, post_proces
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type, rotary_percent=model.rotary_percent,
-        rotary_base=model.rotary_base, pg_collection=pg, vp_stage=vp_stage,
+        rotary_base=model.rotary_base, rope_scaling=model.rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
+        rope_scaling_low_freq_factor=model.rope_scaling_low_freq_factor,
+        rope_scaling_high_freq_factor=model.rope_scaling_high_freq_factor,
+        rope_scaling_original_max_position_embeddings=model.rope_scaling_original_max_position_embeddings,
+        pg_collection=pg, vp_stage=vp_stage,
         unpadded_vocab_size=model.vocab_size, mtp_block_spec=get_gpt_mtp_block_spec(config, **placement),
     )
 

@@ -23,6 +23,14 @@ class GPTModelConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rope_scaling: bool = False
+    """Llama 3.x RoPE scaling of plain RoPE (Megatron's GPTModel `rope_scaling`); see
+    teratron.transformer.rope."""
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama 3.x scaling's bounds (teratron's: Megatron fixes Llama 3.1's 1, 4 and 8192)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     share_embeddings_and_output_weights: bool = True
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int = field(default=None)
@@ -46,6 +54,7 @@ class GPTModelConfig:
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         self._check_yarn()
+        self._check_rope_scaling()
         if self.padded_vocab_size is None:
             padded = pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by,
                                     self.transformer.tensor_model_parallel_size)
@@ -71,3 +80,17 @@ class GPTModelConfig:
         if changed:
             raise ValueError(f"{changed[0]}={getattr(t, changed[0])!r} is set but position_embedding_type="
                              f"{self.position_embedding_type!r}; use position_embedding_type='yarn'")
+
+    def _check_rope_scaling(self):
+        if not self.rope_scaling:
+            return
+        if self.position_embedding_type != "rope" or self.transformer.multi_latent_attention:
+            raise ValueError(f"rope_scaling (Llama 3.x) scales plain RoPE; it needs position_embedding_type='rope' "
+                             f"without multi-latent attention, got {self.position_embedding_type!r}")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if not high > low > 0:
+            raise ValueError(f"rope_scaling_high_freq_factor={high} must exceed rope_scaling_low_freq_factor={low}, "
+                             "which must be positive")
+        if self.rope_scaling_factor <= 0 or self.rope_scaling_original_max_position_embeddings < 1:
+            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor} and rope_scaling_original_max_position_"
+                             f"embeddings={self.rope_scaling_original_max_position_embeddings} must be positive")

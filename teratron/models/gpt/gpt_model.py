@@ -52,8 +52,11 @@ class GPTModel(torch.nn.Module):
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute",
-                 rotary_percent: float = 1.0, rotary_base: int = 10000, pg_collection=None, vp_stage=None,
-                 unpadded_vocab_size: int | None = None, mtp_block_spec=None):
+                 rotary_percent: float = 1.0, rotary_base: int = 10000, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0, pg_collection=None, vp_stage=None,
+                 unpadded_vocab_size: int | None = None, mtp_block_spec=None,
+                 rope_scaling_low_freq_factor: float = 1.0, rope_scaling_high_freq_factor: float = 4.0,
+                 rope_scaling_original_max_position_embeddings: int = 8192):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
@@ -96,8 +99,10 @@ class GPTModel(torch.nn.Module):
         if config.multi_latent_attention:  # MLA rotates its positional channels whatever the type (Megatron)
             self.rotary_pos_emb = mla_rotary_embedding(config)
         elif position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
-                                                  config.rotary_interleaved, rotary_base)
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, rotary_percent, config.rotary_interleaved, rotary_base, rope_scaling,
+                rope_scaling_factor, rope_scaling_low_freq_factor, rope_scaling_high_freq_factor,
+                rope_scaling_original_max_position_embeddings)
         elif position_embedding_type == "yarn":  # attention scales the rotated channels (rope_mscale)
             self.rotary_pos_emb = YarnRotaryEmbedding(
                 config.kv_channels, config.rotary_interleaved, rotary_base, config.yarn_rotary_scaling_factor,

@@ -1,6 +1,7 @@
 """MoELayer: a drop-in `mlp` of the transformer layer that sends each token to k experts.
 
-    y = sum_{e in topk(x)} p_e(x) * expert_e(x)  (+ shared_experts(x))
+    y = sum_{e in topk(x)} p_e(x) * expert_e(x)  (+ shared_experts(x), times sigmoid(x . w_gate)
+                                                   with moe_shared_expert_gate: `shared_experts`)
 
 [s, b, h] -> ([s, b, h], None); [s/tp, b, h] under sequence parallelism. Route (TopKRouter),
 dispatch to the ranks holding the experts (token_dispatcher), run the local experts, combine.

@@ -84,7 +84,10 @@ def reference(layer, x, config):
     if layer.shared_experts is not None:
         mlp = layer.shared_experts
         h = tokens @ mlp.linear_fc1.weight.t() + mlp.linear_fc1.bias
-        out += F.gelu(h) @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias
+        shared = F.gelu(h) @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias
+        if config.moe_shared_expert_gate:  # one scalar per token: sigmoid(x . w_gate)
+            shared = shared * torch.sigmoid(tokens @ mlp.gate_weight[0])[:, None]
+        out = out + shared
     return out.view_as(x)
 
 
@@ -101,6 +104,35 @@ def test_layer_equals_written_out_math(grouped, swiglu):
                 p.normal_()
     x, _ = inputs()
     torch.testing.assert_close(layer(x)[0], reference(layer, x, config))
+
+
+def test_gated_shared_expert_equals_its_formula():
+    """y = routed(x) + sigmoid(x . w_gate) * shared(x): outputs and every gradient (the gate's
+    included) as autograd gives them through the formula written out; the gate is no no-op."""
+    config = make_config(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    layer = build(config)
+    gate = layer.shared_experts.gate_weight
+    assert gate.shape == (1, H) and gate.sequence_parallel is False
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    x, grad = inputs()
+    y, dx = run(layer, x, grad)
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    x_ref = x.clone().requires_grad_()
+    expected = reference(layer, x_ref, config)
+    expected.backward(grad)
+    torch.testing.assert_close(y, expected.detach())
+    torch.testing.assert_close(dx, x_ref.grad)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+    scores = torch.sigmoid(x.reshape(-1, H) @ gate[0].detach())
+    assert scores.min() < 0.2 and scores.max() > 0.8
+    with pytest.raises(ValueError, match="moe_shared_expert_gate gates the shared experts; set "
+                                         "moe_shared_expert_intermediate_size"):
+        make_config(moe_shared_expert_gate=True)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

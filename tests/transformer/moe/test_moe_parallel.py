@@ -1,8 +1,9 @@
 """MoELayer under expert (EP = 2, 4), tensor (+ sequence) and expert-tensor parallelism, with
-both token dispatchers, equals the EP = 1 single-process layer: outputs, input grads, every
-parameter and every gradient (reduced over its data-parallel group as DDP would), the logged
-metrics and the quantile-balancing bias. Weights come from the same seed (layout-invariant
-init), never copied. One launch of 4 ranks runs every layout.
+both token dispatchers and shared experts (gated or not), equals the EP = 1 single-process
+layer: outputs, input grads, every parameter and every gradient (reduced over its
+data-parallel group as DDP would), the logged metrics and the quantile-balancing bias. Weights
+come from the same seed (layout-invariant init), never copied. One launch of 4 ranks runs every
+layout.
 """
 
 import dataclasses
@@ -37,6 +38,7 @@ class Case:
     swiglu: bool = False
     bias: bool = False
     shared: bool = False
+    gated: bool = False  # the shared experts' sigmoid gate
     capacity: float = None
     qb: bool = False
 
@@ -52,6 +54,8 @@ CASES = [
     Case(2, 2, 2, True, "allgather", grouped=True, swiglu=True),
     Case(2, 2, 1, True, "alltoall", grouped=True, bias=True),
     Case(2, 2, 1, False, "alltoall", shared=True),                  # TP without SP: tokens split
+    Case(2, 2, 2, True, "allgather", shared=True, gated=True),      # gated shared experts under TP + SP
+    Case(2, 2, 1, False, "alltoall", swiglu=True, shared=True, gated=True),  # ... and TP without SP
     Case(2, 2, 2, False, "allgather", swiglu=True),
     Case(2, 1, 2, True, "alltoall", grouped=True),                  # EP 1 under TP
     Case(1, 1, 2, False, "allgather", swiglu=True),                 # EP 1, expert-TP only
@@ -69,7 +73,8 @@ def make_config(case, parallel, device="cpu"):
         moe_router_load_balancing_type="quantile_balancing" if case.qb else "aux_loss",
         moe_aux_loss_coeff=0.0 if case.qb else 0.01, moe_z_loss_coeff=1e-3,
         moe_expert_capacity_factor=case.capacity,
-        moe_shared_expert_intermediate_size=8 if case.shared else None, moe_per_layer_logging=True,
+        moe_shared_expert_intermediate_size=8 if case.shared else None, moe_shared_expert_gate=case.gated,
+        moe_per_layer_logging=True,
         use_cpu_initialization=device == "cpu", **sizes)
     return config
 
