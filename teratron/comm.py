@@ -1,4 +1,5 @@
-"""Backend-agnostic dim-0 collectives: all-gather into one tensor and reduce-scatter from one.
+"""Backend-agnostic dim-0 collectives: all-gather into one tensor and reduce-scatter from one;
+and `sum_over_ranks`, a count summed over a group.
 
 NCCL (and gloo in recent PyTorch) has both natively. A backend that lacks one (gloo in older
 PyTorch) falls back to a list all-gather, or an all-reduce followed by taking this rank's slice:
@@ -92,3 +93,14 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
         reduced /= world_size
     output.copy_(reduced.chunk(world_size)[get_pg_rank(group)])
     return _Completed() if async_op else None
+
+
+def sum_over_ranks(count, group=None):
+    """A count (tokens, a loss sum; no gradient) summed over `group`'s ranks, e.g. a micro-batch's
+    over its context-parallel ranks, each of which holds a part of the sequence; the count itself
+    for a group of one."""
+    if get_pg_size(group) == 1:
+        return count
+    total = torch.as_tensor(count).detach().clone()
+    dist.all_reduce(total, group=group)
+    return total

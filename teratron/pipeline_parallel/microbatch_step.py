@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch.autograd.variable import Variable
 
+from teratron.comm import sum_over_ranks
 from teratron.process_groups import get_pg_size
-from teratron.transformer.context_parallel import sum_over_context_parallel
 
 
 def get_model_config(model: torch.nn.Module):
@@ -65,7 +65,7 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     if len(outputs) == 3:
         output_tensor, num_tokens, log_dict = outputs
         if not config.calculate_per_token_loss:
-            output_tensor = output_tensor / sum_over_context_parallel(num_tokens, cp_group) * cp_size / num_microbatches
+            output_tensor = output_tensor / sum_over_ranks(num_tokens, cp_group) * cp_size / num_microbatches
     elif len(outputs) == 2:
         output_tensor, log_dict = outputs
         output_tensor = output_tensor * cp_size / num_microbatches

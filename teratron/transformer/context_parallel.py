@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from teratron import comm, tensor_parallel
 from teratron.packed_seq_params import PackedSeqParams, document_ids
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.transformer.attention_masks import allowed_keys, max_attention_logits
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 EXCHANGED = ("p2p", "all_gather", "a2a+p2p")
@@ -200,15 +201,6 @@ _UNPACKED_LAYOUTS: dict = {}
 
 # ----- whole-sequence views of per-token tensors ------------------------------------------------
 
-def sum_over_context_parallel(count, cp_group):
-    """A micro-batch's count (tokens, loss sums; no gradient) over its CP ranks, each of which
-    holds a part of the sequence."""
-    if get_pg_size(cp_group) == 1:
-        return count
-    total = torch.as_tensor(count).detach().clone()
-    dist.all_reduce(total, group=cp_group)
-    return total
-
 
 def gather_sequence(tensor, cp_group, attention_mask=None) -> tuple:
     """This CP rank's per-token tensor [b, s] (ids, labels, masks: no gradient) -> the whole
@@ -241,19 +233,6 @@ def scatter_sequence(full, cp_group, attention_mask=None) -> torch.Tensor:
 
 
 # ----- blocks and their kernels ---------------------------------------------------------------------
-
-def allowed_keys(q_idx, kv_idx, causal: bool, window):
-    """True where query q_idx may attend key kv_idx (index tensors that broadcast, or FlexAttention's
-    scalars): keys up to the query when `causal`, within `window` (left, right) when given."""
-    distance = q_idx - kv_idx  # how far the key lies before the query
-    allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-    left, right = window if window is not None else (-1, -1)
-    if left >= 0:
-        allowed = allowed & (distance <= left)
-    if right >= 0:
-        allowed = allowed & (distance >= -right)
-    return allowed
-
 
 class KeyMask:
     """Which keys each query of a block sees, from where the tokens sit: `q_positions` [sq] and
@@ -492,8 +471,6 @@ def block_forward(block: Block, q, k, v, scale: float, flex: bool):
 def record_max_logits(record, block: Block, q, k, scale: float) -> None:
     """Raise `record` [n] (fp32, QK-clip's per-head max logit) to the largest logit of the
     block's visible (query, key) pairs."""
-    from teratron.transformer.dot_product_attention import max_attention_logits  # it imports this module
-
     q, k = q[:, :, block.q], k[:, :, block.kv]
     if block.kind == "masked":
         logits = max_attention_logits(q, k, scale, False, hidden_keys=block.mask.hidden_keys)

@@ -25,10 +25,11 @@ from typing import List, Optional, Union
 import torch
 
 from teratron import tensor_parallel
+from teratron.comm import sum_over_ranks
 from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel import mappings
 from teratron.topology import resolve_pg_collection
-from teratron.transformer.context_parallel import gather_sequence, scatter_sequence, sum_over_context_parallel
+from teratron.transformer.context_parallel import gather_sequence, scatter_sequence
 from teratron.transformer.init_rng import component_rng
 from teratron.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from teratron.transformer.norms import Norm
@@ -172,9 +173,9 @@ def attach_mtp_loss(lm_loss: torch.Tensor, depth_losses: list, config, num_token
         loss_sum = torch.sum(token_loss.float() * mask)
         count = mask.sum()
         report.append(torch.stack([loss_sum.detach(), count.detach()]))
-        mean = loss_sum / sum_over_context_parallel(count, cp_group).clamp(min=1)
+        mean = loss_sum / sum_over_ranks(count, cp_group).clamp(min=1)
         if config.calculate_per_token_loss:  # no average over CP ranks follows: undo the scale's CP
-            mean = mean * sum_over_context_parallel(num_tokens, cp_group) / cp_size
+            mean = mean * sum_over_ranks(num_tokens, cp_group) / cp_size
         total = total + mean
     _LAST_MTP_LOSSES = report
     scaled = total * (config.mtp_loss_scaling_factor / len(depth_losses))

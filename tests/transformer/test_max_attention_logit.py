@@ -6,9 +6,10 @@ follow Megatron's rule (per query group: queries eta ** alpha, keys eta ** (1 - 
 import pytest
 import torch
 
-from teratron.transformer import dot_product_attention
+from teratron.transformer import attention_masks
 from teratron.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from teratron.transformer.dot_product_attention import DotProductAttention, max_attention_logits
+from teratron.transformer.attention_masks import max_attention_logits
+from teratron.transformer.dot_product_attention import DotProductAttention
 from teratron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from teratron.transformer.transformer_config import TransformerConfig
 
@@ -38,7 +39,7 @@ def _band(left):
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2), (4, 1)])
 def test_max_logits_equal_the_explicit_scores(monkeypatch, chunk_rows, heads, groups):
     if chunk_rows is not None:  # several query chunks, each over its own key band
-        monkeypatch.setattr(dot_product_attention, "_MAX_LOGIT_CHUNK", B * heads * SQ * chunk_rows)
+        monkeypatch.setattr(attention_masks, "_MAX_LOGIT_CHUNK", B * heads * SQ * chunk_rows)
     q, k = _qk(heads, groups)
     scale = 0.3
     full = torch.ones(SQ, SQ, dtype=torch.bool)
