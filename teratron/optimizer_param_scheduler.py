@@ -132,29 +132,36 @@ class OptimizerParamScheduler:
 
     # ----- checkpoints --------------------------------------------------------------------------
 
-    _CHECKPOINTED = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-                     "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+    # The schedule a checkpoint records, and the `teratron train` flags that set each value
+    # (steps count samples there). wsd_decay_steps and init_lr are not recorded, as in Megatron.
+    _CHECKPOINTED = {
+        "max_lr": "--lr", "min_lr": "--min-lr",
+        "lr_warmup_steps": "--lr-warmup-iters or --lr-warmup-fraction; in samples",
+        "lr_decay_steps": "--lr-decay-iters, default --train-iters; in samples",
+        "lr_decay_style": "--lr-decay-style",
+        "start_wd": "--start-weight-decay or --weight-decay", "end_wd": "--end-weight-decay or --weight-decay",
+        "wd_incr_steps": "--train-iters; in samples", "wd_incr_style": "--weight-decay-incr-style",
+    }
 
     def state_dict(self) -> dict:
         state = {name: getattr(self, name) for name in self._CHECKPOINTED}
         state["num_steps"] = self.num_steps
         return state
 
-    def _check_and_set(self, name, checkpoint_value):
-        """Which value wins: the constructor's (override), the checkpoint's (use_checkpoint), or
-        they must agree."""
-        current = getattr(self, name)
-        if self.override_opt_param_scheduler:
-            return current
-        if not self.use_checkpoint_opt_param_scheduler and current != checkpoint_value:
-            raise ValueError(f"OptimizerParamScheduler: {name} is {current} but the checkpoint has "
-                             f"{checkpoint_value}; pass --override-opt_param-scheduler or "
-                             "--use-checkpoint-opt_param-scheduler")
-        return checkpoint_value
-
     def load_state_dict(self, state_dict: dict) -> None:
-        for name in self._CHECKPOINTED:
-            if name in state_dict:
-                setattr(self, name, self._check_and_set(name, state_dict[name]))
+        """Resume at the checkpoint's step. Which schedule continues (Megatron's rule):
+        override_opt_param_scheduler keeps this one, use_checkpoint_opt_param_scheduler takes the
+        checkpoint's, and with neither a value that differs is an error naming it."""
+        saved = {name: state_dict[name] for name in self._CHECKPOINTED if name in state_dict}
+        if not self.override_opt_param_scheduler:
+            differ = [f"{name} ({flag}) is {getattr(self, name)} now, {saved[name]} in the checkpoint"
+                      for name, flag in self._CHECKPOINTED.items()
+                      if name in saved and getattr(self, name) != saved[name]]
+            if differ and not self.use_checkpoint_opt_param_scheduler:
+                raise ValueError(f"the learning-rate/weight-decay schedule differs from the checkpoint's: {'; '.join(differ)}; "
+                                 "pass --override-opt_param-scheduler to follow this command line's schedule or "
+                                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+            for name, value in saved.items():
+                setattr(self, name, value)
         self.num_steps = 0
         self.step(state_dict["num_steps"])

@@ -19,6 +19,7 @@ import os
 
 import yaml
 
+from teratron.training import megatron_flags
 from teratron.transformer.activation_offload import OFFLOAD_MODULES
 from teratron.transformer.transformer_config import RECOMPUTE_MODULES
 
@@ -95,7 +96,8 @@ def _add_network_args(parser):
     g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
     g.add_argument("--num-query-groups", type=int, default=1,
                    help="Key/value groups with --group-query-attention.")
-    g.add_argument("--seq-length", type=int, default=None, help="Sequence length of a training sample.")
+    g.add_argument("--seq-length", "--encoder-seq-length", type=int, default=None,
+                   help="Sequence length of a training sample (--encoder-seq-length: Megatron's other spelling).")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Size of the learned position table; default --seq-length.")
     g.add_argument("--position-embedding-type", default="learned_absolute",
@@ -115,9 +117,20 @@ def _add_network_args(parser):
                    help="Llama 3.x RoPE scaling: wavelengths under original / this keep their frequency.")
     g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
                    help="Llama 3.x RoPE scaling: the context length of the model before scaling.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_const", const="rope",
+                   dest="position_embedding_type", help="Megatron's older spelling of --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="No learned position table: allowed with --position-embedding-type rope, which has none "
+                        "(Megatron's deprecated flag; use --position-embedding-type).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                    help="Normalisation layer.")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", dest="layernorm_zero_centered_gamma",
+                   help="Norm weights stored as gamma - 1 (zero-centred, so weight decay pulls them to 1).")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="Keep the residual stream in fp32 (also between pipeline stages).")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="Add the residual to the normed input instead of the input (BERT's order).")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
     g.add_argument("--quick-geglu", action="store_true",
@@ -129,7 +142,16 @@ def _add_network_args(parser):
                    help="Separate input embedding and output layer weights.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="The padded vocabulary itself (at least the tokenizer's, a multiple of the TP size); "
+                        "default from --make-vocab-size-divisible-by.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="Std of the embedding's normal init; default --init-method-std.")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="Leave the weights uninitialised (they come from --load).")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="Initialise the weights on the CPU, then move them to the device.")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
@@ -143,6 +165,8 @@ def _add_network_args(parser):
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="Which layers --recompute-granularity full recomputes.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--recompute-activations", action="store_const", const="selective", dest="recompute_granularity",
+                   help="Megatron's older spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-modules", nargs="+", default=None, choices=RECOMPUTE_MODULES, metavar="MODULE",
                    help="What --recompute-granularity selective recomputes: core_attn (default), mlp, layernorm, "
                         "moe, mla_up_proj.")
@@ -338,6 +362,8 @@ def _add_moe_args(parser):
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach their experts.")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="Grouped GEMM over local experts.")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Recompute the MoE layers (deprecated in Megatron: --recompute-modules moe).")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="Log aux losses, tokens per expert and load imbalance of every MoE layer.")
 
@@ -382,6 +408,8 @@ def _add_parallel_args(parser):
                    help="Shard norm/dropout activations along the sequence over TP.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="Distributed-optimizer replicas over the data-parallel ranks (only 1 is supported).")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the param all-gather with forward (distributed optimizer).")
@@ -419,7 +447,7 @@ def _add_training_args(parser):
     g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
     g.add_argument("--initial-loss-scale", type=float, default=2**32, help="Initial dynamic loss scale.")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
-    g.add_argument("--loss-scale-window", type=int, default=1000, help="Steps between loss-scale raises.")
+    g.add_argument("--loss-scale-window", type=float, default=1000, help="Steps between loss-scale raises.")
     g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before lowering the scale.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
@@ -456,7 +484,7 @@ def _add_fp8_args(parser):
     g.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history length (delayed recipe).")
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                    help="Amax from the history: the most recent or the max (delayed recipe).")
-    g.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
+    g.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", action="store_false", dest="fp8_wgrad",
                    help="Weight gradients in the params dtype instead of FP8.")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="Keep the first and last transformer layers out of FP8.")
@@ -488,6 +516,14 @@ def _add_optimizer_args(parser):
     g.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay (increment).")
     g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
                    help="How the weight decay moves from start to end.")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="On resume, follow this command line's schedule (lr, min lr, warm-up, decay, weight decay), "
+                        "not the checkpoint's.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="On resume, keep the checkpoint's schedule. Without either flag a schedule that differs "
+                        "from the checkpoint's is refused.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
@@ -499,6 +535,8 @@ def _add_optimizer_args(parser):
                    help="Learning rate floor of --decoupled-lr; default --min-lr.")
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="Apply weight decay to the q/k layernorm weights too.")
+    g.add_argument("--no-weight-decay-cond-type", default=None, choices=["apply_wd_to_qk_layernorm"],
+                   help="Megatron's other spelling of --apply-wd-to-qk-layernorm.")
     g.add_argument("--lion-beta1", type=float, default=0.95, help="Lion: momentum/gradient interpolation.")
     g.add_argument("--lion-beta2", type=float, default=0.98, help="Lion: momentum EMA coefficient.")
 
@@ -506,7 +544,7 @@ def _add_optimizer_args(parser):
     g.add_argument("--muon-momentum", type=float, default=0.9, help="Muon momentum.")
     g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
                    help="Orthogonalise the fused QKV weight as one matrix instead of Q, K, V apart.")
-    g.add_argument("--muon-use-nesterov", action="store_true", dest="muon_nesterov",
+    g.add_argument("--muon-use-nesterov", "--muon-nesterov", action="store_true", dest="muon_nesterov",
                    help="Nesterov momentum.")
     g.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"],
                    help="How the orthogonalised update is scaled.")
@@ -540,6 +578,8 @@ def _add_data_args(parser):
     g.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefixes.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic data; no files needed.")
     g.add_argument("--data-cache-path", default=None, help="Where dataset indices are cached.")
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="Extra share of samples each blended dataset builds, so the blend never runs out.")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="Read .bin files instead of memory-mapping them.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
@@ -557,7 +597,11 @@ def _add_data_args(parser):
 def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="Checkpoint folder to write.")
-    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                   help="Iterations between checkpoints.")
+    g.add_argument("--ckpt-format", default=None,
+                   help="Megatron's checkpoint format: torch_dist (the default) is accepted and recorded; teratron "
+                        "writes its own sharded layout (docs/checkpoints.md).")
     g.add_argument("--overwrite", action="store_true",
                    help="Let --save write into a folder holding checkpoints of a run this one does not resume "
                         "(its saves replace them).")
@@ -569,6 +613,8 @@ def _add_checkpoint_args(parser):
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="Load a checkpoint trained with another tokenizer or vocabulary size: the embedding and "
                         "output rows are padded or trimmed to this run's vocabulary (refused otherwise).")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Stop with an error when --load holds no checkpoint (instead of starting from scratch).")
     g.add_argument("--finetune", action="store_true",
                    help="Load only the model weights and start at iteration 0.")
     g.add_argument("--async-save", action="store_true",
@@ -629,6 +675,7 @@ def build_train_parser(prog="teratron train") -> ArgumentParser:
     _add_logging_args(parser)
     _add_profiling_args(parser)
     _add_demo_args(parser)
+    megatron_flags.add_megatron_flags(parser, set(parser._option_string_actions))
     return parser
 
 
@@ -678,8 +725,8 @@ def config_file_to_argv(path: str, parser: ArgumentParser) -> list:
                 raise ValueError(f"--config {path}: {key} is a switch; give true or false")
             if value:
                 argv.append(option)
-            elif action.default is None:  # a switch whose default depends on the device: false turns it off
-                argv.append("--no-" + option[2:])
+            elif action.default is None and "--no-" + option[2:] in parser._option_string_actions:
+                argv.append("--no-" + option[2:])  # a switch whose default depends on the device: false turns it off
         elif isinstance(value, list) and action.nargs is None:
             argv += [option, str(value)]  # one value that is a list: --moe-layer-freq "[0, 1, 1]"
         elif isinstance(value, list):
@@ -717,7 +764,19 @@ def parse_train_args(argv, defaults=None) -> argparse.Namespace:
         defaults = demo_argv() if demo else []
     args = parser.parse_args(list(defaults) + config_argv + argv) if defaults else given
     args.demo = demo
+    args.megatron_flags = megatron_flags.check(_megatron_flags_given(args))
     return args
+
+
+def _megatron_flags_given(args) -> dict:
+    """The Megatron-only flags given (spelling -> value), and teratron's own flags that the table
+    notes (--ckpt-format) when given."""
+    given = dict(args.megatron_flags or {})
+    for flag_name in megatron_flags.OWN_FLAGS_WITH_NOTES:
+        value = getattr(args, flag_name[2:].replace("-", "_"))
+        if value is not None:
+            given[flag_name] = value
+    return given
 
 
 @functools.cache

@@ -63,7 +63,9 @@ def build_qk_clip(model, optimizer, pg_collection=None):
 
 def build_scheduler(run, optimizer) -> OptimizerParamScheduler:
     """LR and weight-decay schedule in samples, so batch-size ramp-up moves it correctly: each
-    iteration count converts to the samples the ramp-up actually consumes by then."""
+    iteration count converts to the samples the ramp-up actually consumes by then. On resume the
+    checkpoint's schedule must agree with it unless --override-opt_param-scheduler or
+    --use-checkpoint-opt_param-scheduler says which wins (Megatron's rule)."""
     s, opt = run.scheduler, run.optimizer
     samples_after = run.microbatches().samples_after
     decay_steps = samples_after(s.lr_decay_iters)
@@ -80,4 +82,6 @@ def build_scheduler(run, optimizer) -> OptimizerParamScheduler:
         start_wd=s.start_weight_decay, end_wd=s.end_weight_decay,
         wd_incr_steps=samples_after(run.training.train_iters), wd_incr_style=s.weight_decay_incr_style,
         wsd_decay_steps=wsd_steps, lr_wsd_decay_style=s.lr_wsd_decay_style,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
     )

@@ -122,6 +122,10 @@ class Checkpointer:
         c = self.config
         iteration = read_tracker(c.load)
         if iteration is None:
+            if c.exit_on_missing_checkpoint:
+                raise FileNotFoundError(f"--load {c.load}: no checkpoint ({storage.TRACKER_FILENAME} is missing) "
+                                        "and --exit-on-missing-checkpoint is set; pass a checkpoint folder or drop "
+                                        "the flag to start from scratch")
             print(f"WARNING: no {storage.TRACKER_FILENAME} in --load {c.load}; starting from scratch",
                   flush=True)
             return 0, 0, 0
@@ -143,7 +147,10 @@ class Checkpointer:
         if c.finetune:
             return 0, 0, 0
         if load_optimizer:
-            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            try:
+                opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            except ValueError as e:
+                raise ValueError(f"--load {checkpoint_dir}: {e}") from None
         return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
                 common.get("consumed_valid_samples", 0))
 

@@ -89,8 +89,15 @@ class SchedulerConfig:
     start_weight_decay: Optional[float] = None
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: str = "constant"
+    override_opt_param_scheduler: bool = False
+    """On resume, this schedule wins over the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, the checkpoint's schedule wins. With neither, the two must agree (Megatron's rule)."""
 
     def __post_init__(self):
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given; "
+                             "choose one (this command line's schedule, or the checkpoint's)")
         _at_least(self, 1, ("lr_decay_iters",))
         _at_least(self, 0, ("lr_warmup_iters",))
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
@@ -115,6 +122,8 @@ class DataConfig:
     test_data_path: Optional[tuple] = None
     mock_data: bool = False
     data_cache_path: Optional[str] = None
+    mid_level_dataset_surplus: float = 0.005
+    """Extra share of samples each dataset of a blend builds."""
     mmap_bin_files: bool = True
     num_workers: int = 2
     reset_position_ids: bool = False
@@ -132,7 +141,7 @@ class DataConfig:
             raise ValueError("--data-path and --train-data-path both given; use one (per-split paths "
                              "go with --train/valid/test-data-path)")
         parse_and_normalize_split(self.split)  # a bad --split fails here, also with --mock-data
-        _at_least(self, 0, ("num_workers",))
+        _at_least(self, 0, ("num_workers", "mid_level_dataset_surplus"))
 
 
 @dataclass(frozen=True)
@@ -165,8 +174,15 @@ class CheckpointConfig:
     """Let --save write into a folder holding another run's checkpoints."""
     allow_tokenizer_change: bool = False
     """Load a checkpoint trained with another tokenizer or vocabulary size (rows padded or trimmed)."""
+    exit_on_missing_checkpoint: bool = False
+    """Refuse to start when --load holds no checkpoint."""
+    ckpt_format: str = "torch_dist"
+    """Megatron's --ckpt-format, recorded; teratron writes its own sharded layout (docs/checkpoints.md)."""
 
     def __post_init__(self):
+        if self.ckpt_format != "torch_dist":
+            raise ValueError(f"--ckpt-format {self.ckpt_format}: teratron writes torch_dist-style sharded "
+                             "checkpoints only; use --ckpt-format torch_dist")
         _at_least(self, 1, ("save_interval",))
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval given without --save; add --save DIR")
@@ -230,6 +246,9 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    megatron_flags: tuple = ()
+    """Megatron-LM flags accepted as teratron's own implementation choices: ((flag, value), ...)
+    (training/megatron_flags.py; noted at start-up)."""
 
     @property
     def transformer(self) -> TransformerConfig:
@@ -384,6 +403,8 @@ DERIVED = {
     "model.max_position_embeddings": "--seq-length",
     "scheduler.lr_decay_iters": "--train-iters",
     "scheduler.start_weight_decay": "--weight-decay (constant increment style)",
+    "optimizer.apply_wd_to_qk_layernorm": "also --no-weight-decay-cond-type apply_wd_to_qk_layernorm",
+    "checkpoint.ckpt_format": "torch_dist (Megatron's default)",
     "profiling.profile_dir": "<--tensorboard-dir>/profile",
     "distributed.data_parallel_size": "world size / (TP x PP x CP)",
 }
@@ -392,7 +413,11 @@ DERIVED = {
 COMMAND_ONLY = ("config", "demo_dir", "demo_samples")
 
 # Flags that only feed derived values (see `_derived`).
-INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu")
+INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu",
+               "add_position_embedding", "no_weight_decay_cond_type")
+
+# Flags the RunConfig keeps itself (not in a section).
+RUN_FIELDS = ("megatron_flags",)
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "train_iters", "lr")
@@ -502,7 +527,7 @@ def _build(values: dict, vocab_size: int) -> RunConfig:
     sections = {name: SECTIONS[name](**_section_kwargs(name, values))
                 for name in ("optimizer", "ddp", "scheduler", "training", "data", "tokenizer", "checkpoint",
                              "logging", "profiling", "distributed")}
-    return RunConfig(model=model, **sections)
+    return RunConfig(model=model, megatron_flags=values.get("megatron_flags") or (), **sections)
 
 
 def _derived(args, world_size: int, cuda: bool) -> dict:
@@ -540,6 +565,10 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     if args.sequence_parallel and tp == 1:
         print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled", flush=True)
         out["sequence_parallel"] = False
+    _check_megatron_spellings(args, tp)
+    out["ckpt_format"] = args.ckpt_format or "torch_dist"
+    out["apply_wd_to_qk_layernorm"] = (args.apply_wd_to_qk_layernorm
+                                       or args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm")
     if args.weight_decay_incr_style == "constant":
         out["start_weight_decay"] = out["end_weight_decay"] = args.weight_decay
     if args.decoupled_lr is not None and args.decoupled_min_lr is None:
@@ -560,6 +589,16 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         out[name] = fast if getattr(args, name) is None else getattr(args, name)
     _check_mla_flags(args, out["torch_compile"] and not cuda)
     return out
+
+
+def _check_megatron_spellings(args, tp: int) -> None:
+    """Megatron's rules for its older flags that teratron honours."""
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ValueError("--no-position-embedding is Megatron's deprecated flag and needs --position-embedding-type "
+                         f"rope (got {args.position_embedding_type}); use --position-embedding-type none or rope")
+    if args.padded_vocab_size is not None and args.padded_vocab_size % tp:
+        raise ValueError(f"--padded-vocab-size ({args.padded_vocab_size}) must be a multiple of "
+                         f"--tensor-model-parallel-size ({tp}): each TP rank holds an equal slice of the vocabulary")
 
 
 def _check_mla_flags(args, compiled_on_cpu: bool) -> None:

@@ -26,6 +26,7 @@ def build_datasets(run, tokenizer):
         blend_per_split=per_split if any(per_split) else None,
         split=data.split if blend is not None or data.mock_data else None,
         path_to_cache=data.data_cache_path,
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
         mmap_bin_files=data.mmap_bin_files,
         tokenizer=tokenizer,
         reset_position_ids=data.reset_position_ids,

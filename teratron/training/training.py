@@ -7,11 +7,14 @@
 
 from typing import Callable, Optional
 
+import torch.distributed as dist
+
 from teratron.dist_checkpointing import release_save_dir
 from teratron.tokenizers import build_tokenizer
 from teratron.training.config import RunConfig
 from teratron.parallel_state import initialize_distributed
 from teratron.training.initialize import initialize_model_parallel, shutdown
+from teratron.training.megatron_flags import startup_notes
 from teratron.training.trainer import NonFiniteLossError, Trainer, TrainState
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer", "pretrain"]
@@ -28,6 +31,9 @@ def pretrain(run: RunConfig, tokenizer=None,
             raise ValueError(f"the run was described for {run.distributed.world_size} processes but "
                              f"{world_size} started; build the RunConfig for this launch")
         initialize_model_parallel(run.transformer, run.distributed)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for line in startup_notes(run.megatron_flags):
+                print(line, flush=True)
         trainer = Trainer(run, tokenizer or build_tokenizer(run.tokenizer))
         state = trainer.train()
         if after_training is not None:

@@ -81,7 +81,8 @@ def test_another_runs_checkpoints_are_not_replaced(other_run, tmp_path, capsys):
         assert phrase in _error(capsys), name
         assert snapshot(save) == before, name
 
-    assert train("--train-iters", "4", "--save", save, "--load", save) == 0  # resuming is fine
+    # Resuming is fine (two more iterations: the longer schedule wins over the checkpoint's).
+    assert train("--train-iters", "4", "--save", save, "--load", save, "--override-opt_param-scheduler") == 0
     assert storage.read_tracker(save) == 4 and LOCK_FILENAME not in os.listdir(save)
 
 
@@ -144,7 +145,8 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
         first.wait()
     assert LOCK_FILENAME in os.listdir(save)  # killed: its lock stays behind
     resumed_from = storage.read_tracker(save)
-    assert train("--train-iters", str(resumed_from + 1), "--save", save, "--load", save) == 0
+    assert train("--train-iters", str(resumed_from + 1), "--save", save, "--load", save,
+                 "--override-opt_param-scheduler") == 0
     assert f"(host {socket.gethostname()}, PID {first.pid}" in capsys.readouterr().out
     assert storage.read_tracker(save) == resumed_from + 1 and LOCK_FILENAME not in os.listdir(save)
 

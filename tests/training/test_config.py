@@ -25,7 +25,8 @@ def _run(argv, cuda=False, world_size=1):
 def test_every_flag_has_a_place_in_the_run_description():
     dests = {a.dest for a in build_train_parser()._actions if a.dest != "help"}
     fields_by_name = {f.name for section in run_config.SECTIONS.values() for f in fields(section)}
-    placed = fields_by_name | set(run_config.RENAMED) | set(run_config.COMMAND_ONLY) | set(run_config.INPUTS_ONLY)
+    placed = (fields_by_name | set(run_config.RENAMED) | set(run_config.COMMAND_ONLY) | set(run_config.INPUTS_ONLY)
+              | set(run_config.RUN_FIELDS))
     assert sorted(dests - placed) == []
     # Renamed flags name real fields of their section.
     for dest, (section, name, _) in run_config.RENAMED.items():
