@@ -268,7 +268,6 @@ REFUSED = {
     Refused("the kitchen quantization extension"): "--use-kitchen-attention --kitchen-attention-backend=",
     Refused("FP4 training"): "--fp4-format= --fp4-recipe= --fp4-quantizer-factory= --fp4-param-gather",
     Refused("keeping the parameters in MXFP8"): "--reuse-grad-buf-for-mxfp8-param-ag",
-    Refused("the shared-expert gate"): "--moe-shared-expert-gate",
     Refused("an interleaved GLU weight layout", "drop it; gated MLP weights hold the gate, then the linear half"):
         "--moe-shared-expert-glu-interleave-size= --moe-mlp-glu-interleave-size=",
     Refused("MoE routing replay"): "--moe-enable-routing-replay",
@@ -302,8 +301,6 @@ REFUSED = {
         "--encoder-num-layers= --decoder-num-layers= --decoder-seq-length= --relative-attention-num-buckets= "
         "--relative-attention-max-distance=",
     Refused("RoPE sequence-length interpolation"): "--rotary-seq-len-interpolation-factor=",
-    Refused("Llama 3.1 RoPE scaling", "use --position-embedding-type yarn for long-context RoPE"):
-        "--use-rope-scaling --rope-scaling-factor=",
     Refused("training BERT, T5 or retrieval (ICT/biencoder) models", "teratron train trains GPT models"):
         "--bert-no-binary-head --output-bert-embeddings --bert-embedder-type= --mask-prob= --short-seq-prob= "
         "--ict-head-size= --biencoder-projection-dim= --biencoder-shared-query-context-model --ict-load= "
