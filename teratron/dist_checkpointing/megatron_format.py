@@ -31,11 +31,13 @@ import re
 
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
-from teratron.dist_checkpointing.model_state import model_sharded_items, unwrap
+from teratron.dist_checkpointing.model_state import model_sharded_items, param_layouts, unwrap
+from teratron.dist_checkpointing.optimizer_state import load_optimizer_common_state, prepare_for_load
 
 SHARDED_BACKEND = "torch_dist"
 COMMON_STATE_KEY = "common_state"
 _OPTIMIZER_STATE = "optimizer.state."
+TERATRON_RECORD = "teratron_record"  # a teratron-written torch_dist checkpoint's model args and tokenizer
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _FUSED_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -57,23 +59,51 @@ def is_megatron_checkpoint(checkpoint_dir: str) -> bool:
         metadata.get("sharded_backend") == SHARDED_BACKEND
 
 
+def _split_prefix(key: str) -> tuple:
+    """(optimizer-state prefix or '', the model key): optimizer.state.<name>.<model key>."""
+    if key.startswith(_OPTIMIZER_STATE):
+        name, rest = key[len(_OPTIMIZER_STATE):].split(".", 1)
+        return f"{_OPTIMIZER_STATE}{name}.", rest
+    return "", key
+
+
 def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedTensor:
-    """The Megatron key and box of a teratron model box (a view of the same data)."""
-    match = _LAYER.match(item.key)
+    """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it."""
+    prefix, key = _split_prefix(item.key)
+    match = _LAYER.match(key)
     if match is None:
         return item
     layer, name = int(match.group(1)), match.group(2)
     for candidate in (_FUSED_NORMS.get(name), name):
         if candidate is None:
             continue
-        if f"decoder.layers.{layer}.{candidate}" in saved:  # saved layer by layer
-            return ShardedTensor(f"decoder.layers.{layer}.{candidate}", item.data, item.global_shape,
+        if f"{prefix}decoder.layers.{layer}.{candidate}" in saved:  # saved layer by layer
+            return ShardedTensor(f"{prefix}decoder.layers.{layer}.{candidate}", item.data, item.global_shape,
                                  item.global_offset, item.resizable_rows, item.replica)
-        if f"decoder.layers.{candidate}" in saved:  # stacked over the layers
-            return ShardedTensor(f"decoder.layers.{candidate}", item.data.unsqueeze(0),
+        if f"{prefix}decoder.layers.{candidate}" in saved:  # stacked over the layers
+            return ShardedTensor(f"{prefix}decoder.layers.{candidate}", item.data.unsqueeze(0),
                                  (num_layers,) + tuple(item.global_shape), (layer,) + tuple(item.global_offset),
                                  item.resizable_rows, item.replica)
     return item  # reported missing by the load, under teratron's name
+
+
+def _teratron_view(saved: dict, num_layers: int) -> dict:
+    """The saved keys and global shapes under teratron's names (a stacked tensor is num_layers
+    tensors of its shape without the layer axis)."""
+    unfused = {fused: name for name, fused in _FUSED_NORMS.items()}
+    view = {}
+    for full_key, shape in saved.items():
+        prefix, key = _split_prefix(full_key)
+        match = _LAYER.match(key)
+        if match is not None:  # per layer
+            view[f"{prefix}decoder.layers.{match.group(1)}.{unfused.get(match.group(2), match.group(2))}"] = shape
+        elif key.startswith("decoder.layers.") and shape is not None:  # stacked
+            name = key[len("decoder.layers."):]
+            for layer in range(num_layers):
+                view[f"{prefix}decoder.layers.{layer}.{unfused.get(name, name)}"] = tuple(shape[1:])
+        else:
+            view[full_key] = shape
+    return view
 
 
 def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
@@ -85,10 +115,7 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
              if match is not None and match.group(2) == "mlp.linear_fc1.weight"}
     out = []
     for item in items:
-        prefix, key = "", item.key
-        if key.startswith(_OPTIMIZER_STATE):  # optimizer.state.<name>.<model key>
-            name, key = key[len(_OPTIMIZER_STATE):].split(".", 1)
-            prefix = f"{_OPTIMIZER_STATE}{name}."
+        prefix, key = _split_prefix(item.key)
         match = _LAYER.match(key) if isinstance(item, ShardedTensor) else None
         if match is None:
             out.append(item)
@@ -109,11 +136,15 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
 def megatron_common_state(common: dict, metadata: dict, iteration: int) -> dict:
     """Megatron-LM's common state of a teratron save: its args (a Namespace of Megatron's flag
     names: the model's, and the consumed samples it resumes from), checkpoint_version 3.0,
-    iteration and scheduler; teratron's own common entries ride along under their names."""
+    iteration and scheduler; teratron's own common entries ride along under their names, and its
+    metadata.json record (model args, tokenizer) and run description (`run_args`) under
+    TERATRON_RECORD."""
     args = argparse.Namespace(**metadata.get("model_args", {}), ckpt_format=SHARDED_BACKEND,
                               consumed_train_samples=common.get("consumed_train_samples", 0),
                               consumed_valid_samples=common.get("consumed_valid_samples", 0))
-    return {**common, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    return {**common, "args": args, "checkpoint_version": 3.0, "iteration": iteration,
+            TERATRON_RECORD: {**{key: metadata[key] for key in ("model_args", "tokenizer") if key in metadata},
+                              "run_args": common.get("args")}}
 
 
 def stacking(model_chunks) -> dict:
@@ -153,11 +184,28 @@ def read_common_state(checkpoint_dir: str) -> dict:
     return common
 
 
-def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int) -> dict:
-    """Load the model weights of a Megatron-LM torch_dist folder into `model_chunks` (any layout;
-    a collective over the ranks); returns Megatron's common state."""
+def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int, optimizer=None,
+                             source: str = "--load") -> dict:
+    """Load a torch_dist folder into `model_chunks` (any layout; a collective over the ranks) and,
+    given an `optimizer`, its optimizer state (written by teratron in Megatron's model-space
+    names); returns the common state."""
     saved = serialization.saved_keys(checkpoint_dir)
-    items = [_megatron_box(item, saved, num_layers) for item in model_sharded_items(model_chunks)]
+    common = read_common_state(checkpoint_dir)
+    layouts = param_layouts(model_chunks)
+    items = model_sharded_items(model_chunks)
+    refresh_masters = False
+    if optimizer is not None:
+        if "optimizer" not in common or not any(key.startswith(_OPTIMIZER_STATE) for key in saved):
+            raise ValueError(f"{source} {checkpoint_dir}: a checkpoint Megatron-LM wrote; teratron reads its model "
+                             "weights but not yet Megatron's own optimizer state; add --no-load-optim (continue at "
+                             "its iteration with a fresh optimizer) or --finetune")
+        optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts, _teratron_view(saved, num_layers))
+        items += optimizer_items
+    items = [_megatron_box(item, saved, num_layers) for item in items]
     serialization.load(items, checkpoint_dir, unexpected_filter=_is_megatron_model_key)
-    return read_common_state(checkpoint_dir)
+    if optimizer is not None:
+        load_optimizer_common_state(optimizer, common["optimizer"], f"{source} {checkpoint_dir}")
+        if refresh_masters:
+            optimizer.reload_model_params()
+    return common
 

@@ -600,8 +600,9 @@ def _add_checkpoint_args(parser):
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                    help="Iterations between checkpoints.")
     g.add_argument("--ckpt-format", default=None,
-                   help="Megatron's checkpoint format: torch_dist (the default) is accepted and recorded; teratron "
-                        "writes its own sharded layout (docs/checkpoints.md).")
+                   help="The layout --save writes: teratron (the default: every file's checksum, the model args, "
+                        "tokenizer and RNG states recorded) or torch_dist (Megatron-LM's, which Megatron-LM loads; "
+                        "docs/checkpoints.md).")
     g.add_argument("--overwrite", action="store_true",
                    help="Let --save write into a folder holding checkpoints of a run this one does not resume "
                         "(its saves replace them).")
@@ -772,9 +773,9 @@ def _megatron_flags_given(args) -> dict:
     """The Megatron-only flags given (spelling -> value), and teratron's own flags that the table
     notes (--ckpt-format) when given."""
     given = dict(args.megatron_flags or {})
-    for flag_name in megatron_flags.OWN_FLAGS_WITH_NOTES:
+    for flag_name, own_values in megatron_flags.OWN_FLAGS_WITH_NOTES.items():
         value = getattr(args, flag_name[2:].replace("-", "_"))
-        if value is not None:
+        if value is not None and value not in own_values:
             given[flag_name] = value
     return given
 

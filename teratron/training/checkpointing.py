@@ -30,7 +30,9 @@ import torch.distributed as dist
 from teratron import dist_checkpointing
 from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.checkpoint import all_ranks_true
-from teratron.dist_checkpointing.megatron_format import is_megatron_checkpoint, load_megatron_checkpoint
+from teratron.dist_checkpointing.megatron_format import (TERATRON_RECORD, is_megatron_checkpoint,
+                                                         load_megatron_checkpoint)
+from teratron.dist_checkpointing.megatron_format import read_common_state as read_megatron_common_state
 from teratron.dist_checkpointing.model_args import model_args_from_config
 
 # Model args that may differ between the saving and the loading run: the padded vocabulary follows
@@ -96,7 +98,7 @@ class Checkpointer:
             common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         save = dict(root=c.save, iteration=iteration, model_chunks=model,
                     optimizer=None if c.no_save_optim else optimizer, common=common,
-                    metadata=self._model_record(), with_rng=not c.no_save_rng)
+                    metadata=self._model_record(), with_rng=not c.no_save_rng, ckpt_format=c.ckpt_format)
         self._copy_hf_files()
         if c.async_save:
             self._pending_save = dist_checkpointing.start_async_save(**save)
@@ -134,7 +136,7 @@ class Checkpointer:
             raise FileNotFoundError(f"--load {c.load}: the tracker names iteration {iteration} but "
                                     f"{checkpoint_dir} is missing; fix the tracker or restore the folder")
         if is_megatron_checkpoint(checkpoint_dir):
-            return self._load_megatron(checkpoint_dir, model)
+            return self._load_megatron(checkpoint_dir, model, optimizer, opt_param_scheduler)
         record = storage.read_metadata(checkpoint_dir)
         self._check_model_args(record.get("model_args", {}), checkpoint_dir)
         self._check_tokenizer(record, checkpoint_dir)
@@ -154,24 +156,33 @@ class Checkpointer:
         return (common.get("iteration", metadata["iteration"]), common.get("consumed_train_samples", 0),
                 common.get("consumed_valid_samples", 0))
 
-    def _load_megatron(self, checkpoint_dir: str, model) -> tuple:
-        """The model weights of a Megatron-LM torch_dist checkpoint; training continues at its
-        iteration and consumed samples (Megatron keeps them in its args) with a fresh optimizer
-        and fresh RNG states, or starts at 0 with --finetune."""
+    def _load_megatron(self, checkpoint_dir: str, model, optimizer, opt_param_scheduler) -> tuple:
+        """A torch_dist checkpoint (Megatron-LM's layout, written by Megatron-LM or by teratron's
+        --ckpt-format torch_dist): the model and, when teratron wrote it, the optimizer and the
+        scheduler; RNG states start fresh (none are written in that layout). Training continues
+        at its iteration and consumed samples, or starts at 0 with --finetune."""
         c = self.config
-        if not (c.finetune or c.no_load_optim):
-            raise ValueError(f"--load {checkpoint_dir}: a Megatron-LM checkpoint; teratron reads its model weights "
-                             "but not yet its optimizer state; add --no-load-optim (continue at its iteration with a "
-                             "fresh optimizer) or --finetune")
-        common = load_megatron_checkpoint(checkpoint_dir, model, self.run.transformer.num_layers)
+        record = read_megatron_common_state(checkpoint_dir).get(TERATRON_RECORD)
+        if record is not None:  # teratron wrote it: the same checks as for its own layout
+            self._check_model_args(record.get("model_args", {}), checkpoint_dir)
+            self._check_tokenizer(record, checkpoint_dir)
+        load_optimizer = not (c.finetune or c.no_load_optim)
+        common = load_megatron_checkpoint(checkpoint_dir, model, self.run.transformer.num_layers,
+                                          optimizer if load_optimizer else None)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"NOTE: loaded the model of Megatron-LM checkpoint {checkpoint_dir}; optimizer and RNG states start "
-                  "fresh", flush=True)
+            fresh = "RNG states start" if load_optimizer else "optimizer and RNG states start"
+            print(f"NOTE: loaded torch_dist (Megatron-LM layout) checkpoint {checkpoint_dir}; {fresh} fresh", flush=True)
         if c.finetune:
             return 0, 0, 0
+        if load_optimizer and "opt_param_scheduler" in common:
+            try:
+                opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            except ValueError as e:
+                raise ValueError(f"--load {checkpoint_dir}: {e}") from None
         args = common.get("args")
-        return (int(common.get("iteration", 0)), int(getattr(args, "consumed_train_samples", 0)),
-                int(getattr(args, "consumed_valid_samples", 0)))
+        return (int(common.get("iteration", 0)),
+                int(common.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0))),
+                int(common.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))))
 
     def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
         current = model_args_from_config(self.run.model)

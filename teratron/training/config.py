@@ -176,13 +176,14 @@ class CheckpointConfig:
     """Load a checkpoint trained with another tokenizer or vocabulary size (rows padded or trimmed)."""
     exit_on_missing_checkpoint: bool = False
     """Refuse to start when --load holds no checkpoint."""
-    ckpt_format: str = "torch_dist"
-    """Megatron's --ckpt-format, recorded; teratron writes its own sharded layout (docs/checkpoints.md)."""
+    ckpt_format: str = "teratron"
+    """The layout --save writes: 'teratron' (the default: checksums, model args, tokenizer and RNG
+    states recorded) or 'torch_dist' (Megatron-LM's; docs/checkpoints.md)."""
 
     def __post_init__(self):
-        if self.ckpt_format != "torch_dist":
-            raise ValueError(f"--ckpt-format {self.ckpt_format}: teratron writes torch_dist-style sharded "
-                             "checkpoints only; use --ckpt-format torch_dist")
+        if self.ckpt_format not in ("teratron", "torch_dist"):
+            raise ValueError(f"--ckpt-format {self.ckpt_format}: teratron writes its own layout (the default, "
+                             "--ckpt-format teratron) or Megatron-LM's (--ckpt-format torch_dist)")
         _at_least(self, 1, ("save_interval",))
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval given without --save; add --save DIR")
@@ -404,7 +405,7 @@ DERIVED = {
     "scheduler.lr_decay_iters": "--train-iters",
     "scheduler.start_weight_decay": "--weight-decay (constant increment style)",
     "optimizer.apply_wd_to_qk_layernorm": "also --no-weight-decay-cond-type apply_wd_to_qk_layernorm",
-    "checkpoint.ckpt_format": "torch_dist (Megatron's default)",
+    "checkpoint.ckpt_format": "teratron's layout, or Megatron-LM's with --ckpt-format torch_dist",
     "profiling.profile_dir": "<--tensorboard-dir>/profile",
     "distributed.data_parallel_size": "world size / (TP x PP x CP)",
 }
@@ -566,7 +567,7 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         print("NOTE: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled", flush=True)
         out["sequence_parallel"] = False
     _check_megatron_spellings(args, tp)
-    out["ckpt_format"] = args.ckpt_format or "torch_dist"
+    out["ckpt_format"] = args.ckpt_format or "teratron"
     out["apply_wd_to_qk_layernorm"] = (args.apply_wd_to_qk_layernorm
                                        or args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm")
     if args.weight_decay_incr_style == "constant":

@@ -474,11 +474,12 @@ BY_VALUE = {
         "*": Refused("Megatron's inference-optimized layers", "use --transformer-impl local"),
     },
     "--ckpt-format=": {
-        "torch_dist": "recorded in the run (checkpoint.ckpt_format); teratron writes its own sharded layout "
-                      "(torch.distributed.checkpoint under iter_NNNNNNN/), not yet Megatron's torch_dist files",
+        "torch_dist": "--save writes Megatron-LM's torch_dist layout (teratron resumes it with the optimizer; RNG "
+                      "states are not written); without the flag teratron writes its own layout, which also "
+                      "records checksums, the model args and RNG states",
         "torch": Refused("Megatron's legacy torch format (one file per model-parallel rank)",
-                         "use --ckpt-format torch_dist (teratron's sharded layout)"),
-        "torch_dcp": Refused("Megatron's torch_dcp format", "use --ckpt-format torch_dist (teratron's sharded "
+                         "use --ckpt-format torch_dist (Megatron-LM's sharded layout) or teratron's own (the default)"),
+        "torch_dcp": Refused("Megatron's torch_dcp format", "use --ckpt-format torch_dist (Megatron-LM's sharded "
                                                             "layout, also torch.distributed.checkpoint)"),
         "fsdp_dtensor": Refused("Megatron FSDP's fsdp_dtensor format", "use --ckpt-format torch_dist"),
         "*": Refused("this checkpoint format", "use --ckpt-format torch_dist"),
@@ -531,8 +532,9 @@ def _table() -> dict:
 
 TABLE = _table()
 
-# Flags of teratron's own parser that BY_VALUE also classifies (honoured with a note per value).
-OWN_FLAGS_WITH_NOTES = ("--ckpt-format",)
+# Flags of teratron's own parser that BY_VALUE also classifies (honoured with a note per Megatron
+# value), each with its teratron-only values, which need no note.
+OWN_FLAGS_WITH_NOTES = {"--ckpt-format": ("teratron",)}
 
 
 class MegatronFlagAction(argparse.Action):

@@ -119,7 +119,7 @@ def test_training_continues_a_megatron_checkpoint_at_its_iteration(tmp_path):
 
     proc, metrics = _train(tmp_path, "--no-load-optim")
     assert proc.returncode == 0, proc.stderr
-    assert "loaded the model of Megatron-LM checkpoint" in proc.stdout
+    assert "loaded torch_dist (Megatron-LM layout) checkpoint" in proc.stdout
     assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [6, 7]
     proc, metrics = _train(tmp_path, "--finetune", "--train-iters", "1")
     assert proc.returncode == 0, proc.stderr
@@ -131,6 +131,35 @@ def test_megatron_optimizer_state_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("teratron: error: --load ")
     assert "add --no-load-optim" in proc.stderr
+
+
+def test_a_torch_dist_save_resumes_with_the_same_losses(tmp_path):
+    """--ckpt-format torch_dist writes Megatron-LM's layout; teratron resumes it (model, optimizer,
+    scheduler, consumed samples) and continues with the losses of an uninterrupted run (no dropout:
+    that layout holds no RNG states)."""
+    import json
+    import subprocess
+    import sys
+
+    def train(name, *flags):
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "teratron", "train", *TRAIN, "--train-iters", "4",
+                               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+                               "--attention-dropout", "0", "--metrics-file", str(metrics),
+                               *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr
+        return {r["iteration"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+
+    whole = train("whole")
+    train("first", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--exit-interval", "2",
+          "--ckpt-format", "torch_dist")
+    assert is_megatron_checkpoint(str(tmp_path / "ckpt" / "iter_0000002"))
+    resumed = train("resumed", "--load", str(tmp_path / "ckpt"))
+    assert sorted(resumed) == [3, 4]
+    for iteration in (3, 4):
+        for key in ("lm_loss", "grad_norm", "lr"):
+            assert resumed[iteration][key] == pytest.approx(whole[iteration][key], rel=1e-6), (iteration, key)
 
 
 # ----- writing Megatron-LM's layout (--ckpt-format torch_dist) -------------------------------------

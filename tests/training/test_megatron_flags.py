@@ -108,7 +108,7 @@ def test_examples_of_each_kind():
     cases = {
         ("--ckpt-format", "torch"): "--ckpt-format torch: Megatron's legacy torch format (one file per "
                                     "model-parallel rank) is not supported by teratron; use --ckpt-format torch_dist "
-                                    "(teratron's sharded layout)",
+                                    "(Megatron-LM's sharded layout) or teratron's own (the default)",
         ("--ckpt-format", "zarr"): "--ckpt-format zarr: this checkpoint format is not supported by teratron; use "
                                    "--ckpt-format torch_dist",
         ("--transformer-impl", "inference_optimized"): "--transformer-impl inference_optimized: Megatron's "
@@ -155,7 +155,7 @@ def test_megatron_flags_teratron_honours_reach_the_run():
     assert run.data.mid_level_dataset_surplus == 0.01 and run.checkpoint.save_interval == 5
     assert run.checkpoint.exit_on_missing_checkpoint and run.megatron_flags == ()
     default = run_config_from_args(parse_train_args(BASE), 1, 64, cuda=False)
-    assert default.checkpoint.ckpt_format == "torch_dist" and default.data.mid_level_dataset_surplus == 0.005
+    assert default.checkpoint.ckpt_format == "teratron" and default.data.mid_level_dataset_surplus == 0.005
     assert default.transformer.perform_initialization and not default.optimizer.apply_wd_to_qk_layernorm
 
     with pytest.raises(ValueError, match=r"^--padded-vocab-size \(97\) must be a multiple of "
@@ -204,7 +204,7 @@ def _gpt2_documents(prefix, vocab=50257):
 def test_megatron_gpt2_command_line_trains(tmp_path, capsys):
     """A pretrain_gpt.py command line in the style of Megatron's GPT-3 example (shrunk), with the
     flags users add for a run without Transformer Engine: trains two iterations on the CPU, notes
-    each accepted flag once, records --ckpt-format in the checkpoint."""
+    each accepted flag once, and with --ckpt-format torch_dist saves Megatron-LM's layout."""
     vocab_file, merge_file = default_gpt2_files()
     save = tmp_path / "ckpt"
     argv = [
@@ -230,11 +230,16 @@ def test_megatron_gpt2_command_line_trains(tmp_path, capsys):
         "--use-mcore-models", "--transformer-impl local", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
         "--use-flash-attn", "--dataloader-type single", "--log-throughput", "--ckpt-format torch_dist"]
     assert sorted(os.listdir(save)) == ["iter_0000002", storage.TRACKER_FILENAME]
-    import torch
+    from teratron.dist_checkpointing import megatron_format
 
-    args = torch.load(save / "iter_0000002" / "common.pt", weights_only=False)["args"]
+    folder = str(save / "iter_0000002")  # Megatron-LM's layout: its metadata.json, the common state in the DCP files
+    assert megatron_format.is_megatron_checkpoint(folder)
+    common = megatron_format.read_common_state(folder)
+    assert common["iteration"] == 2 and common["args"].num_layers == 2
+    args = common[megatron_format.TERATRON_RECORD]["run_args"]
     assert args["checkpoint"]["ckpt_format"] == "torch_dist"
-    assert ["--transformer-impl", "local"] in args["megatron_flags"]
+    assert ("--transformer-impl", "local") in args["megatron_flags"] or ["--transformer-impl", "local"] in \
+        args["megatron_flags"]
 
 
 def test_megatron_llama_command_line_builds_its_run():
