@@ -4,9 +4,10 @@
     load_hf_weights("path/to/llama", model_chunks)   fill a model of any TP/PP/EP layout (this rank's part)
     import_hf("path/to/llama", "ckpt", tp=2, pp=2)   a sharded checkpoint (loads into any layout)
     export_hf("ckpt", "out")                          safetensors + config.json + tokenizer files
+                                                     (the tokenizer the model was trained with: `hf_tokenizer`)
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`). The vocabulary of `from_hf` is
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`; GPT-2: `hf_gpt2`). The vocabulary of `from_hf` is
 exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
 training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 
@@ -29,6 +30,8 @@ from teratron.convert.hf_config import hf_config_from_model_args, model_args_fro
 from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_fix
 from teratron.convert.hf_mapping import check_hf_tensors, mtp_copies, stream_hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
+from teratron.convert.hf_tokenizer import (GENERATION_CONFIG, TOKENIZER_FILES, token_ids, trained_tokenizer,
+                                           write_tokenizer)
 from teratron.convert.safetensors_io import HFWeights, readable_by_others, save_hf_weights
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedTensor
@@ -41,9 +44,7 @@ from teratron.topology import current_topology, set_current_topology
 from teratron.transformer.moe import moe_layer_pattern
 
 # Files of an HF model folder besides the weights: config, generation defaults, tokenizer.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "added_tokens.json", "chat_template.jinja")
+HF_SIDE_FILES = ("config.json", GENERATION_CONFIG) + TOKENIZER_FILES
 
 
 def read_hf_config(path: str) -> dict:
@@ -96,7 +97,7 @@ def _model_args(path, hf, weights, make_vocab_size_divisible_by=1, tensor_model_
 def _check_hf(path, model_args, hf, weights) -> None:
     """Every file's header matches the config (names and shapes); DeepSeek's MTP copies are copies."""
     family, source = hf["model_type"], f"--hf-path {path}"
-    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, source)
+    check_hf_tensors(weights, expected_hf_shapes(model_args, family), model_args, family, source)
     if family == "deepseek_v3":
         check_mtp_copies(weights.read, weights.shapes, mtp_copies(model_args), source)
 
@@ -264,10 +265,10 @@ def _save_streamed(model_args, hf, weights, checkpoint_dir: str) -> None:
     assert next(stream, None) is None, "the HF stream gives more tensors than were planned"
 
 
-def _trained_aux_loss_coeff(checkpoint_dir: str):
-    """The aux-loss coefficient of the training run that saved the checkpoint (None: an import,
-    or a run without an aux loss)."""
-    args = read_common_state(checkpoint_dir).get("args")
+def _trained_aux_loss_coeff(common: dict):
+    """The aux-loss coefficient of the training run that saved the checkpoint (its common state;
+    None: an import, or a run without an aux loss)."""
+    args = common.get("args")
     if isinstance(args, argparse.Namespace):  # checkpoints before the run description: the flags
         args = vars(args)
     elif isinstance(args, dict) and "model" in args:  # a RunConfig's record
@@ -292,6 +293,17 @@ def _check_export_shapes(tensors: dict, model_args: dict, family: str, checkpoin
                          "not match its metadata: import or save the model again")
 
 
+def _write_tokenizer(trained, hf_side: str, out: str, max_length: int) -> None:
+    """The run's tokenizer (`trained`), else the imported files in `hf_side`, into `out`."""
+    if trained is not None:
+        write_tokenizer(trained, out, max_length)
+    elif os.path.isdir(hf_side):
+        _copy_side_files(hf_side, out, skip=("config.json",))
+    else:
+        print("NOTE: the checkpoint records no tokenizer (no hf/ files from an import, no run description); the "
+              "export has no tokenizer files", flush=True)
+
+
 def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtype: torch.dtype | None = None) -> str:
     """Write the checkpoint in `load` (a save directory or an iteration folder) as an HF model
     folder `out`, published by renaming a finished temporary folder."""
@@ -306,10 +318,14 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
         raise FileExistsError(f"--out {out}: exists and is not empty; choose a new folder")
     hf_side = os.path.join(storage.checkpoint_root(checkpoint_dir), storage.HF_DIRNAME)
     base = read_hf_config(hf_side) if os.path.isfile(os.path.join(hf_side, "config.json")) else None
-    if base is not None:  # a training run records the padded size; the imported config the real one
+    common = read_common_state(checkpoint_dir)
+    trained = trained_tokenizer(checkpoint_dir, metadata, common, hf_side)
+    if base is not None and trained is None:  # the imported config's vocabulary (HF models often pad theirs)
         model_args = {**model_args, "vocab_size": base.get("vocab_size", model_args["vocab_size"])}
-    aux_loss_coeff = _trained_aux_loss_coeff(checkpoint_dir) if model_args.get("num_experts") else None
+    aux_loss_coeff = _trained_aux_loss_coeff(common) if model_args.get("num_experts") else None
     hf_config = hf_config_from_model_args(model_args, base, aux_loss_coeff)
+    if trained is not None:  # an imported config's ids are another tokenizer's
+        hf_config.update(token_ids(trained))
     tensors = teratron_to_hf(serialization.load_full(checkpoint_dir, is_model_key), model_args,
                              hf_config["model_type"])
     _check_export_shapes(tensors, model_args, hf_config["model_type"], checkpoint_dir)
@@ -320,8 +336,7 @@ def export_hf(load: str, out: str, max_shard_size_bytes: int = 5 * 1024**3, dtyp
         save_hf_weights(tensors, tmp, max_shard_size_bytes)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2, sort_keys=True)
-        if os.path.isdir(hf_side):
-            _copy_side_files(hf_side, tmp, skip=("config.json",))
+        _write_tokenizer(trained, hf_side, tmp, model_args["max_position_embeddings"])
         if os.path.isdir(out):
             os.rmdir(out)
         os.rename(tmp, out)

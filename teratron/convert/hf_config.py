@@ -7,15 +7,16 @@ biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection
 `qkv_bias`) and Qwen3-MoE (Qwen3's) replace MLPs by MoE layers; their MoE fields map in `hf_moe`.
 Mistral's and Mixtral's sliding window becomes `window_size` on every layer, Qwen2-MoE's
 per-layer windows (`layer_types`) window_size with window_attn_skip_freq. DeepSeek-V3
-(`hf_deepseek`) and gpt-oss (`hf_gpt_oss`) map in their own modules; the fields every family
-shares (sizes, RMSNorm, vocabulary, tied embeddings) here. Features teratron does not convert
-(other RoPE scalings, other families' sliding windows, other activations, quantized weights)
-are refused with the field's name.
+(`hf_deepseek`), gpt-oss (`hf_gpt_oss`) and GPT-2 (`hf_gpt2`: learned positions, LayerNorm, GeLU)
+map in their own modules; the fields the RMSNorm families share (sizes, RMSNorm, vocabulary, tied
+embeddings) here. Features teratron does not convert (other RoPE scalings, other families'
+sliding windows, other activations, quantized weights) are refused with the field's name.
 """
 
 from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
 from teratron.convert.hf_fields import (FULL, SLIDING, layer_types, layer_window_args, require_fields,
                                         rope_args_from_hf, rope_of_model_args, set_rope_fields)
+from teratron.convert.hf_gpt2 import FAMILY as GPT2, gpt2_args, gpt2_hf_config
 from teratron.convert.hf_gpt_oss import gpt_oss_args, gpt_oss_hf_fields
 from teratron.convert.hf_moe import (MOE_FAMILIES, MOE_REQUIRED_FIELDS, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
@@ -24,7 +25,7 @@ from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULT
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 OWN_MODULE_FAMILIES = {"deepseek_v3": (deepseek_args, "DeepseekV3ForCausalLM"),
                        "gpt_oss": (gpt_oss_args, "GptOssForCausalLM")}
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES)
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES) + (GPT2,)
 
 
 def _biases(hf: dict, family: str, source: str) -> tuple:
@@ -144,18 +145,21 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
     from teratron.tensor_parallel import pad_vocab_size
 
     family = _check_family(hf, source)
+    args = gpt2_args(hf, source) if family == GPT2 else _rms_norm_family_args(hf, family, source)
+    padded = pad_vocab_size(args["vocab_size"], make_vocab_size_divisible_by, tensor_model_parallel_size)
+    return {**args, "padded_vocab_size": padded}
+
+
+def _rms_norm_family_args(hf: dict, family: str, source: str) -> dict:
     require_fields(hf, source, ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"])
-    vocab = hf["vocab_size"]
     family_args = OWN_MODULE_FAMILIES[family][0] if family in OWN_MODULE_FAMILIES else _llama_style_args
     return {
         "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
         "num_attention_heads": hf["num_attention_heads"], "normalization": "RMSNorm",
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "rotary_percent": 1.0, "rotary_interleaved": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": vocab,
-        "use_rope_scaling": False,
-        "padded_vocab_size": pad_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size),
-        **MOE_DEFAULTS, **family_args(hf, source),
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096), "vocab_size": hf["vocab_size"],
+        "use_rope_scaling": False, **MOE_DEFAULTS, **family_args(hf, source),
     }
 
 
@@ -193,10 +197,14 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   **{family: architecture for family, (_, architecture) in OWN_MODULE_FAMILIES.items()}}
 
 
+_NOT_CONVERTIBLE = ("the checkpoint's model is neither Llama-shaped (RMSNorm, SwiGLU, full rotate-half RoPE) nor "
+                    "GPT-2-shaped (LayerNorm, GeLU, learned absolute positions); it has no Hugging Face counterpart "
+                    "to export to")
+
+
 def _check_llama_shaped(a: dict) -> None:
     if not a["swiglu"] or a["position_embedding_type"] != "rope":
-        raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
-                         "rotate-half RoPE); it has no Hugging Face counterpart to export to")
+        raise ValueError(_NOT_CONVERTIBLE)
     variants = [name for name, default in VARIANT_DEFAULTS.items()
                 if a.get(name, default) != default and name not in ("window_size", "window_attn_skip_freq")]
     if variants:
@@ -235,9 +243,10 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
     a = {**MOE_DEFAULTS, **VARIANT_DEFAULTS, **a}
+    if a["position_embedding_type"] == "learned_absolute":
+        return gpt2_hf_config(a, base)
     if a["normalization"] != "RMSNorm" or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:
-        raise ValueError("the checkpoint's model is not Llama-shaped (needs RMSNorm, SwiGLU, full "
-                         "rotate-half RoPE); it has no Hugging Face counterpart to export to")
+        raise ValueError(_NOT_CONVERTIBLE)
     hf = dict(base or {})
     family = export_family(a, hf.get("model_type"))
     if a.get("mtp_num_layers") and family != "deepseek_v3":

@@ -13,6 +13,10 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
     interleaved, interleaved_fc1, grouped_interleaved, transpose, stack
              gpt-oss's experts: gate and up columns alternate in gate_up_proj [h, 2f] (and its
              bias), teratron's fc1 is [gate; up]; down_proj [f, h] is fc2 transposed
+    conv1d_qkv, packed_qkv
+             GPT-2's c_attn, a Conv1D [h, 3h] (weights stored [in, out], so every GPT-2 linear
+             is `transpose`d) whose outputs are q | k | v, each heads in order, and its bias
+             [3h] <-> the fused QKV above (one query per group: q_i, k_i, v_i per head)
 
 MoE layers (where moe_layer_freq puts them) map the router (its bias, DeepSeek's expert bias),
 the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (SequentialMLP's
@@ -126,8 +130,35 @@ HF_MOE_NAMES = {
     "qwen2_moe": dict(_Q, shared="mlp.shared_expert."), "qwen3_moe": _Q,
     "deepseek_v3": dict(_Q, shared="mlp.shared_experts."), "gpt_oss": dict(moe="mlp.", router="mlp.router"),
 }
-# Buffers some HF checkpoints carry that hold no weights.
-_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+# GPT-2 (model_type gpt2): learned positions (wpe), LayerNorms with biases, biases on every
+# linear layer; Conv1D weights [in, out].
+_G = "transformer.h.{i}."
+GPT2_TABLE = [  # once per model
+    ("embedding.word_embeddings.weight", ["transformer.wte.weight"], "vocab"),
+    ("embedding.position_embeddings.weight", ["transformer.wpe.weight"], None),
+    ("decoder.final_layernorm.weight", ["transformer.ln_f.weight"], None),
+    ("decoder.final_layernorm.bias", ["transformer.ln_f.bias"], None),
+    ("output_layer.weight", ["lm_head.weight"], "vocab"),
+]
+GPT2_LAYER_TABLE = [  # every layer
+    (_L + "input_layernorm.weight", [_G + "ln_1.weight"], None),
+    (_L + "input_layernorm.bias", [_G + "ln_1.bias"], None),
+    (_L + "self_attention.linear_qkv.weight", [_G + "attn.c_attn.weight"], "conv1d_qkv"),
+    (_L + "self_attention.linear_qkv.bias", [_G + "attn.c_attn.bias"], "packed_qkv"),
+    (_L + "self_attention.linear_proj.weight", [_G + "attn.c_proj.weight"], "transpose"),
+    (_L + "self_attention.linear_proj.bias", [_G + "attn.c_proj.bias"], None),
+    (_L + "pre_mlp_layernorm.weight", [_G + "ln_2.weight"], None),
+    (_L + "pre_mlp_layernorm.bias", [_G + "ln_2.bias"], None),
+    (_L + "mlp.linear_fc1.weight", [_G + "mlp.c_fc.weight"], "transpose"),
+    (_L + "mlp.linear_fc1.bias", [_G + "mlp.c_fc.bias"], None),
+    (_L + "mlp.linear_fc2.weight", [_G + "mlp.c_proj.weight"], "transpose"),
+    (_L + "mlp.linear_fc2.bias", [_G + "mlp.c_proj.bias"], None),
+]
+# The input embedding's HF name, whose copy a tied model's files may hold as lm_head.weight.
+_EMBEDDING = {"gpt2": "transformer.wte.weight"}
+# Buffers some HF checkpoints carry that hold no weights: RoPE's frequencies, older GPT-2 saves'
+# causal masks (attn.bias, attn.masked_bias).
+_IGNORED_HF = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 
 
 def _qkv_shape(a):
@@ -179,6 +210,8 @@ TRANSFORMS = {  # name -> (HF tensors -> teratron tensor, teratron tensor -> HF 
     "grouped_interleaved": (lambda ts, a: torch.stack([deinterleave(t) for t in ts]),
                             lambda t, a: [interleave(w) for w in t]),
     "stack": (lambda ts, a: torch.stack(ts), lambda t, a: list(t)),
+    "packed_qkv": (lambda ts, a: fuse_qkv(*ts[0].chunk(3), a), lambda t, a: [torch.cat(split_qkv(t, a))]),
+    "conv1d_qkv": (lambda ts, a: fuse_qkv(*ts[0].t().chunk(3), a), lambda t, a: [torch.cat(split_qkv(t, a)).t()]),
 }
 
 
@@ -196,6 +229,8 @@ def _expand(table, experts=None, **words):
 def _holds(name: str, a) -> bool:
     """Whether the model has the tensor: biases, q/k norms, sinks, the expert bias and the output
     layer follow the args."""
+    if name.endswith("layernorm.bias"):
+        return a["normalization"] == "LayerNorm"
     if name.endswith("linear_qkv.bias"):
         return a["add_qkv_bias"] or a["add_bias_linear"]
     if name.endswith(".bias"):
@@ -256,6 +291,11 @@ def _mtp_rows(a, family, moe: bool):
 
 
 def _all_rows(a, family):
+    if family == "gpt2":
+        yield from GPT2_TABLE
+        for i in range(a["num_layers"]):
+            yield from _expand(GPT2_LAYER_TABLE, i=i)
+        return
     yield from TABLE
     moe = moe_layer_pattern(a["num_layers"], moe_arg(a, "moe_layer_freq")) if moe_arg(a, "num_experts") else []
     for i in range(a["num_layers"]):
@@ -299,14 +339,14 @@ def _stack_experts(tensors: dict, family) -> dict:
     return out
 
 
-def check_hf_tensors(weights, expected: dict, a, source: str) -> None:
+def check_hf_tensors(weights, expected: dict, a, family: str, source: str) -> None:
     """Refuse HF files whose tensors are not exactly the model's: one missing, one unknown, or one
     whose shape differs from `expected` (HF name -> shape, from the config; the MTP layers'
     copies of the embedding and head may be absent). `weights` has the files' `shapes` and
     `files` (name -> shape / file name); nothing is read but the headers."""
     allowed = dict(expected)
     if not a["untie_embeddings_and_output_weights"]:  # a tied copy of the embedding, if saved
-        allowed["lm_head.weight"] = expected["model.embed_tokens.weight"]
+        allowed["lm_head.weight"] = expected[_EMBEDDING.get(family, "model.embed_tokens.weight")]
     missing = sorted(set(expected) - set(weights.shapes) - set(mtp_copies(a)))
     if missing:
         raise ValueError(f"{source}: {missing[0]} is missing{_more(missing)} (config.json says the model has "

@@ -118,7 +118,7 @@ def hf_dir(checkpoint_dir: str) -> str:
     return os.path.join(storage.checkpoint_root(checkpoint_dir), storage.HF_DIRNAME)
 
 
-def _run_tokenizer_flags(common: dict):
+def run_tokenizer_flags(common: dict):
     """The tokenizer flags of the run that saved the checkpoint, as an argparse.Namespace (None: an import)."""
     args = common.get("args")
     if isinstance(args, argparse.Namespace):  # checkpoints before the run description: the flags
@@ -131,7 +131,7 @@ def _run_tokenizer_flags(common: dict):
 
 
 def _load_tokenizer(folder: str, metadata: dict, common: dict, flag: str):
-    run_flags = _run_tokenizer_flags(common)
+    run_flags = run_tokenizer_flags(common)
     hf_tokenizer = None
     if os.path.isfile(os.path.join(hf_dir(folder), "tokenizer.json")):
         include_special = run_flags is None or bool(getattr(run_flags, "tokenizer_hf_include_special_tokens", False))
@@ -143,6 +143,11 @@ def _load_tokenizer(folder: str, metadata: dict, common: dict, flag: str):
         raise ValueError(f"{flag} {folder}: the checkpoint has no tokenizer (no {storage.HF_DIRNAME}/tokenizer.json "
                          "beside it and no run description in common.pt); import the model with `teratron convert "
                          "import-hf`, or load a checkpoint that `teratron train` saved")
+    return build_run_tokenizer(run_flags, folder, flag)
+
+
+def build_run_tokenizer(run_flags, folder: str, flag: str = "--load"):
+    """The tokenizer `run_tokenizer_flags` describe; one line naming the checkpoint when its files are gone."""
     try:
         return build_tokenizer(run_flags)
     except (ValueError, OSError) as e:

@@ -9,6 +9,7 @@ import transformers
 from safetensors.torch import load_file
 
 from teratron.convert import cli as convert_cli
+from teratron.tokenizers.gpt2_bpe import EOD_TOKEN, bytes_to_unicode
 from teratron.training.arguments import ArgumentParser
 
 VOCAB, SEQ = 101, 12
@@ -80,3 +81,34 @@ def finetune(ckpt, trained, *model_flags, shape=LLAMA_SHAPE):
              "--num-workers", "0", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--load", str(ckpt), "--finetune", "--save", str(trained), *model_flags]
     pretrain(build_run_config(parse_train_args(flags)))
+
+
+# A tiny GPT-2 byte-level BPE: the 256 byte tokens (id = byte), these merges in order, then the EOD.
+TINY_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "t"), ("Ġ", "c"), ("Ġc", "at"), ("Ġ", "s"),
+               ("Ġs", "at"), ("o", "n"), ("Ġ", "on"), ("Ġ", "m"), ("Ġm", "at")]
+
+
+def write_tiny_gpt2_bpe(folder):
+    """GPT-2-format encoder.json and vocab.bpe of the tiny BPE in `folder`; (vocab file, merge file)."""
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    for left, right in TINY_MERGES:
+        vocab[left + right] = len(vocab)
+    vocab[EOD_TOKEN] = len(vocab)
+    os.makedirs(folder, exist_ok=True)
+    vocab_file, merge_file = os.path.join(folder, "encoder.json"), os.path.join(folder, "vocab.bpe")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merge_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(f"{left} {right}" for left, right in TINY_MERGES) + "\n")
+    return vocab_file, merge_file
+
+
+def recipe_flags(*tokenizer_flags):
+    """README's "Training on your data" flags at tiny sizes (no --bf16: fp32 on the CPU), mock data
+    and no checkpoint flags, with the tokenizer `tokenizer_flags` give."""
+    return ["--mock-data", *tokenizer_flags, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "6e-4", "--min-lr", "6e-5",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--adam-beta2", "0.95",
+            "--clip-grad", "1.0", "--eval-iters", "0", "--num-workers", "0", "--no-progress-bar"]

@@ -124,8 +124,8 @@ def test_refusals(tmp_path):
         (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}))
         from_hf(str(src))
-    with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        (src / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not convertible; supported: llama, .*, gpt2"):
+        (src / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
         from_hf(str(src))
     with pytest.raises(ValueError, match="converts the sliding windows of mistral and mixtral only"):
         (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 8}))
