@@ -58,6 +58,16 @@ def _fitting_run(args):
     return run
 
 
+def _merge(argv) -> int:
+    """`teratron merge`, whose refusals name the model args that differ by their `teratron train` flags."""
+    from teratron.dist_checkpointing import merge
+    from teratron.training.arguments import ArgumentParser, flag_values
+
+    parser = ArgumentParser(prog="teratron merge", description="Weighted average of checkpoints of one model.",
+                            allow_abbrev=False)
+    return merge.run(merge.add_arguments(parser).parse_args(argv), describe=flag_values)
+
+
 def _module_command(module_name: str, prog: str, description: str, add: str = "add_arguments", run: str = "run"):
     """A subcommand whose module provides `add(parser)` and `run(args) -> int` (by default
     `add_arguments` and `run`)."""
@@ -83,8 +93,7 @@ COMMANDS = {
                                   "Tokenize JSONL into Megatron .bin/.idx datasets."),
     "convert": _module_command("teratron.convert.cli", "teratron convert",
                                "Hugging Face folders <-> teratron checkpoints."),
-    "merge": _module_command("teratron.dist_checkpointing.merge", "teratron merge",
-                             "Weighted average of checkpoints of one model."),
+    "merge": _merge,
     "estimate": _main_command("teratron.estimate.cli"),
     "bench": _main_command("teratron.bench.cli"),
     "generate": _module_command("teratron.inference.cli", "teratron generate",

@@ -41,21 +41,30 @@ def _model_tensors(checkpoint_dir):
     return out
 
 
-def _differences(a: dict, b: dict) -> list:
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+def model_arg_values(name: str, *labelled) -> str:
+    """A model arg and its values, e.g. 'ffn_hidden_size (first input 32, this input 64)'. The
+    `teratron merge` command passes `training.arguments.flag_values` instead, which names the flag."""
+    return f"{name} ({', '.join(f'{label} {value}' for label, value in labelled)})"
 
 
-def check_compatible(checkpoint_dirs: list) -> dict:
-    """The shared model structure; raises ValueError naming the first incompatibility."""
+def _differences(a: dict, b: dict, describe) -> list:
+    return [describe(k, ("first input", a.get(k)), ("this input", b.get(k)))
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def check_compatible(checkpoint_dirs: list, describe=model_arg_values) -> dict:
+    """The shared model structure; raises ValueError naming the first incompatibility (model args
+    that differ, each with both values written by `describe`)."""
     first, first_meta = checkpoint_dirs[0], storage.read_metadata(checkpoint_dirs[0])
     first_tensors = _model_tensors(first)
     if any(shape is None for shape, _, _ in first_tensors.values()):
         raise ValueError(f"{first}: model entries that are not tensors cannot be merged")
     for other in checkpoint_dirs[1:]:
         meta, tensors = storage.read_metadata(other), _model_tensors(other)
-        diff = _differences(first_meta.get("model_args", {}), meta.get("model_args", {}))
+        diff = _differences(first_meta.get("model_args", {}), meta.get("model_args", {}), describe)
         if diff:
-            raise ValueError(f"{other} holds another model than {first}: model args differ in {', '.join(diff)}")
+            raise ValueError(f"{other} holds another model than the first input {first}: model args differ: "
+                             f"{'; '.join(diff)}")
         missing = sorted(set(first_tensors) ^ set(tensors))
         if missing:
             raise ValueError(f"{other} and {first} hold different tensors ({len(missing)}), e.g. {missing[0]}")
@@ -94,9 +103,11 @@ def _merge_tensor(key, checkpoint_dirs, coefficients):
     return acc.to(tensors[0].dtype)
 
 
-def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool = False) -> str:
+def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool = False,
+                      describe=model_arg_values) -> str:
     """Write the weighted merge of `inputs` (save dirs or iteration folders) as the new save
-    directory `output`; returns its iteration folder."""
+    directory `output`; returns its iteration folder. `describe` writes a model arg that differs
+    (see `check_compatible`)."""
     coefficients = _check_weights(inputs, weights, normalize)
     if os.path.exists(output):
         raise FileExistsError(f"--output {output}: already exists; merge into a new folder")
@@ -104,7 +115,7 @@ def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool 
     metas = [storage.read_metadata(d) for d in dirs]
     for folder, meta in zip(dirs, metas):
         storage.verify_files(folder, meta)
-    structure = check_compatible(dirs)
+    structure = check_compatible(dirs, describe)
     iteration = max(m.get("iteration", 0) for m in metas)
     merged = {key: _merge_tensor(key, dirs, coefficients) for key in structure}
 
@@ -144,7 +155,7 @@ def add_arguments(parser):
     return parser
 
 
-def run(args) -> int:
-    folder = merge_checkpoints(args.inputs, args.weights, args.output, args.normalize)
+def run(args, describe=model_arg_values) -> int:
+    folder = merge_checkpoints(args.inputs, args.weights, args.output, args.normalize, describe)
     print(f"merged {len(args.inputs)} checkpoints -> {folder} (model weights only; optimizer state dropped)")
     return 0

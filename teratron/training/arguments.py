@@ -618,6 +618,12 @@ def _add_checkpoint_args(parser):
                    help="Stop with an error when --load holds no checkpoint (instead of starting from scratch).")
     g.add_argument("--finetune", action="store_true",
                    help="Load only the model weights and start at iteration 0.")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the architecture flags from --load's checkpoint (a teratron or Megatron-LM save); a "
+                        "flag given with another value than the checkpoint's is refused.")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="With --use-checkpoint-args: also the tensor-, pipeline-, virtual-pipeline- and "
+                        "expert-parallel sizes the checkpoint was saved with.")
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoints on a background thread while training continues.")
     g.add_argument("--exit-interval", type=int, default=None,
@@ -765,8 +771,57 @@ def parse_train_args(argv, defaults=None) -> argparse.Namespace:
         defaults = demo_argv() if demo else []
     args = parser.parse_args(list(defaults) + config_argv + argv) if defaults else given
     args.demo = demo
+    if args.use_checkpoint_args or args.use_mp_args_from_checkpoint_args:
+        _take_checkpoint_args(args, _explicit_dests(config_argv + argv))
     args.megatron_flags = megatron_flags.check(_megatron_flags_given(args))
     return args
+
+
+def _explicit_dests(argv) -> frozenset:
+    """The destinations `argv` sets itself (defaults aside)."""
+    parser = build_train_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
+
+
+def _take_checkpoint_args(args, explicit: frozenset) -> None:
+    """--use-checkpoint-args: the architecture flags (with --use-mp-args-from-checkpoint-args also the
+    parallel sizes) become --load's checkpoint's. Megatron lets the checkpoint's values override the
+    command line's with a log line; here a flag given with another value is refused, naming both."""
+    from teratron.training.checkpoint_args import checkpoint_flag_values
+
+    if not args.use_checkpoint_args:
+        raise ValueError("--use-mp-args-from-checkpoint-args takes the parallel sizes along with the architecture; "
+                         "add --use-checkpoint-args")
+    if args.load is None:
+        raise ValueError("--use-checkpoint-args takes the architecture flags from --load's checkpoint; add --load DIR")
+    checkpoint_dir, taken = checkpoint_flag_values(args.load, args.use_mp_args_from_checkpoint_args)
+    if explicit & {"num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout"}:
+        taken.pop("virtual_pipeline_model_parallel_size", None)  # the command line's own split of the layers
+    conflicts = [flag_values(dest, ("checkpoint", value), ("command line", getattr(args, dest)))
+                 for dest, value in taken.items()
+                 if dest in explicit and _contradicts(dest, value, getattr(args, dest), taken.get("num_layers"))]
+    if conflicts:
+        raise ValueError(f"--use-checkpoint-args: the command line contradicts --load {checkpoint_dir}: "
+                         f"{'; '.join(conflicts)}; drop the conflicting flags (the checkpoint gives them)")
+    for dest, value in taken.items():
+        if dest not in explicit:
+            setattr(args, dest, value)
+
+
+def _contradicts(dest: str, saved, given, num_layers) -> bool:
+    """Whether a flag given contradicts the checkpoint's value (lists and tuples alike; --moe-layer-freq
+    by the layers it makes MoE). The position table's size may change and MTP layers may be added:
+    the load checks and reports both."""
+    from teratron.dist_checkpointing.model_args import canonical_moe_layer_freq
+
+    if dest == "max_position_embeddings" or (dest == "mtp_num_layers" and saved is None):
+        return False
+    saved, given = (list(v) if isinstance(v, tuple) else v for v in (saved, given))
+    if dest == "moe_layer_freq" and num_layers and saved != given:
+        return canonical_moe_layer_freq(num_layers, saved) != canonical_moe_layer_freq(num_layers, given)
+    return saved != given
 
 
 def _megatron_flags_given(args) -> dict:
@@ -801,6 +856,30 @@ def inverted_dests() -> frozenset:
     setting_true = {a.dest for a in parser._actions if not isinstance(a, argparse._StoreFalseAction)}
     return frozenset(a.dest for a in parser._actions
                      if isinstance(a, argparse._StoreFalseAction) and a.dest not in setting_true)
+
+
+@functools.cache
+def switch_dests() -> frozenset:
+    """Destinations that only switches (flags taking no value) set: --swiglu, --disable-bias-linear."""
+    actions = [a for a in build_train_parser()._actions if a.option_strings]
+    valued = {a.dest for a in actions if a.nargs != 0}
+    return frozenset(a.dest for a in actions if a.nargs == 0 and a.dest not in valued)
+
+
+def flag_values(dest: str, *labelled) -> str:
+    """A flag destination's values as the command line spells them:
+    flag_values("num_layers", ("saved", 2), ("now", 4)) -> '--num-layers (saved 2, now 4)';
+    flag_values("add_bias_linear", ("saved", False), ("now", True)) -> '--disable-bias-linear (saved on, now off)'."""
+    shown = ", ".join(f"{label} {_flag_state(dest, value)}" for label, value in labelled)
+    return f"{flags_by_dest().get(dest, dest)} ({shown})"
+
+
+def _flag_state(dest: str, value) -> str:
+    if isinstance(value, bool) and dest in switch_dests():
+        return "on" if value != (dest in inverted_dests()) else "off"
+    if value is None:
+        return "unset"
+    return str(list(value) if isinstance(value, tuple) else value)
 
 
 def flag(name: str) -> str:

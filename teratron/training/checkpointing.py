@@ -34,6 +34,7 @@ from teratron.dist_checkpointing.megatron_format import (TERATRON_RECORD, is_meg
                                                          load_megatron_checkpoint)
 from teratron.dist_checkpointing.megatron_format import read_common_state as read_megatron_common_state
 from teratron.dist_checkpointing.model_args import model_args_from_config
+from teratron.training.arguments import flag_values
 
 # Model args that may differ between the saving and the loading run: the padded vocabulary follows
 # the TP size (the loader pads or trims the padding rows), and only a learned position table has a
@@ -185,13 +186,15 @@ class Checkpointer:
                 int(common.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))))
 
     def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
+        """Refuse a checkpoint of another model, naming each flag that differs and both values."""
         current = model_args_from_config(self.run.model)
-        differ = [f"{k} (saved {saved[k]}, now {current[k]})" for k in current
+        differ = [flag_values(k, ("saved", saved[k]), ("now", current[k])) for k in current
                   if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]
                   and not (k == "mtp_num_layers" and saved[k] is None)]  # MTP added: `_adds_mtp_layers`
         if differ:
             raise ValueError(f"--load {checkpoint_dir}: the checkpoint holds another model: {'; '.join(differ)}; "
-                             "pass the architecture flags it was saved with")
+                             "pass the architecture flags it was saved with, or --use-checkpoint-args to take them "
+                             "from it")
 
     def _adds_mtp_layers(self, saved: dict, checkpoint_dir: str, load_optimizer: bool) -> bool:
         """Whether this run adds MTP layers to a checkpoint saved without them (MTP-only training

@@ -410,8 +410,8 @@ DERIVED = {
     "distributed.data_parallel_size": "world size / (TP x PP x CP)",
 }
 
-# Flags that are the command's, not the run's.
-COMMAND_ONLY = ("config", "demo_dir", "demo_samples")
+# Flags that are the command's, not the run's (--use-checkpoint-args: where the flags' values come from).
+COMMAND_ONLY = ("config", "demo_dir", "demo_samples", "use_checkpoint_args", "use_mp_args_from_checkpoint_args")
 
 # Flags that only feed derived values (see `_derived`).
 INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu",

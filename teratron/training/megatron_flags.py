@@ -399,9 +399,6 @@ REFUSED = {
     Refused("a separate pretrained checkpoint", "use --load DIR --finetune"): "--pretrained-checkpoint=",
     Refused("loading a chosen iteration", "write it into the folder's latest_checkpointed_iteration.txt"):
         "--ckpt-step= --override-ckpt-iteration=",
-    Refused("taking the model flags from the checkpoint",
-            "pass the architecture flags (a resume checks them against the checkpoint)"):
-        "--use-checkpoint-args --use-mp-args-from-checkpoint-args",
     Refused("converting checkpoints inside training", "use teratron convert"):
         "--ckpt-convert-format= --ckpt-convert-save= --ckpt-convert-update-legacy-dist-opt-format",
     Refused("Megatron's pre-0.14 checkpoint layout"): "--dist-ckpt-save-pre-mcore-014",

@@ -81,8 +81,8 @@ def test_fail_closed(tmp_path):
     saved(a, 1)
     cases = {
         "keys": (dict(num_layers=3), "hold different tensors|model args differ"),
-        "shape": (dict(ffn_hidden_size=32), "model args differ in ffn_hidden_size"),
-        "config": (dict(norm_epsilon=1e-6), "model args differ in norm_epsilon"),
+        "shape": (dict(ffn_hidden_size=32), "model args differ: ffn_hidden_size"),
+        "config": (dict(norm_epsilon=1e-6), "model args differ: norm_epsilon"),
     }
     for name, (changes, reason) in cases.items():
         saved(tmp_path / name, 2, **changes)
@@ -95,7 +95,7 @@ def test_fail_closed(tmp_path):
     meta["model_args"]["num_layers"] = 2
     open(meta_file, "w").write(json.dumps(meta))
     refusals = [
-        (["keys"], [1, 1], ValueError, "model args differ in num_layers"),
+        (["keys"], [1, 1], ValueError, r"model args differ: num_layers \(first input 2, this input 3\)$"),
         (["keys_only"], [1, 1], ValueError, "hold different tensors .* decoder.layers.2"),
         (["shape"], [1, 1], ValueError, "ffn_hidden_size"),
         (["config"], [1, 1], ValueError, "norm_epsilon"),
@@ -115,6 +115,17 @@ def test_fail_closed(tmp_path):
         merge_checkpoints([str(a), str(a)], [1.0, 1.0], str(tmp_path / "bf16"))
     assert merge_cli("--inputs", str(a), str(tmp_path / "config"), "--weights", "1", "-1",
                      "--output", str(tmp_path / "out")) == 2  # one-line error, status 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_names_the_flags_that_differ(tmp_path, capsys):
+    saved(tmp_path / "a", 1)
+    saved(tmp_path / "b", 2, ffn_hidden_size=32, untie_embeddings_and_output_weights=False)
+    assert merge_cli("--inputs", str(tmp_path / "a"), str(tmp_path / "b"), "--weights", "1", "1",
+                     "--output", str(tmp_path / "out")) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "model args differ: --ffn-hidden-size (first input 24, this input 32); --untie-embeddings-and-output-weights "
+        "(first input on, this input off)")
     assert not (tmp_path / "out").exists()
 
 

@@ -134,7 +134,7 @@ def test_load_refusals(tmp_path):
 
     other, other_model, other_optimizer, other_scheduler = setup(tmp_path, "--hidden-size", "48")
     other = changed(other, "checkpoint", load=save, no_load_optim=True)
-    with pytest.raises(ValueError, match=r"another model: hidden_size \(saved 32, now 48\)"):
+    with pytest.raises(ValueError, match=r"another model: --hidden-size \(saved 32, now 48\)"):
         checkpointing.Checkpointer(other).load(other_model, other_optimizer, other_scheduler)
     # A description that lies about the model: the tensors themselves disagree.
     t = run.transformer

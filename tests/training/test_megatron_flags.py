@@ -18,9 +18,14 @@ from teratron.training import megatron_flags
 from teratron.training.arguments import build_train_parser, parse_train_args
 from teratron.training.config import run_config_from_args
 
-BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
+TRAINING = ["--mock-data", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
+BASE = TRAINING + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 MEGATRON = json.load(open(os.path.join(os.path.dirname(__file__), "megatron_flags.json")))
+MEGATRON_CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "dist_checkpointing", "fixtures", "megatron_core",
+                                   "tp1")
+
+# Flags that read --load's checkpoint: walked with a Megatron-LM checkpoint's architecture instead of BASE's.
+_FROM_CHECKPOINT = {"--use-checkpoint-args": [], "--use-mp-args-from-checkpoint-args": ["--use-checkpoint-args"]}
 
 # A value of Megatron's own argument types that teratron's parser takes.
 _TYPED_VALUES = {"tuple_type": "4,0", "moe_freq_type": "2", "no_rope_freq_type": "2", "la_freq_type": "2",
@@ -39,6 +44,12 @@ def _values_to_try(record) -> list:
     else:
         value = _TYPED_VALUES.get(record["type"], "x")
     return [[value] * (record["nargs"] if isinstance(record["nargs"], int) else 1)]
+
+
+def _base(flag: str) -> list:
+    if flag not in _FROM_CHECKPOINT:
+        return BASE
+    return TRAINING + ["--load", MEGATRON_CHECKPOINT, *_FROM_CHECKPOINT[flag]]
 
 
 def _parse(argv):
@@ -69,7 +80,7 @@ def test_every_megatron_flag_is_honoured_accepted_or_refused():
         for flag in record["flags"]:
             for values in _values_to_try(record):
                 shown = " ".join([flag, *values])
-                outcome, result = _parse(BASE + [flag, *values])
+                outcome, result = _parse(_base(flag) + [flag, *values])
                 assert "unrecognized arguments" not in str(result), shown
                 value = None if record["nargs"] == 0 else values if record["nargs"] in ("+", "*") else values[0]
                 rule = megatron_flags.classify(flag, value)
