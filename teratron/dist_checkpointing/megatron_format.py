@@ -67,52 +67,98 @@ def _split_prefix(key: str) -> tuple:
     return "", key
 
 
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # SequentialMLP's expert e
+_GROUPED = {"mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",  # GroupedMLP's [E, in, out]
+            "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight"}
+
+
+def _megatron_form(item: ShardedTensor, prefix: str, layer: int, name: str, stacked: bool, num_layers: int,
+                   num_experts: int | None) -> ShardedTensor:
+    """A teratron layer box under Megatron's key with its leading axes (layers when `stacked`,
+    experts for an expert's weight), a view of the same data. Megatron keeps every expert of a
+    layer in one [E, out, in] tensor (`mlp.experts.experts.*`)."""
+    data, shape, offset = item.data, tuple(item.global_shape), tuple(item.global_offset)
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        name = f"mlp.experts.experts.{expert.group(2)}"
+        data, shape, offset = data.unsqueeze(0), (num_experts,) + shape, (int(expert.group(1)),) + offset
+    elif name in _GROUPED:  # [E, in, out] -> [E, out, in]
+        name = _GROUPED[name]
+        data = data.transpose(-1, -2)
+        shape, offset = shape[:-2] + shape[-1:] + shape[-2:-1], offset[:-2] + offset[-1:] + offset[-2:-1]
+    if stacked:
+        data, shape, offset = data.unsqueeze(0), (num_layers,) + shape, (layer,) + offset
+        key = f"{prefix}decoder.layers.{name}"
+    else:
+        key = f"{prefix}decoder.layers.{layer}.{name}"
+    return ShardedTensor(key, data, shape, offset, item.resizable_rows, item.replica)
+
+
+def _saved_experts(saved: dict) -> int | None:
+    """The number of experts per layer in a Megatron checkpoint (None: no MoE)."""
+    for key, shape in saved.items():
+        if ".mlp.experts.experts." in f".{key}" and shape is not None:
+            stacked = _LAYER.match(_split_prefix(key)[1]) is None
+            return shape[1] if stacked else shape[0]
+    return None
+
+
 def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedTensor:
-    """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it."""
+    """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it:
+    stacked or per layer, the norm under its fused name or its own."""
     prefix, key = _split_prefix(item.key)
     match = _LAYER.match(key)
     if match is None:
         return item
     layer, name = int(match.group(1)), match.group(2)
+    experts = _saved_experts(saved)
     for candidate in (_FUSED_NORMS.get(name), name):
         if candidate is None:
             continue
-        if f"{prefix}decoder.layers.{layer}.{candidate}" in saved:  # saved layer by layer
-            return ShardedTensor(f"{prefix}decoder.layers.{layer}.{candidate}", item.data, item.global_shape,
-                                 item.global_offset, item.resizable_rows, item.replica)
-        if f"{prefix}decoder.layers.{candidate}" in saved:  # stacked over the layers
-            return ShardedTensor(f"{prefix}decoder.layers.{candidate}", item.data.unsqueeze(0),
-                                 (num_layers,) + tuple(item.global_shape), (layer,) + tuple(item.global_offset),
-                                 item.resizable_rows, item.replica)
+        for stacked in (False, True):
+            box = _megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
+            if box.key in saved:
+                return box
     return item  # reported missing by the load, under teratron's name
 
 
 def _teratron_view(saved: dict, num_layers: int) -> dict:
     """The saved keys and global shapes under teratron's names (a stacked tensor is num_layers
-    tensors of its shape without the layer axis)."""
+    tensors of its shape without the layer axis; Megatron's experts under both of teratron's
+    expert layouts)."""
     unfused = {fused: name for name, fused in _FUSED_NORMS.items()}
     view = {}
+
+    def add(prefix, layer, name, shape):
+        if name.startswith("mlp.experts.experts.") and shape is not None:
+            rest = name[len("mlp.experts.experts."):]
+            for e in range(shape[0]):
+                view[f"{prefix}decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}"] = tuple(shape[1:])
+            grouped = {megatron: teratron for teratron, megatron in _GROUPED.items()}.get(name)
+            if grouped is not None:
+                view[f"{prefix}decoder.layers.{layer}.{grouped}"] = tuple(shape[:-2]) + (shape[-1], shape[-2])
+        else:
+            view[f"{prefix}decoder.layers.{layer}.{unfused.get(name, name)}"] = shape
+
     for full_key, shape in saved.items():
         prefix, key = _split_prefix(full_key)
         match = _LAYER.match(key)
         if match is not None:  # per layer
-            view[f"{prefix}decoder.layers.{match.group(1)}.{unfused.get(match.group(2), match.group(2))}"] = shape
+            add(prefix, match.group(1), match.group(2), shape)
         elif key.startswith("decoder.layers.") and shape is not None:  # stacked
-            name = key[len("decoder.layers."):]
             for layer in range(num_layers):
-                view[f"{prefix}decoder.layers.{layer}.{unfused.get(name, name)}"] = tuple(shape[1:])
+                add(prefix, layer, key[len("decoder.layers."):], tuple(shape[1:]))
         else:
             view[full_key] = shape
     return view
 
 
-def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
+def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: int | None = None) -> list:
     """This rank's teratron items (model, and optimizer states named after the model's keys)
     under Megatron-LM's names: layers stacked over `num_layers` when `stacked` (Megatron's rule:
-    every layer alike), else per layer; the attention norm under its fused name, the MLP norm too
-    where the layer's MLP is dense (an MoE layer keeps `pre_mlp_layernorm`)."""
-    dense = {match.group(1) for match in map(_LAYER.match, (item.key for item in items))
-             if match is not None and match.group(2) == "mlp.linear_fc1.weight"}
+    every layer alike), else per layer; experts in one tensor per layer; the norms under their
+    fused names (as Megatron's local layers save them), and an MoE layer's MLP norm under its own
+    name too (as Transformer Engine's MoE layers save it)."""
     out = []
     for item in items:
         prefix, key = _split_prefix(item.key)
@@ -120,16 +166,12 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool) -> list:
         if match is None:
             out.append(item)
             continue
-        layer, name = match.group(1), match.group(2)
-        if name.startswith("input_layernorm.") or (name.startswith("pre_mlp_layernorm.") and layer in dense):
+        layer, name = int(match.group(1)), match.group(2)
+        if name in _FUSED_NORMS:
+            if name.startswith("pre_mlp_layernorm.") and num_experts is not None:
+                out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
             name = _FUSED_NORMS[name]
-        if stacked:
-            out.append(ShardedTensor(f"{prefix}decoder.layers.{name}", item.data.unsqueeze(0),
-                                     (num_layers,) + tuple(item.global_shape), (int(layer),) + tuple(item.global_offset),
-                                     item.resizable_rows, item.replica))
-        else:
-            out.append(ShardedTensor(f"{prefix}decoder.layers.{layer}.{name}", item.data, item.global_shape,
-                                     item.global_offset, item.resizable_rows, item.replica))
+        out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
     return out
 
 
@@ -148,12 +190,12 @@ def megatron_common_state(common: dict, metadata: dict, iteration: int) -> dict:
 
 
 def stacking(model_chunks) -> dict:
-    """to_megatron_items' num_layers and stacked for this model (Megatron stacks the layers
-    unless they differ: MoE on some layers only)."""
+    """to_megatron_items' num_layers, stacked and num_experts for this model (Megatron stacks the
+    layers unless they differ: MoE on some layers only)."""
     config = unwrap(model_chunks[0]).config
     freq = config.moe_layer_freq
     uniform = config.num_moe_experts is None or (isinstance(freq, int) and freq == 1)
-    return {"num_layers": config.num_layers, "stacked": uniform}
+    return {"num_layers": config.num_layers, "stacked": uniform, "num_experts": config.num_moe_experts}
 
 
 def megatron_metadata() -> dict:

@@ -17,6 +17,7 @@ from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.megatron_format import (is_megatron_checkpoint, load_megatron_checkpoint,
                                                          read_common_state)
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
+from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from teratron.process_groups import ProcessGroupCollection
 from teratron.transformer.transformer_config import TransformerConfig
 
@@ -28,14 +29,16 @@ def _folder(saved_tp: int) -> str:
     return os.path.join(FIXTURES, f"tp{saved_tp}", "iter_0000005")
 
 
-def _model(tp: int):
+def _model(tp: int, moe: dict | None = None):
     config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu,
                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-                               attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=True)
+                               attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                               **(moe or {}))
     torch.manual_seed(123)  # other weights than Megatron's: the load must replace every one
     pg = None if dist.is_initialized() else ProcessGroupCollection()
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=False,
+    spec = get_gpt_decoder_block_spec(config, normalization="RMSNorm") if moe else get_gpt_layer_local_spec()
+    return GPTModel(config, spec, VOCAB, SEQ, share_embeddings_and_output_weights=False,
                     position_embedding_type="rope", pg_collection=pg).eval()
 
 
@@ -70,6 +73,44 @@ def test_megatron_checkpoints_give_megatrons_logits_under_tensor_parallelism():
 def _both_fixtures_at_tp2():
     ps.initialize_model_parallel(2, 1)
     return [_logits_after_load(saved_tp, 2) for saved_tp in (1, 2)]
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_megatron_moe_checkpoint_gives_megatrons_logits(grouped, tmp_path):
+    """Megatron's experts, one [layers, experts, out, in] tensor per weight, load into teratron's
+    SequentialMLP (one module per expert) and GroupedMLP ([experts, in, out]); written back, the
+    keys and shapes are Megatron's (plus the MLP norm under Transformer Engine's MoE name)."""
+    folder = os.path.join(FIXTURES, "moe_tp1", "iter_0000005")
+    model = _model(1, dict(MOE, moe_grouped_gemm=grouped))
+    load_megatron_checkpoint(folder, [model], LAYERS)
+    batch = torch.load(os.path.join(FIXTURES, "moe_tp1", "logits.pt"))
+    with torch.no_grad():
+        logits = model(batch["tokens"], None)
+    torch.testing.assert_close(logits, batch["logits"], rtol=1e-5, atol=1e-5)
+    from teratron.dist_checkpointing import save_checkpoint
+
+    saved = save_checkpoint(str(tmp_path), 5, [model], common={}, metadata={}, ckpt_format="torch_dist")
+    ours, megatron = _model_keys(saved), _model_keys(folder)
+    assert {k: ours[k] for k in megatron} == megatron
+    assert set(ours) - set(megatron) == {"decoder.layers.pre_mlp_layernorm.weight"}
+
+
+def test_megatron_moe_checkpoint_under_expert_parallelism():
+    for logits, megatron_logits in run_distributed(_moe_at_ep2, 2):
+        torch.testing.assert_close(logits, megatron_logits, rtol=1e-5, atol=1e-5)
+
+
+def _moe_at_ep2():
+    """Each rank holds two of the four experts (and the same tokens: data parallel over EP)."""
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    model = _model(1, dict(MOE, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"))
+    load_megatron_checkpoint(os.path.join(FIXTURES, "moe_tp1", "iter_0000005"), [model], LAYERS)
+    batch = torch.load(os.path.join(FIXTURES, "moe_tp1", "logits.pt"))
+    with torch.no_grad():
+        return model(batch["tokens"], None), batch["logits"]
 
 
 def test_teratron_and_megatron_folders_are_told_apart(tmp_path):

@@ -6,7 +6,7 @@ Megatron Core itself (not part of the test suite; the files it wrote are committ
 
 On the CPU with gloo (Megatron Core's saver assumes a GPU in two places, shimmed below; needs
 psutil). For TP 1 and TP 2 it builds Megatron's GPTModel (local layer spec: RMSNorm, SwiGLU, GQA,
-RoPE, untied embeddings), saves it with `dist_checkpointing.save` the way Megatron-LM's
+RoPE, untied embeddings; and at TP 1 the same with MoE layers, `moe_tp1`), saves it with `dist_checkpointing.save` the way Megatron-LM's
 `save_checkpoint` lays out a torch_dist checkpoint (args, checkpoint_version and iteration beside
 the model), and stores the logits of a fixed batch from Megatron's own forward (`logits.pt`), which
 teratron must reproduce from the checkpoint.
@@ -23,13 +23,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ = 32, 4, 2, 48, 2, 64, 8
+# The MoE model: 4 experts of 24 on every layer, top-2 softmax routing (Megatron's SequentialMLP).
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="allgather")
 
 
 def tokens() -> torch.Tensor:
     return torch.arange(2 * SEQ).view(2, SEQ) * 7 % VOCAB
 
 
-def rank_main(rank: int, world: int, out: str, port: int) -> None:
+def rank_main(rank: int, world: int, out: str, port: int, moe: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.synchronize = lambda *a, **k: None  # the saver syncs the device
     torch.cuda.current_device = lambda: "cpu"      # and gathers its failure flags there
@@ -47,8 +49,10 @@ def rank_main(rank: int, world: int, out: str, port: int) -> None:
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-                               tensor_model_parallel_size=world, init_method_std=0.2)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                               tensor_model_parallel_size=world, init_method_std=0.2,
+                               **(MOE if moe else {}))
+    spec = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"] if moe else None, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
     model.eval()
@@ -66,21 +70,22 @@ def rank_main(rank: int, world: int, out: str, port: int) -> None:
                               position_embedding_type="rope", untie_embeddings_and_output_weights=True,
                               tensor_model_parallel_size=world, pipeline_model_parallel_size=1,
                               params_dtype=torch.float32, ckpt_format="torch_dist")
-    folder = os.path.join(out, f"tp{world}", "iter_0000005")
+    name = f"moe_tp{world}" if moe else f"tp{world}"
+    folder = os.path.join(out, name, "iter_0000005")
     os.makedirs(folder, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": model.sharded_state_dict()}
     dist_checkpointing.save(state, folder)
     if rank == 0:
-        with open(os.path.join(out, f"tp{world}", "latest_checkpointed_iteration.txt"), "w") as f:
+        with open(os.path.join(out, name, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("5")
-        torch.save({"tokens": ids, "logits": torch.cat(gathered, dim=-1)}, os.path.join(out, f"tp{world}", "logits.pt"))
+        torch.save({"tokens": ids, "logits": torch.cat(gathered, dim=-1)}, os.path.join(out, name, "logits.pt"))
     dist.destroy_process_group()
 
 
 def main() -> None:
     out = sys.argv[1]
-    for world, port in ((1, 29561), (2, 29562)):
-        mp.spawn(rank_main, args=(world, out, port), nprocs=world)
+    for world, port, moe in ((1, 29561, False), (2, 29562, False), (1, 29563, True)):
+        mp.spawn(rank_main, args=(world, out, port, moe), nprocs=world)
     with open(os.path.join(out, "SOURCE.json"), "w") as f:
         json.dump({"writer": "megatron.core dist_checkpointing.save (tests/dist_checkpointing/megatron/"
                              "make_megatron_fixture.py)", "megatron_lm_commit": "d98e8a64dd"}, f, indent=1)
