@@ -28,6 +28,7 @@ import torch
 
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
 from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_fix
+from teratron.convert.hf_gpt2 import lm_head_model_names
 from teratron.convert.hf_mapping import check_hf_tensors, mtp_copies, stream_hf_to_teratron, teratron_to_hf
 from teratron.convert.hf_moe import moe_training_config_from_hf
 from teratron.convert.hf_tokenizer import (GENERATION_CONFIG, TOKENIZER_FILES, token_ids, trained_tokenizer,
@@ -60,6 +61,15 @@ def read_hf_config(path: str) -> dict:
         raise ValueError(f"{config_file}: holds a {type(config).__name__}, not a JSON object; restore the "
                          "model's config.json")
     return config
+
+
+def _read_hf_folder(path: str) -> tuple:
+    """(config.json, HFWeights) of an HF folder; a GPT-2's tensors by GPT2LMHeadModel's names."""
+    hf = read_hf_config(path)
+    weights = HFWeights(path)
+    if hf.get("model_type") == "gpt2":
+        weights.rename(lm_head_model_names(list(weights.shapes)))
+    return hf, weights
 
 
 @contextlib.contextmanager
@@ -147,8 +157,7 @@ def load_hf_weights(path: str, model_chunks, pg_collection=None) -> None:
     built from the folder's config.json, e.g. through `model_args_from_hf`) from the HF folder
     `path`, read shard by shard: a rank holds its own parameters plus at most one shard and the
     inputs of tensors spanning shards, never the whole model."""
-    hf = read_hf_config(path)
-    weights = HFWeights(path)
+    hf, weights = _read_hf_folder(path)
     model_args = _model_args(path, hf, weights)
     if model_args["num_experts"]:
         model_args["moe_grouped_gemm"] = unwrap(model_chunks[0]).config.moe_grouped_gemm
@@ -160,8 +169,7 @@ def from_hf(path: str, params_dtype: torch.dtype = torch.float32, moe_grouped_ge
     """(GPTModel, TransformerConfig) of the HF model in `path`, in this process alone; MoE
     experts as GroupedMLP with `moe_grouped_gemm`, and the config carries the model's aux-loss
     coefficient for training it."""
-    hf = read_hf_config(path)
-    weights = HFWeights(path)
+    hf, weights = _read_hf_folder(path)
     model_args = _model_args(path, hf, weights)
     if moe_grouped_gemm and not model_args["num_experts"]:
         raise ValueError(f"from_hf({path!r}, moe_grouped_gemm=True): the model is dense; leave it False")
@@ -211,8 +219,7 @@ def import_hf(hf_path: str, save: str, tensor_model_parallel_size: int = 1, pipe
     was made for. MoE experts are stored as GroupedMLP weights with `moe_grouped_gemm` (train
     with --moe-grouped-gemm), else per expert (SequentialMLP)."""
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    hf = read_hf_config(hf_path)
-    weights = HFWeights(hf_path)
+    hf, weights = _read_hf_folder(hf_path)
     model_args = _model_args(hf_path, hf, weights, make_vocab_size_divisible_by, tp)
     if not model_args["num_experts"] and (ep > 1 or moe_grouped_gemm):
         raise ValueError(f"--hf-path {hf_path} holds a dense model; --expert-model-parallel-size and "

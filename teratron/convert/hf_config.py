@@ -203,7 +203,7 @@ _NOT_CONVERTIBLE = ("the checkpoint's model is neither Llama-shaped (RMSNorm, Sw
 
 
 def _check_llama_shaped(a: dict) -> None:
-    if not a["swiglu"] or a["position_embedding_type"] != "rope":
+    if not a["swiglu"] or a.get("openai_gelu") or a["position_embedding_type"] != "rope":  # gated SiLU only
         raise ValueError(_NOT_CONVERTIBLE)
     variants = [name for name, default in VARIANT_DEFAULTS.items()
                 if a.get(name, default) != default and name not in ("window_size", "window_attn_skip_freq")]

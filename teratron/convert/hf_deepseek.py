@@ -170,7 +170,7 @@ def rope_layout_fix(hf: dict):
 
 def _check_exportable(a: dict) -> None:
     needed = {"qk_layernorm": True, "add_bias_linear": False, "swiglu": True, "quick_geglu": False,
-              "window_size": None, "softmax_type": "vanilla", "no_rope_freq": None,
+              "openai_gelu": False, "window_size": None, "softmax_type": "vanilla", "no_rope_freq": None,
               "activation_func_clamp_value": None, "glu_linear_offset": 0.0, "position_embedding_type": "rope"}
     if a["num_experts"]:
         needed.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,

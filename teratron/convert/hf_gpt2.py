@@ -3,9 +3,11 @@
 GPT-2 (model_type gpt2, GPT2LMHeadModel) is Megatron's GPT defaults: learned absolute positions
 (position_embedding_type 'learned_absolute'), LayerNorm with biases, a GeLU MLP of n_inner
 (4 h when null), biases on every linear layer, one key/value head per query head, tied
-embeddings unless tie_word_embeddings is false. teratron's MLP GeLU is the exact one
-(F.gelu, transformers' "gelu"); GPT-2's own checkpoints use its tanh approximation ("gelu_new"),
-which teratron does not compute, so they are refused. Attention scores are scaled by
+embeddings unless tie_word_embeddings is false. The GeLU is GPT-2's tanh approximation
+(transformers' "gelu_new" or "gelu_pytorch_tanh": teratron's --openai-gelu, recorded as openai_gelu)
+or the exact one ("gelu", F.gelu); exports write "gelu_new" or "gelu". The Hub's GPT-2 files
+name the tensors without GPT2LMHeadModel's "transformer." prefix (GPT2Model's names, no
+lm_head): `lm_head_model_names` adds it. Attention scores are scaled by
 1 / sqrt(head_dim) in both; GPT-2's per-layer scaling (scale_attn_by_inverse_layer_idx),
 unscaled scores and cross-attention are refused.
 """
@@ -15,15 +17,18 @@ from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULT
 
 FAMILY = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
-EXACT_GELU = "gelu"  # transformers' name of F.gelu; "gelu_new" and "gelu_pytorch_tanh" are tanh approximations
+# transformers' activation_function -> openai_gelu (teratron's tanh GeLU); exports write the first of each.
+GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+HF_GELU = {True: "gelu_new", False: "gelu"}
+LM_HEAD_PREFIX = "transformer."  # GPT2LMHeadModel's prefix of GPT2Model's tensor names
 ROTARY_BASE_DEFAULT = 10000  # unused by learned positions; Megatron's default, as a training run records it
 
 
 def _check_supported(hf: dict, source: str) -> None:
     activation = hf.get("activation_function", "gelu_new")
-    if activation != EXACT_GELU:
-        raise ValueError(f"{source}: activation_function={activation!r}; teratron's MLP computes the exact GeLU, "
-                         f"so only {EXACT_GELU!r} converts (GPT-2's own 'gelu_new' is its tanh approximation)")
+    if activation not in GELUS:
+        raise ValueError(f"{source}: activation_function={activation!r}; teratron's MLP computes the exact GeLU "
+                         f"or its tanh approximation, so only {', '.join(map(repr, GELUS))} convert")
     for name, supported in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                             ("add_cross_attention", False)):
         if bool(hf.get(name, supported)) != supported:
@@ -44,6 +49,7 @@ def gpt2_args(hf: dict, source: str) -> dict:
         "num_layers": hf["n_layer"], "hidden_size": hidden, "ffn_hidden_size": hf.get("n_inner") or 4 * hidden,
         "num_attention_heads": heads, "num_query_groups": heads, "kv_channels": hidden // heads,
         "normalization": "LayerNorm", "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5), "swiglu": False,
+        "openai_gelu": GELUS[hf.get("activation_function", "gelu_new")],
         "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
         "position_embedding_type": "learned_absolute", "rotary_base": ROTARY_BASE_DEFAULT, "rotary_percent": 1.0,
         "rotary_interleaved": False, "use_rope_scaling": False,
@@ -79,9 +85,18 @@ def gpt2_hf_config(a: dict, base: dict | None) -> dict:
     hf.update({
         "model_type": FAMILY, "architectures": [ARCHITECTURE], "n_layer": a["num_layers"],
         "n_embd": a["hidden_size"], "n_head": a["num_attention_heads"], "n_inner": a["ffn_hidden_size"],
-        "n_positions": a["max_position_embeddings"],
-        "vocab_size": a["vocab_size"], "activation_function": EXACT_GELU, "layer_norm_epsilon": a["norm_epsilon"],
+        "n_positions": a["max_position_embeddings"], "vocab_size": a["vocab_size"],
+        "activation_function": HF_GELU[bool(a.get("openai_gelu"))], "layer_norm_epsilon": a["norm_epsilon"],
         "tie_word_embeddings": not a["untie_embeddings_and_output_weights"], "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
     })
     return hf
+
+
+def lm_head_model_names(stored: list) -> dict:
+    """Stored tensor name -> GPT2LMHeadModel's, for files saved from GPT2Model (the Hub's GPT-2:
+    `h.0.attn.c_attn.weight`, `wte.weight`); empty when any name has the prefix already, so
+    files mixing the two spellings still fail the header check."""
+    if any(name.startswith(LM_HEAD_PREFIX) for name in stored):
+        return {}
+    return {name: LM_HEAD_PREFIX + name for name in stored if name != "lm_head.weight"}

@@ -41,11 +41,12 @@ class HFWeights:
     """The tensors of a Hugging Face folder's safetensors files. Opening reads every file's header
     (names, shapes, dtypes; a damaged, truncated or inconsistent file refuses here, naming it), so a
     model is checked before any data is read; `read(name)` loads one tensor, `read_shard` the
-    named tensors of one file (`shard_files` in order)."""
+    named tensors of one file (`shard_files` in order); `rename` gives tensors other names."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.files = _weight_map(path)  # tensor name -> file name
+        self.stored = {}  # tensor name -> its name in the file, where `rename` changed it
         self.shapes, self.dtypes = {}, {}  # tensor name -> shape / torch dtype, from the headers
         for filename in self.shard_files():
             with _open(path, filename) as f:
@@ -61,17 +62,24 @@ class HFWeights:
                         raise ValueError(f"{os.path.join(path, filename)}: {name} is stored as {header.get_dtype()}, "
                                          "which teratron does not read; save the model in bf16, fp16 or fp32")
 
+    def rename(self, names: dict) -> None:
+        """Know each tensor of `names` (current name -> new name) by its new name from now on."""
+        for old, new in names.items():
+            self.files[new], self.shapes[new], self.dtypes[new] = (self.files.pop(old), self.shapes.pop(old),
+                                                                   self.dtypes.pop(old))
+            self.stored[new] = self.stored.pop(old, old)
+
     def shard_files(self) -> list:
         return sorted(set(self.files.values()))
 
     def read(self, name: str) -> torch.Tensor:
         with _open(self.path, self.files[name]) as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.stored.get(name, name))
 
     def read_shard(self, filename: str, names) -> dict:
         """name -> tensor (as stored) of `names`, all in file `filename`."""
         with _open(self.path, filename) as f:
-            return {name: f.get_tensor(name) for name in names}
+            return {name: f.get_tensor(self.stored.get(name, name)) for name in names}
 
     def meta_shard(self, filename: str, names) -> dict:
         """`read_shard` on the meta device: the shapes and dtypes, no data."""

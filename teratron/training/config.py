@@ -35,7 +35,7 @@ from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, 
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
-from teratron.transformer.mlp import quick_gelu
+from teratron.transformer.mlp import openai_gelu, quick_gelu
 from teratron.transformer.transformer_config import YARN_FIELDS, MLATransformerConfig, TransformerConfig
 
 
@@ -394,7 +394,8 @@ RENAMED = {
 DERIVED = {
     "transformer.ffn_hidden_size": "4 x hidden, or 8/3 x hidden rounded down to 64 with --swiglu",
     "transformer.num_query_groups": "--num-query-groups with --group-query-attention, else the heads",
-    "transformer.activation_func": "SiLU with --swiglu, quick GELU with --quick-geglu, else GeLU",
+    "transformer.activation_func": "SiLU with --swiglu, quick GELU with --quick-geglu, tanh GeLU with --openai-gelu, "
+                                 "else GeLU",
     "transformer.params_dtype": "bf16/fp16 with --bf16/--fp16, else fp32",
     "transformer.virtual_pipeline_model_parallel_size": "from the layout or layers per virtual stage",
     "transformer.sequence_parallel": "off at TP 1",
@@ -415,7 +416,7 @@ COMMAND_ONLY = ("config", "demo_dir", "demo_samples", "use_checkpoint_args", "us
 
 # Flags that only feed derived values (see `_derived`).
 INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu",
-               "add_position_embedding", "no_weight_decay_cond_type")
+               "openai_gelu", "add_position_embedding", "no_weight_decay_cond_type")
 
 # Flags the RunConfig keeps itself (not in a section).
 RUN_FIELDS = ("megatron_flags",)
@@ -531,6 +532,12 @@ def _build(values: dict, vocab_size: int) -> RunConfig:
     return RunConfig(model=model, megatron_flags=values.get("megatron_flags") or (), **sections)
 
 
+def _activation_func(args):
+    if args.openai_gelu:
+        return openai_gelu
+    return quick_gelu if args.quick_geglu else F.silu if args.swiglu else F.gelu
+
+
 def _derived(args, world_size: int, cuda: bool) -> dict:
     """Megatron's derived values and teratron's device-dependent defaults."""
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size)
@@ -548,11 +555,14 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
                lr_decay_iters=args.lr_decay_iters or args.train_iters,
                split=args.split or "969,30,1",
                num_query_groups=args.num_query_groups if args.group_query_attention else None,
-               activation_func=quick_gelu if args.quick_geglu else F.silu if args.swiglu else F.gelu,
+               activation_func=_activation_func(args),
                params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                deallocate_pipeline_outputs=True,
                virtual_pipeline_model_parallel_size=_virtual_stages(args, pp))
+    if args.openai_gelu and (args.swiglu or args.quick_geglu):
+        raise ValueError(f"--openai-gelu and {'--swiglu' if args.swiglu else '--quick-geglu'} each choose the "
+                         "MLP's activation; pass one")
     if args.quick_geglu:
         if args.swiglu:
             raise ValueError("--quick-geglu and --swiglu each choose the gated MLP's activation; pass one")

@@ -4,7 +4,8 @@ With `gated_linear_unit` linear_fc1 produces [gate; up] and the activation is
 act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu); with
 `activation_func_clamp_value` L the gate is clamped to at most L and up to [-L, L] first
 (the same in MoE experts). gpt-oss's experts are `quick_gelu` gated (Megatron's --quick-geglu),
-clamped at 7 with glu_linear_offset 1. The fused weight is
+clamped at 7 with glu_linear_offset 1; GPT-2's MLP is `openai_gelu`, GELU's tanh approximation
+(Megatron's --openai-gelu). The fused weight is
 `partition_stride=2`: each TP rank holds [gate_shard; up_shard], so the gate and up halves of a
 rank's output line up.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+import torch.nn.functional as F
 
 from teratron import fusions
 from teratron.topology import resolve_pg_collection
@@ -72,6 +74,12 @@ class MLP(torch.nn.Module):
 def quick_gelu(x):
     """x * sigmoid(1.702 x), the sigmoid approximation of GELU (Megatron's quick_gelu)."""
     return x * torch.sigmoid(1.702 * x)
+
+
+def openai_gelu(x):
+    """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Megatron's
+    openai_gelu; GPT-2's "gelu_new")."""
+    return F.gelu(x, approximate="tanh")
 
 
 def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float,

@@ -1,11 +1,12 @@
 """Hugging Face GPT-2 <-> teratron: the model of README's "Training on your data" recipe (learned
 absolute positions, LayerNorm with biases, exact-GeLU MLP, biases on every linear layer, tied
-embeddings) exports as GPT2LMHeadModel and GPT-2 imports. A tiny random teratron model exports
-with transformers' logits equal to teratron's, a tiny random transformers GPT-2 imports with its
-logits (fp32, 1e-4), and `teratron train` (the recipe's flags at tiny sizes, a tiny GPT-2 BPE
-written here) -> export-hf gives a folder that transformers' AutoTokenizer and
-AutoModelForCausalLM load as is: the same token ids, and `generate` gives the engine's greedy
-tokens."""
+embeddings; the tanh GeLU with --openai-gelu) exports as GPT2LMHeadModel and GPT-2 imports
+("gelu", "gelu_new", "gelu_pytorch_tanh"; the Hub's files without the "transformer." prefix too).
+A tiny random teratron model exports with transformers' logits equal to teratron's, a tiny random
+transformers GPT-2 imports with its logits (fp32, 1e-4), and `teratron train` (the recipe's
+flags at tiny sizes, a tiny GPT-2 BPE written here) -> export-hf gives a folder that transformers'
+AutoTokenizer and AutoModelForCausalLM load as is: the same token ids, and `generate` gives the
+engine's greedy tokens."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import stat
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
@@ -31,6 +33,7 @@ from teratron.inference.loading import load_for_inference
 from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
 from teratron.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
+from teratron.transformer.mlp import openai_gelu
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 HF_GPT2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64,
@@ -44,17 +47,21 @@ RECIPE_ARGS = dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attent
                    padded_vocab_size=128)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_hf_gpt2_imports_and_exports(tied, tmp_path):
+@pytest.mark.parametrize("tied, activation", [(True, "gelu"), (False, "gelu"), (True, "gelu_new"),
+                                               (False, "gelu_pytorch_tanh")])
+def test_hf_gpt2_imports_and_exports(tied, activation, tmp_path):
     """from_hf's logits equal transformers'; import-hf -> export-hf gives back the same tensors and
-    the model fields of config.json, and transformers loads the export with the same logits."""
+    the model fields of config.json (a tanh GeLU written as "gelu_new"), and transformers loads the
+    export with the same logits."""
     src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
-    reference = save_random_hf_model("GPT2Config", "GPT2LMHeadModel", dict(HF_GPT2, tie_word_embeddings=tied),
+    reference = save_random_hf_model("GPT2Config", "GPT2LMHeadModel",
+                                     dict(HF_GPT2, tie_word_embeddings=tied, activation_function=activation),
                                      src, "10MB")
     model, config = from_hf(str(src))
     with torch.no_grad():
         assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
     assert config.normalization == "LayerNorm" and config.ffn_hidden_size == 48 and config.add_bias_linear
+    assert config.activation_func is (F.gelu if activation == "gelu" else openai_gelu)
 
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
     convert("export-hf", "--load", str(ckpt), "--out", str(out))
@@ -64,10 +71,47 @@ def test_hf_gpt2_imports_and_exports(tied, tmp_path):
         assert torch.equal(original[name], exported[name]), name
     src_config, out_config = read_config(src), read_config(out)
     for field in ("model_type", "architectures", "n_layer", "n_embd", "n_head", "n_inner", "n_positions",
-                  "vocab_size", "activation_function", "layer_norm_epsilon", "tie_word_embeddings",
-                  "bos_token_id", "eos_token_id"):
+                  "vocab_size", "layer_norm_epsilon", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert out_config[field] == src_config[field], field
+    assert out_config["activation_function"] == ("gelu" if activation == "gelu" else "gelu_new")
+    assert storage.read_metadata(storage.resolve_checkpoint_dir(str(ckpt)))["model_args"]["openai_gelu"] == (
+        activation != "gelu")
     assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+
+
+def _without_lm_head_prefix(src):
+    """Rewrite the tied model's files as GPT2Model saves them (the Hub's GPT-2): no "transformer."."""
+    tensors = load_file(src / SINGLE_FILENAME)
+    assert "lm_head.weight" not in tensors
+    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, src / SINGLE_FILENAME,
+              metadata={"format": "pt"})
+    return tensors
+
+
+def test_hub_gpt2_names_without_the_transformer_prefix_import(tmp_path):
+    """The Hub's GPT-2 files (gelu_new, h.0.attn.c_attn.weight, wte.weight, no lm_head) import with
+    transformers' logits and export under GPT2LMHeadModel's names; files mixing both spellings are
+    refused by the header check."""
+    src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    reference = save_random_hf_model("GPT2Config", "GPT2LMHeadModel", dict(HF_GPT2, activation_function="gelu_new"),
+                                     src, "10MB")
+    prefixed = _without_lm_head_prefix(src)
+    assert "h.0.attn.c_attn.weight" in hf_tensors(src) and "wte.weight" in hf_tensors(src)
+    model, _ = from_hf(str(src))
+    with torch.no_grad():
+        assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    convert("import-hf", "--hf-path", str(src), "--save", str(ckpt))
+    convert("export-hf", "--load", str(ckpt), "--out", str(out))
+    exported = hf_tensors(out)
+    assert set(exported) == set(prefixed)
+    for name in prefixed:
+        assert torch.equal(exported[name], prefixed[name]), name
+    assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
+
+    mixed = {name.removeprefix("transformer.") if ".h.0." in name else name: t for name, t in prefixed.items()}
+    save_file(mixed, src / SINGLE_FILENAME, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r": transformer\.h\.0\.attn\.c_attn\.bias is missing \(and 11 more\)"):
+        from_hf(str(src))
 
 
 def test_older_gpt2_files_with_mask_buffers_import(tmp_path):
@@ -98,18 +142,20 @@ def _random_recipe_checkpoint(root, model_args):
     return logits
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_recipe_model_exports_as_gpt2(tied, tmp_path, capsys):
+@pytest.mark.parametrize("tied, tanh", [(True, False), (False, False), (True, True)])
+def test_recipe_model_exports_as_gpt2(tied, tanh, tmp_path, capsys):
     """GPT-2's c_attn is q | k | v (Megatron's QKV interleaves them per head), its Conv1D weights
-    [in, out]: transformers' logits equal teratron's; the exact GeLU is 'gelu'."""
+    [in, out]: transformers' logits equal teratron's; the exact GeLU is 'gelu', the tanh one
+    (--openai-gelu) 'gelu_new'."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    reference = _random_recipe_checkpoint(ckpt, dict(RECIPE_ARGS, untie_embeddings_and_output_weights=not tied))
+    reference = _random_recipe_checkpoint(ckpt, dict(RECIPE_ARGS, untie_embeddings_and_output_weights=not tied,
+                                                     openai_gelu=tanh))
     capsys.readouterr()
     convert("export-hf", "--load", str(ckpt), "--out", str(out))
     assert "NOTE: the checkpoint records no tokenizer" in capsys.readouterr().out
     config = read_config(out)
     assert (config["model_type"], config["architectures"], config["activation_function"], config["n_inner"],
-            config["tie_word_embeddings"]) == ("gpt2", ["GPT2LMHeadModel"], "gelu", 128, tied)
+            config["tie_word_embeddings"]) == ("gpt2", ["GPT2LMHeadModel"], "gelu_new" if tanh else "gelu", 128, tied)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert isinstance(model, transformers.GPT2LMHeadModel)
     assert_close(hf_logits(str(out)), reference, rtol=0, atol=1e-4)
@@ -123,8 +169,9 @@ def test_gpt2_refusals(tmp_path):
     save_random_hf_model("GPT2Config", "GPT2LMHeadModel", HF_GPT2, src, "10MB")
     config = read_config(src)
     for change, words in (
-            ({"activation_function": "gelu_new"},
-             "activation_function='gelu_new'; teratron's MLP computes the exact GeLU, so only 'gelu' converts"),
+            ({"activation_function": "relu"},
+             "activation_function='relu'; teratron's MLP computes the exact GeLU or its tanh approximation, so only "
+             "'gelu_new', 'gelu_pytorch_tanh', 'gelu' convert"),
             ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
             ({"scale_attn_weights": False}, "scale_attn_weights=False"),
             ({"n_inner": 40}, r"transformer.h.0.mlp.c_fc.bias in model.safetensors has shape \[48\] but config.json")):

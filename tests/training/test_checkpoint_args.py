@@ -33,7 +33,7 @@ ARCHITECTURES = {
               "--max-position-embeddings", "64", "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor", "4",
               "--rope-scaling-original-max-position-embeddings", "32", "--mtp-num-layers", "1"],
     "gpt2": ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--kv-channels", "16",
-             "--add-qkv-bias", "--max-position-embeddings", "40", "--rotary-interleaved"],
+             "--add-qkv-bias", "--max-position-embeddings", "40", "--rotary-interleaved", "--openai-gelu"],
     "moe": ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--swiglu",
             "--disable-bias-linear", "--position-embedding-type", "rope", "--num-experts", "4",
             "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1,1]",
@@ -243,6 +243,24 @@ def test_another_model_is_named_by_its_flags(imported, tmp_path, capsys):
                      "model: --disable-bias-linear (saved off, now on); pass the architecture flags it was saved "
                      "with, or --use-checkpoint-args to take them from it")
     assert cli.main(TRAIN + ["--load", imported, "--finetune", *flags, "--save", str(tmp_path / "out")]) == 0
+
+
+def test_openai_gelu_trains_is_recorded_and_a_plain_gelu_resume_is_refused(tmp_path, capsys):
+    """`teratron train --openai-gelu` records openai_gelu; resuming without the flag names it,
+    --use-checkpoint-args resumes with it."""
+    save = str(tmp_path / "ckpt")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    assert cli.main(TRAIN + flags + ["--openai-gelu", "--save", save]) == 0
+    assert storage.read_tracker(save) == 2 and _model_args(save)["openai_gelu"] is True
+    capsys.readouterr()
+    resume = ["--load", save, "--save", save, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler"]
+    assert cli.main(TRAIN + flags + resume) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"teratron: error: --load {storage.iteration_dir(save, 2)}: the checkpoint holds another "
+                     "model: --openai-gelu (saved on, now off); pass the architecture flags it was saved with, or "
+                     "--use-checkpoint-args to take them from it")
+    assert cli.main(TRAIN + resume + ["--use-checkpoint-args"]) == 0
+    assert storage.read_tracker(save) == 3 and _model_args(save)["openai_gelu"] is True
 
 
 def test_a_megatron_checkpoint_trains_with_no_architecture_flags(tmp_path):

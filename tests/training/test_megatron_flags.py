@@ -17,6 +17,7 @@ from teratron.tokenizers.gpt2_bpe import default_gpt2_files
 from teratron.training import megatron_flags
 from teratron.training.arguments import build_train_parser, parse_train_args
 from teratron.training.config import run_config_from_args
+from teratron.transformer.mlp import openai_gelu
 
 TRAINING = ["--mock-data", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
 BASE = TRAINING + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -153,7 +154,7 @@ def test_megatron_flags_teratron_honours_reach_the_run():
         "--mid-level-dataset-surplus", "0.01", "--muon-nesterov", "--disable-fp8-wgrad", "--save", "ckpt",
         "--persistent-save-interval", "5", "--exit-on-missing-checkpoint", "--loss-scale-window", "500.0",
         "--position-embedding-type", "rope", "--no-position-embedding", "--num-experts", "2",
-        "--moe-layer-recompute"]
+        "--moe-layer-recompute", "--openai-gelu"]
     with pytest.warns(UserWarning, match="moe_layer_recompute is deprecated"):  # as in Megatron
         run = run_config_from_args(parse_train_args(argv), 1, 64, cuda=False)
     t = run.transformer
@@ -161,6 +162,7 @@ def test_megatron_flags_teratron_honours_reach_the_run():
     assert t.layernorm_zero_centered_gamma and t.embedding_init_method_std == 0.05
     assert not t.perform_initialization and t.use_cpu_initialization and not t.fp8_wgrad
     assert t.recompute_granularity == "selective" and "moe" in t.recompute_modules  # --moe-layer-recompute
+    assert t.activation_func is openai_gelu and not t.gated_linear_unit
     assert run.model.padded_vocab_size == 96 and run.optimizer.apply_wd_to_qk_layernorm
     assert run.optimizer.muon_nesterov and run.optimizer.loss_scale_window == 500.0
     assert run.data.mid_level_dataset_surplus == 0.01 and run.checkpoint.save_interval == 5
