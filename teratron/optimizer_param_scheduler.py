@@ -136,11 +136,11 @@ class OptimizerParamScheduler:
     # (steps count samples there). wsd_decay_steps and init_lr are not recorded, as in Megatron.
     _CHECKPOINTED = {
         "max_lr": "--lr", "min_lr": "--min-lr",
-        "lr_warmup_steps": "--lr-warmup-iters or --lr-warmup-fraction; in samples",
-        "lr_decay_steps": "--lr-decay-iters, default --train-iters; in samples",
+        "lr_warmup_steps": "--lr-warmup-iters/-samples or --lr-warmup-fraction; in samples",
+        "lr_decay_steps": "--lr-decay-iters/-samples, default --train-iters/-samples; in samples",
         "lr_decay_style": "--lr-decay-style",
         "start_wd": "--start-weight-decay or --weight-decay", "end_wd": "--end-weight-decay or --weight-decay",
-        "wd_incr_steps": "--train-iters; in samples", "wd_incr_style": "--weight-decay-incr-style",
+        "wd_incr_steps": "--train-iters/-samples; in samples", "wd_incr_style": "--weight-decay-incr-style",
     }
 
     def state_dict(self) -> dict:

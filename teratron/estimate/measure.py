@@ -65,7 +65,9 @@ def main(argv=None) -> int:
     from teratron.transformer.activation_offload import stats
 
     args = parse_train_args(sys.argv[1:] if argv is None else argv)
-    args.train_iters, args.lr = args.train_iters or 1, args.lr or 0.0
+    args.lr = args.lr or 0.0
+    if args.train_samples is None:
+        args.train_iters = args.train_iters or 1
     if args.pipeline_model_parallel_size != 1 or args.tensor_model_parallel_size != 1:
         raise ValueError("measure runs one process: drop --tensor/--pipeline-model-parallel-size "
                          "(tests/estimate measure TP ranks under gloo)")

@@ -107,7 +107,8 @@ def estimate_from_args(args, world_size: int, device_type: str = "cuda") -> Esti
 
     args = copy.copy(args)
     # Neither changes memory or FLOPs; `teratron train` requires them, the estimate does not.
-    args.train_iters = args.train_iters or 1
+    if args.train_samples is None:
+        args.train_iters = args.train_iters or 1
     args.lr = 0.0 if args.lr is None else args.lr
     run = run_config_from_args(args, world_size, resolve_vocab_size(args), cuda=device_type == "cuda")
     return estimate_from_run(run, device_type)

@@ -441,6 +441,9 @@ def _add_training_args(parser):
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Grow the global batch from START by INCREMENT over SAMPLES samples.")
     g.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train.")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Samples to train instead of --train-iters: its whole global batches (the schedule's "
+                        "lengths are then --lr-*-samples).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (init, dropout, data order).")
     g.add_argument("--deterministic-mode", "--deterministic", action="store_true", dest="deterministic_mode",
                    help="Deterministic algorithms only (bit-reproducible CPU runs).")
@@ -513,6 +516,11 @@ def _add_optimizer_args(parser):
     g.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD's final decay.")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="Length of WSD's final decay.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Decay length in samples (with --train-samples); default --train-samples.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Linear warm-up samples (with --train-samples).")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="Length of WSD's final decay in samples (with --train-samples).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay.")
     g.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay (increment).")
     g.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay (increment).")
@@ -771,6 +779,9 @@ def parse_train_args(argv, defaults=None) -> argparse.Namespace:
     demo = not any(getattr(given, name) for name in _DATA_SOURCE_FLAGS)
     if defaults is None:
         defaults = demo_argv() if demo else []
+    if given.train_samples is not None and "--train-iters" in defaults:  # the length is given in samples
+        i = defaults.index("--train-iters")
+        defaults = defaults[:i] + defaults[i + 2:]
     args = parser.parse_args(list(defaults) + config_argv + argv) if defaults else given
     args.demo = demo
     if args.use_checkpoint_args or args.use_mp_args_from_checkpoint_args:

@@ -62,25 +62,30 @@ def build_qk_clip(model, optimizer, pg_collection=None):
 
 
 def build_scheduler(run, optimizer) -> OptimizerParamScheduler:
-    """LR and weight-decay schedule in samples, so batch-size ramp-up moves it correctly: each
-    iteration count converts to the samples the ramp-up actually consumes by then. On resume the
-    checkpoint's schedule must agree with it unless --override-opt_param-scheduler or
-    --use-checkpoint-opt_param-scheduler says which wins (Megatron's rule)."""
+    """LR and weight-decay schedule in samples, stepped by each iteration's global batch. Lengths
+    given in iterations convert to the samples the batch-size ramp-up actually consumes by then;
+    those given in samples (--train-samples, --lr-*-samples) are taken as they are, as Megatron.
+    On resume the checkpoint's schedule must agree with it unless --override-opt_param-scheduler
+    or --use-checkpoint-opt_param-scheduler says which wins (Megatron's rule)."""
     s, opt = run.scheduler, run.optimizer
-    samples_after = run.microbatches().samples_after
-    decay_steps = samples_after(s.lr_decay_iters)
+    if s.unit == "samples":
+        decay_steps, warmup_steps, wsd_steps = s.lr_decay_samples, s.lr_warmup_samples, s.lr_wsd_decay_samples
+    else:
+        samples_after = run.microbatches().samples_after
+        decay_steps, warmup_steps = samples_after(s.lr_decay_iters), samples_after(s.lr_warmup_iters)
+        wsd_steps = None
+        if s.lr_wsd_decay_iters is not None:
+            wsd_steps = decay_steps - samples_after(s.lr_decay_iters - s.lr_wsd_decay_iters)
     if s.lr_warmup_fraction is not None:
         warmup_steps = s.lr_warmup_fraction * decay_steps
-    else:
-        warmup_steps = samples_after(s.lr_warmup_iters)
-    wsd_steps = None
-    if s.lr_wsd_decay_iters is not None:
-        wsd_steps = decay_steps - samples_after(s.lr_decay_iters - s.lr_wsd_decay_iters)
+    train_samples = run.training.train_samples
+    if train_samples is None:
+        train_samples = run.microbatches().samples_after(run.training.train_iters)
     return OptimizerParamScheduler(
         optimizer, init_lr=s.lr_warmup_init, max_lr=opt.lr, min_lr=opt.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=s.lr_decay_style,
         start_wd=s.start_weight_decay, end_wd=s.end_weight_decay,
-        wd_incr_steps=samples_after(run.training.train_iters), wd_incr_style=s.weight_decay_incr_style,
+        wd_incr_steps=train_samples, wd_incr_style=s.weight_decay_incr_style,
         wsd_decay_steps=wsd_steps, lr_wsd_decay_style=s.lr_wsd_decay_style,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,

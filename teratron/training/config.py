@@ -54,6 +54,8 @@ class TrainingConfig:
     train_iters: int
     seq_length: int
     rampup_batch_size: Optional[tuple] = None
+    train_samples: Optional[int] = None
+    """The run length in samples (Megatron's --train-samples); train_iters is then its whole global batches."""
     seed: int = 1234
     deterministic_mode: bool = False
     check_for_nan_in_loss_and_grad: bool = True
@@ -66,7 +68,7 @@ class TrainingConfig:
     """torch.compile every transformer layer (default on CUDA)."""
 
     def __post_init__(self):
-        _at_least(self, 1, ("micro_batch_size", "global_batch_size", "train_iters", "seq_length",
+        _at_least(self, 1, ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seq_length",
                             "eval_interval", "exit_interval"))
         _at_least(self, 0, ("eval_iters",))
         if not 0 <= self.seed < 2**32:
@@ -77,15 +79,19 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The learning-rate and weight-decay schedule, in iterations (peaks and floors are the
-    optimizer's `lr`, `min_lr`, `weight_decay`)."""
-    lr_decay_iters: int
+    """The learning-rate and weight-decay schedule, its lengths in iterations (lr_*_iters) or in
+    samples (lr_*_samples, Megatron's sample-based training), one unit throughout (peaks and floors
+    are the optimizer's `lr`, `min_lr`, `weight_decay`)."""
+    lr_decay_iters: Optional[int] = None
     lr_decay_style: str = "linear"
     lr_warmup_iters: int = 0
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_init: float = 0.0
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_samples: int = 0
+    lr_wsd_decay_samples: Optional[int] = None
     start_weight_decay: Optional[float] = None
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: str = "constant"
@@ -94,19 +100,35 @@ class SchedulerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, the checkpoint's schedule wins. With neither, the two must agree (Megatron's rule)."""
 
+    @property
+    def unit(self) -> str:
+        """What the lengths count: "samples" (lr_decay_samples set) or "iters"."""
+        return "samples" if self.lr_decay_samples is not None else "iters"
+
     def __post_init__(self):
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given; "
                              "choose one (this command line's schedule, or the checkpoint's)")
-        _at_least(self, 1, ("lr_decay_iters",))
-        _at_least(self, 0, ("lr_warmup_iters",))
-        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both given; choose one")
-        if self.lr_warmup_iters >= self.lr_decay_iters:
-            raise ValueError(f"--lr-warmup-iters ({self.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-                             f"({self.lr_decay_iters}; default --train-iters)")
-        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
-            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the final decay)")
+        unit = self.unit
+        other = "iters" if unit == "samples" else "samples"
+        decay, warmup = getattr(self, f"lr_decay_{unit}"), getattr(self, f"lr_warmup_{unit}")
+        if decay is None:
+            raise ValueError("the schedule needs lr_decay_iters or lr_decay_samples (default --train-iters or "
+                             "--train-samples)")
+        mixed = [name for name in (f"lr_decay_{other}", f"lr_warmup_{other}", f"lr_wsd_decay_{other}")
+                 if getattr(self, name)]
+        if mixed:
+            raise ValueError(f"{mixed[0]} with lr_decay_{unit}: the schedule counts in one unit; "
+                             f"use {mixed[0].replace(other, unit)}")
+        _at_least(self, 1, (f"lr_decay_{unit}",))
+        _at_least(self, 0, (f"lr_warmup_{unit}",))
+        if self.lr_warmup_fraction is not None and warmup:
+            raise ValueError(f"--lr-warmup-fraction and lr_warmup_{unit} both given; choose one")
+        if warmup >= decay:
+            raise ValueError(f"lr_warmup_{unit} ({warmup}) must be smaller than lr_decay_{unit} "
+                             f"({decay}; default --train-{unit})")
+        if self.lr_decay_style == "WSD" and getattr(self, f"lr_wsd_decay_{unit}") is None:
+            raise ValueError(f"--lr-decay-style WSD needs lr_wsd_decay_{unit} (length of the final decay)")
         if self.start_weight_decay is None or self.end_weight_decay is None:
             raise ValueError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
                              "--start-weight-decay and --end-weight-decay")
@@ -277,10 +299,20 @@ class RunConfig:
                                  "--expert-model-parallel-size, --expert-tensor-parallel-size or the number of "
                                  "processes")
         self.microbatches()  # the global batch splits into micro-batches over DP
+        self._check_run_length()
         self._check_context_parallel()
         self._check_sequence_packing()
         self._check_profiled_range()
         self._check_cuda_graph_loop()
+
+    def _check_run_length(self):
+        training = self.training
+        if training.train_samples is None:
+            return
+        iterations = self.microbatches().iterations_within(training.train_samples)
+        if training.train_iters != iterations:
+            raise ValueError(f"train_iters ({training.train_iters}) must be the whole global batches in "
+                             f"train_samples ({training.train_samples}): {iterations}")
 
     def _check_context_parallel(self):
         """Each CP rank keeps two of 2 x CP equal chunks of a sequence (split further over TP
@@ -403,7 +435,9 @@ DERIVED = {
     "training.torch_compile": "on with CUDA (not with local CUDA graphs)",
     "training.global_batch_size": "micro-batch x DP",
     "model.max_position_embeddings": "--seq-length",
+    "training.train_iters": "--train-samples' whole global batches (with --train-samples)",
     "scheduler.lr_decay_iters": "--train-iters",
+    "scheduler.lr_decay_samples": "--train-samples (with --train-samples)",
     "scheduler.start_weight_decay": "--weight-decay (constant increment style)",
     "optimizer.apply_wd_to_qk_layernorm": "also --no-weight-decay-cond-type apply_wd_to_qk_layernorm",
     "checkpoint.ckpt_format": "teratron's layout, or Megatron-LM's with --ckpt-format torch_dist",
@@ -421,8 +455,7 @@ INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage",
 # Flags the RunConfig keeps itself (not in a section).
 RUN_FIELDS = ("megatron_flags",)
 
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-            "train_iters", "lr")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
 
 @functools.cache
@@ -463,6 +496,8 @@ def run_config_from_args(args, world_size: int, vocab_size: int, cuda: Optional[
     tokenizer of `vocab_size` ids; `cuda` (default: whether CUDA is available) picks the fast
     defaults. Raises ValueError/NotImplementedError with one line naming the flag."""
     missing = [flag(n) for n in REQUIRED if getattr(args, n) is None]
+    if args.train_iters is None and args.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
     if missing:
         raise ValueError(f"missing required flag(s) {', '.join(missing)} (or set them in --config)")
     values = {name: value for name, value in vars(args).items() if name not in COMMAND_ONLY}
@@ -552,7 +587,6 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     out = dict(world_size=world_size, data_parallel_size=dp,
                global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
                max_position_embeddings=args.max_position_embeddings or args.seq_length,
-               lr_decay_iters=args.lr_decay_iters or args.train_iters,
                split=args.split or "969,30,1",
                num_query_groups=args.num_query_groups if args.group_query_attention else None,
                activation_func=_activation_func(args),
@@ -563,6 +597,7 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
     if args.openai_gelu and (args.swiglu or args.quick_geglu):
         raise ValueError(f"--openai-gelu and {'--swiglu' if args.swiglu else '--quick-geglu'} each choose the "
                          "MLP's activation; pass one")
+    out.update(_run_length(args, out["global_batch_size"], dp))
     if args.quick_geglu:
         if args.swiglu:
             raise ValueError("--quick-geglu and --swiglu each choose the gated MLP's activation; pass one")
@@ -600,6 +635,29 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
         out[name] = fast if getattr(args, name) is None else getattr(args, name)
     _check_mla_flags(args, out["torch_compile"] and not cuda)
     return out
+
+
+def _run_length(args, global_batch_size: int, dp: int) -> dict:
+    """Megatron's two units of the run and its schedule, never mixed: iterations (--train-iters,
+    --lr-*-iters) or samples (--train-samples, --lr-*-samples; the run is its whole global batches)."""
+    in_samples = args.train_samples is not None
+    if in_samples and args.train_iters is not None:
+        raise ValueError("--train-iters and --train-samples both given; choose one (the run's length in "
+                         "iterations or in samples)")
+    unit, other = ("samples", "iters") if in_samples else ("iters", "samples")
+    for name in (f"lr_decay_{other}", f"lr_warmup_{other}", f"lr_wsd_decay_{other}"):
+        if getattr(args, name):
+            raise ValueError(f"{flag(name)} counts {'iterations' if other == 'iters' else 'samples'} but the run "
+                             f"is given in --train-{unit}; use {flag(name.replace(other, unit))}")
+    if not in_samples:
+        return dict(lr_decay_iters=args.lr_decay_iters or args.train_iters)
+    calculator = build_num_microbatches_calculator(global_batch_size, args.micro_batch_size, dp,
+                                                   args.rampup_batch_size)
+    train_iters = calculator.iterations_within(args.train_samples)
+    if train_iters < 1:
+        raise ValueError(f"--train-samples ({args.train_samples}) is less than one global batch "
+                         f"({calculator.samples_after(1)}); raise it")
+    return dict(train_iters=train_iters, lr_decay_samples=args.lr_decay_samples or args.train_samples)
 
 
 def _check_megatron_spellings(args, tp: int) -> None:

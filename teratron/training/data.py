@@ -36,6 +36,8 @@ def build_datasets(run, tokenizer):
     )
     sizes = get_train_valid_test_num_samples(training.train_iters, training.global_batch_size,
                                              training.eval_interval, training.eval_iters)
+    if training.train_samples is not None:
+        sizes[0] = training.train_samples  # Megatron sizes the training split by --train-samples
     cls = MockGPTDataset if config.mock else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 

@@ -371,10 +371,6 @@ REFUSED = {
         "--decrease-batch-size-if-needed",
     Refused("checking that data-parallel replicas' weights agree"): "--check-weight-hash-across-dp-replicas-interval=",
     Refused("GPU sniff testing"): "--gpu-sniff-test-interval=",
-    Refused("a sample-based run length", "use --train-iters (samples / --global-batch-size)"): "--train-samples=",
-    Refused("a sample-based learning-rate schedule", "use --lr-decay-iters, --lr-warmup-iters or "
-                                                    "--lr-wsd-decay-iters (samples / --global-batch-size)"):
-        "--lr-decay-samples= --lr-warmup-samples= --lr-wsd-decay-samples=",
     Refused("a wall-clock limit on training", "use --exit-interval, or --exit-signal-handler with your "
                                               "scheduler's SIGTERM"): "--exit-duration-in-mins=",
     Refused("skipping chosen iterations"): "--iterations-to-skip=+",

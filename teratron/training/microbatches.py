@@ -91,6 +91,23 @@ class NumMicroBatchesCalculator:
             consumed += probe.current_global_batch_size
         return consumed
 
+    def iterations_within(self, samples: int) -> int:
+        """Whole iterations whose global batches fit in `samples` samples (ramp-up included): the
+        run length of --train-samples (samples // global batch without ramp-up, as Megatron)."""
+        if not self.is_rampup:
+            return samples // self.global_batch_size
+        probe = NumMicroBatchesCalculator(self.global_batch_size, self.micro_batch_size,
+                                          self.data_parallel_size, self.start_global_batch_size,
+                                          self.batch_size_increment, self.rampup_samples)
+        consumed = iterations = 0
+        while consumed < self.rampup_samples:
+            probe.update(consumed)
+            if consumed + probe.current_global_batch_size > samples:
+                return iterations
+            consumed += probe.current_global_batch_size
+            iterations += 1
+        return iterations + (samples - consumed) // self.global_batch_size
+
     def get(self) -> int:
         return self.num_micro_batches
 

@@ -41,6 +41,9 @@ def test_yaml_errors(tmp_path):
 def test_demo_defaults_apply_only_without_data_flags():
     demo = parse_train_args(["--train-iters", "7"])
     assert demo.demo and demo.train_iters == 7 and demo.num_layers == 4
+    demo = parse_train_args(["--train-samples", "3200"])  # the demo's length in samples instead
+    assert demo.demo and (demo.train_iters, demo.train_samples) == (None, 3200)
+    assert run_config_from_args(demo, 1, vocab_size=64, cuda=False).training.train_iters == 200  # batch 16
     real = parse_train_args(BASE)
     assert not real.demo and real.lr_decay_style == "linear" and real.hidden_dropout == 0.1
 
@@ -286,3 +289,61 @@ def test_moe_example_configs_build_their_transformer_config():
     assert (deepseek.moe_router_score_function, deepseek.moe_router_enable_expert_bias) == ("sigmoid", True)
     assert (deepseek.moe_router_num_groups, deepseek.moe_router_group_topk) == (8, 4)
     assert deepseek.moe_shared_expert_intermediate_size == 256 and deepseek.moe_router_topk_scaling_factor == 2.5
+
+
+IN_SAMPLES = [a for a in BASE if a not in ("--train-iters", "10")] + ["--global-batch-size", "4"]
+
+
+def test_sample_based_run_follows_megatron():
+    """--train-samples: the run is its whole global batches (ramp-up included); the schedule's
+    lengths stay in samples, decay defaulting to --train-samples."""
+    run = _run(IN_SAMPLES + ["--train-samples", "45"])
+    assert (run.training.train_iters, run.training.train_samples) == (11, 45)  # 45 // 4
+    s = run.scheduler
+    assert (s.unit, s.lr_decay_samples, s.lr_warmup_samples, s.lr_decay_iters) == ("samples", 45, 0, None)
+    s = _run(IN_SAMPLES + ["--train-samples", "45", "--lr-decay-samples", "40", "--lr-warmup-samples", "6"]).scheduler
+    assert (s.lr_decay_samples, s.lr_warmup_samples) == (40, 6)
+    # Global batch 8 ramped up from 4 over 16 samples: 4 batches of 4, then (40 - 16) // 8 = 3 of 8.
+    run = _run(IN_SAMPLES[:-1] + ["8", "--rampup-batch-size", "4", "4", "16", "--train-samples", "40"])
+    assert run.training.train_iters == 7
+    assert _run(BASE).scheduler.unit == "iters"
+    # --lr-warmup-fraction is a fraction of the decay samples; the weight decay ramps over --train-samples.
+    import torch
+    from teratron.training.build import build_scheduler
+
+    run = _run(IN_SAMPLES + ["--train-samples", "45", "--lr-decay-samples", "40", "--lr-warmup-fraction", "0.25"])
+    scheduler = build_scheduler(run, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0))
+    assert (scheduler.lr_warmup_steps, scheduler.lr_decay_steps, scheduler.wd_incr_steps) == (10, 40, 45)
+
+
+def test_sample_based_flags_refused_in_one_line():
+    """Megatron's asserts: one unit for the run and its schedule."""
+    samples = IN_SAMPLES + ["--train-samples", "40"]
+    cases = [
+        (BASE + ["--train-samples", "40"], "--train-iters and --train-samples both given; choose one (the run's "
+                                           "length in iterations or in samples)"),
+        (samples + ["--lr-decay-iters", "5"], "--lr-decay-iters counts iterations but the run is given in "
+                                              "--train-samples; use --lr-decay-samples"),
+        (samples + ["--lr-warmup-iters", "1"], "--lr-warmup-iters counts iterations but the run is given in "
+                                               "--train-samples; use --lr-warmup-samples"),
+        (samples + ["--lr-wsd-decay-iters", "2"], "--lr-wsd-decay-iters counts iterations but the run is given in "
+                                                  "--train-samples; use --lr-wsd-decay-samples"),
+        (BASE + ["--lr-decay-samples", "5"], "--lr-decay-samples counts samples but the run is given in "
+                                             "--train-iters; use --lr-decay-iters"),
+        (BASE + ["--lr-warmup-samples", "8"], "--lr-warmup-samples counts samples but the run is given in "
+                                              "--train-iters; use --lr-warmup-iters"),
+        (BASE + ["--lr-wsd-decay-samples", "8"], "--lr-wsd-decay-samples counts samples but the run is given in "
+                                                 "--train-iters; use --lr-wsd-decay-iters"),
+        (IN_SAMPLES + ["--train-samples", "3"], "--train-samples (3) is less than one global batch (4); raise it"),
+        (samples + ["--lr-warmup-samples", "40"], "--lr-warmup-samples (40) must be smaller than --lr-decay-samples "
+                                                  "(40; default --train-samples)"),
+        (samples + ["--lr-warmup-samples", "4", "--lr-warmup-fraction", "0.1"],
+         "--lr-warmup-fraction and --lr-warmup-samples both given; choose one"),
+        (samples + ["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-samples (length of the "
+                                                "final decay)"),
+        (IN_SAMPLES, "missing required flag(s) --train-iters (or --train-samples) (or set them in --config)"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ValueError) as error:
+            _run(argv)
+        assert str(error.value) == message, argv

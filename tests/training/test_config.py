@@ -131,3 +131,20 @@ def test_estimate_of_an_example_config_takes_no_demo_defaults(capsys):
     assert cli.main(["estimate", "--config", str(example), "--json"]) == 0
     estimate = json.loads(capsys.readouterr().out)
     assert estimate["layout"]["tp"] >= 1 and estimate["model_parameters"] > 1e9
+
+
+def test_sample_based_sections_are_checked_without_flags():
+    """Configs built in Python: the schedule counts in one unit, and train_iters is
+    train_samples' whole global batches."""
+    with pytest.raises(ValueError, match=r"^lr_warmup_iters with lr_decay_samples: the schedule counts in one unit; "
+                                         r"use lr_warmup_samples$"):
+        run_config.SchedulerConfig(lr_decay_samples=8, lr_warmup_iters=1, start_weight_decay=0.0,
+                                   end_weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"^the schedule needs lr_decay_iters or lr_decay_samples"):
+        run_config.SchedulerConfig(start_weight_decay=0.0, end_weight_decay=0.0)
+    run = run_config_from_args(parse_train_args([a for a in BASE if a not in ("--train-iters", "10")]
+                                                + ["--train-samples", "9"]), 1, vocab_size=64, cuda=False)
+    assert run.training.train_iters == 4  # 9 // global batch 2
+    with pytest.raises(ValueError, match=r"^train_iters \(3\) must be the whole global batches in train_samples "
+                                         r"\(9\): 4$"):
+        dataclasses.replace(run, training=dataclasses.replace(run.training, train_iters=3))

@@ -10,12 +10,14 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from teratron import cli
 from teratron.dist_checkpointing import storage
 from teratron.tokenizers.gpt2_bpe import default_gpt2_files
 from teratron.training import megatron_flags
 from teratron.training.arguments import build_train_parser, parse_train_args
+from teratron.training.build import build_scheduler
 from teratron.training.config import run_config_from_args
 from teratron.transformer.mlp import openai_gelu
 
@@ -128,8 +130,9 @@ def test_examples_of_each_kind():
                                                        "use --transformer-impl local",
         ("--tp-comm-overlap",): "--tp-comm-overlap: TP communication/GEMM overlap (Transformer Engine userbuffers) "
                                 "is not supported by teratron; drop it; TP collectives run after their GEMMs",
-        ("--train-samples", "1000"): "--train-samples 1000: a sample-based run length is not supported by teratron; "
-                                     "use --train-iters (samples / --global-batch-size)",
+        ("--exit-duration-in-mins", "60"): "--exit-duration-in-mins 60: a wall-clock limit on training is not "
+                                           "supported by teratron; use --exit-interval, or --exit-signal-handler "
+                                           "with your scheduler's SIGTERM",
         ("--position-embedding-type", "mrope"): "argument --position-embedding-type: invalid choice: 'mrope' "
                                                 "(choose from 'learned_absolute', 'rope', 'yarn', 'none')",
     }
@@ -257,7 +260,7 @@ def test_megatron_gpt2_command_line_trains(tmp_path, capsys):
 
 def test_megatron_llama_command_line_builds_its_run():
     """The flags of Megatron's Llama 3 8B example (shrunk; TP 2 x CP 2 x DP 2 over 8 processes):
-    the run description builds; its sample-based schedule is refused in one line."""
+    the run description builds, with its sample-based length and schedule."""
     argv = [
         "--use-mcore-models", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",
         "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
@@ -265,7 +268,8 @@ def test_megatron_llama_command_line_builds_its_run():
         "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
         "--swiglu", "--normalization", "RMSNorm", "--init-method-std", "0.0134", "--attention-backend", "fused",
         "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "100", "--lr", "0.00015",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "1953125000",
+        "--lr-decay-samples", "1949218748", "--lr-warmup-samples", "3906252", "--lr", "0.00015",
         "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
         "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
         "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
@@ -287,11 +291,13 @@ def test_megatron_llama_command_line_builds_its_run():
     assert [flag for flag, _ in run.megatron_flags] == [
         "--use-mcore-models", "--grad-reduce-in-bf16", "--manual-gc", "--empty-unused-memory-level",
         "--no-create-attention-mask-in-dataloader", "--log-throughput", "--ckpt-format"]
-    samples = ["--train-samples", "1953125000", "--lr-decay-samples", "1949218748"]
-    with pytest.raises(NotImplementedError, match="^--train-samples 1953125000: a sample-based run length is not "
-                                                  "supported by teratron; use --train-iters"):
-        i = argv.index("--train-iters")
-        parse_train_args(argv[:i] + argv[i + 2:] + samples)
+    assert (run.training.train_iters, run.training.train_samples) == (1953125000 // 8, 1953125000)
+    scheduler = build_scheduler(run, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0))
+    assert (scheduler.lr_decay_steps, scheduler.lr_warmup_steps, scheduler.wd_incr_steps) == (
+        1949218748, 3906252, 1953125000)
+    from teratron.estimate.report import estimate_from_args
+
+    assert estimate_from_args(parse_train_args(argv), 8, "cuda").stages  # the estimate takes --train-samples too
 
 
 # ---- Megatron's resume rule for the learning-rate / weight-decay schedule -------------------
@@ -343,8 +349,9 @@ def test_resume_with_another_schedule_needs_a_rule(tmp_path, capsys):
     assert err.startswith(f"teratron: error: --load {folder / 'iter_0000002'}: the learning-rate/weight-decay "
                           "schedule differs from the checkpoint's: ")
     # In samples (global batch 4): decay over 8 iterations now, 4 in the checkpoint.
-    assert "lr_decay_steps (--lr-decay-iters, default --train-iters; in samples) is 32 now, 16 in the checkpoint" in err
-    assert "wd_incr_steps (--train-iters; in samples) is 32 now, 16 in the checkpoint" in err
+    assert ("lr_decay_steps (--lr-decay-iters/-samples, default --train-iters/-samples; in samples) is 32 now, 16 in "
+            "the checkpoint") in err
+    assert "wd_incr_steps (--train-iters/-samples; in samples) is 32 now, 16 in the checkpoint" in err
     assert err.endswith("pass --override-opt_param-scheduler to follow this command line's schedule or "
                         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
     assert sorted(os.listdir(folder)) == ["iter_0000002", storage.TRACKER_FILENAME] and not metrics.exists()
@@ -379,3 +386,88 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     assert err == (f"teratron: error: --load {tmp_path / 'empty'}: no checkpoint ({storage.TRACKER_FILENAME} is "
                    "missing) and --exit-on-missing-checkpoint is set; pass a checkpoint folder or drop the flag to "
                    "start from scratch")
+
+
+# ---- Megatron's sample-based run length and schedule ----------------------------------------
+
+# TINY without its warm-up in iterations; the global batch is 4.
+IN_SAMPLES = [a for i, a in enumerate(TINY) if "--lr-warmup-iters" not in TINY[max(i - 1, 0):i + 1]]
+
+
+def _samples_lr(samples, warmup, decay, style="cosine", wsd_decay=None, max_lr=1e-2, min_lr=1e-4):
+    """Megatron's schedule after `samples` samples: linear warm-up, then cosine, or WSD holding
+    max_lr until its final linear anneal of `wsd_decay` samples; min_lr after the decay."""
+    if samples <= warmup:
+        return max_lr * samples / warmup
+    if samples > decay:
+        return min_lr
+    if style == "cosine":
+        return min_lr + (max_lr - min_lr) * 0.5 * (math.cos(math.pi * (samples - warmup) / (decay - warmup)) + 1)
+    anneal_start = decay - wsd_decay
+    if samples <= anneal_start:
+        return max_lr
+    return min_lr + (max_lr - min_lr) * (1 - (samples - anneal_start) / wsd_decay)
+
+
+def _train(tmp_path, name, *flags):
+    """iteration -> (lr, loss) of a `teratron train` run of IN_SAMPLES and `flags`."""
+    metrics = tmp_path / f"{name}.jsonl"
+    assert cli.main(["train"] + IN_SAMPLES + ["--metrics-file", str(metrics), *flags]) == 0
+    with open(metrics) as f:
+        return {r["iteration"]: (r["lr"], r["lm_loss"]) for r in map(json.loads, f) if "lr" in r}
+
+
+@pytest.mark.parametrize("style", ["cosine", "WSD"])
+def test_sample_based_schedule_is_megatrons_and_equals_the_run_in_iterations(tmp_path, style):
+    """--train-samples 26 / --lr-decay-samples 22 / --lr-warmup-samples 6 (WSD: the last 12
+    samples anneal) with global batch 4: 6 iterations, the lr after iteration i is the schedule at
+    4 i samples (warm-up, anneal and decay ends fall between iterations). Given in samples that
+    are whole batches of a run in iterations, the lrs and losses are that run's."""
+    flags = ["--lr-decay-style", style, "--lr-wsd-decay-style", "linear"]
+
+    def wsd(unit, length):
+        return [f"--lr-wsd-decay-{unit}", str(length)] if style == "WSD" else []
+
+    lrs = _train(tmp_path, "samples", "--train-samples", "26", "--lr-decay-samples", "22",
+                 "--lr-warmup-samples", "6", *flags, *wsd("samples", 12))
+    assert sorted(lrs) == list(range(1, 7))
+    for iteration, (lr, _) in lrs.items():
+        assert lr == pytest.approx(_samples_lr(4 * iteration, 6, 22, style, wsd_decay=12), rel=1e-12), iteration
+    assert lrs[6][0] == 1e-4 and len({lr for lr, _ in lrs.values()}) == 6
+
+    in_iters = _train(tmp_path, "iters", "--train-iters", "6", "--lr-decay-iters", "5", "--lr-warmup-iters", "2",
+                      *flags, *wsd("iters", 2))
+    in_samples = _train(tmp_path, "same", "--train-samples", "24", "--lr-decay-samples", "20",
+                        "--lr-warmup-samples", "8", *flags, *wsd("samples", 8))
+    assert in_samples == in_iters
+    for iteration, (lr, _) in in_samples.items():
+        assert lr == pytest.approx(_samples_lr(4 * iteration, 8, 20, style, wsd_decay=8), rel=1e-12), iteration
+
+
+def test_sample_based_schedule_resumes_in_samples(tmp_path, capsys):
+    """Saved at iteration 3 of a run in samples: the checkpoint's scheduler counts samples
+    (Megatron's state_dict names), the resumed run logs the uninterrupted run's lrs; a checkpoint
+    of the run in iterations resumes under the corresponding samples (the check compares samples
+    with samples), and a decay length that differs is named in one line."""
+    schedule = ["--train-samples", "24", "--lr-decay-samples", "20", "--lr-warmup-samples", "8",
+                "--lr-decay-style", "cosine"]
+    whole = _train(tmp_path, "whole", *schedule)
+    first = tmp_path / "first"
+    _train(tmp_path, "first", *schedule, "--save", str(first), "--save-interval", "3", "--exit-interval", "3")
+    from teratron.dist_checkpointing.safe_load import read_common_state
+
+    state = read_common_state(str(first / "iter_0000003"))["opt_param_scheduler"]
+    assert (state["num_steps"], state["lr_decay_steps"], state["lr_warmup_steps"], state["wd_incr_steps"]) == (
+        12, 20, 8, 24)
+    resumed = _train(tmp_path, "resumed", *schedule, "--load", str(first))
+    assert resumed == {i: whole[i] for i in range(4, 7)}
+
+    in_iters = tmp_path / "in_iters"
+    _train(tmp_path, "in_iters", "--train-iters", "6", "--lr-decay-iters", "5", "--lr-warmup-iters", "2",
+           "--lr-decay-style", "cosine", "--save", str(in_iters), "--save-interval", "3", "--exit-interval", "3")
+    assert _train(tmp_path, "from_iters", *schedule, "--load", str(in_iters)) == resumed
+    capsys.readouterr()
+    assert cli.main(["train"] + IN_SAMPLES + schedule + ["--lr-decay-samples", "21", "--load", str(first)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lr_decay_steps (--lr-decay-iters/-samples, default " \
+        "--train-iters/-samples; in samples) is 21 now, 20 in the checkpoint" in err, err

@@ -47,6 +47,14 @@ def test_samples_after_follows_the_ramp_iteration_by_iteration():
     assert build_num_microbatches_calculator(16, 2, 1).samples_after(5) == 80
 
 
+def test_iterations_within_counts_the_whole_batches_that_fit():
+    """--train-samples' run length: the most iterations whose samples (ramp-up included) fit."""
+    calc = build_num_microbatches_calculator(16, 2, 1, [4, 4, 48])
+    for samples in range(200):
+        assert calc.iterations_within(samples) == max(n for n in range(20) if calc.samples_after(n) <= samples)
+    assert [build_num_microbatches_calculator(16, 2, 1).iterations_within(s) for s in (15, 16, 95, 96)] == [0, 1, 5, 6]
+
+
 def test_lr_reaches_min_lr_at_the_last_iteration_under_rampup():
     from teratron.training.arguments import parse_train_args
     from teratron.training.build import build_scheduler
