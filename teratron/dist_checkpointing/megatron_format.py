@@ -103,7 +103,7 @@ def _saved_experts(saved: dict) -> int | None:
     return None
 
 
-def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedTensor:
+def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None) -> ShardedTensor:
     """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it:
     stacked or per layer, the norm under its fused name or its own."""
     prefix, key = _split_prefix(item.key)
@@ -111,7 +111,6 @@ def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int) -> ShardedT
     if match is None:
         return item
     layer, name = int(match.group(1)), match.group(2)
-    experts = _saved_experts(saved)
     for candidate in (_FUSED_NORMS.get(name), name):
         if candidate is None:
             continue
@@ -227,12 +226,12 @@ def read_common_state(checkpoint_dir: str) -> dict:
 
 
 def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int, optimizer=None,
-                             source: str = "--load") -> dict:
+                             source: str = "--load", common: dict | None = None) -> dict:
     """Load a torch_dist folder into `model_chunks` (any layout; a collective over the ranks) and,
     given an `optimizer`, its optimizer state (written by teratron in Megatron's model-space
-    names); returns the common state."""
+    names); returns the common state (`common`: the caller's `read_common_state` of the folder)."""
     saved = serialization.saved_keys(checkpoint_dir)
-    common = read_common_state(checkpoint_dir)
+    common = read_common_state(checkpoint_dir) if common is None else common
     layouts = param_layouts(model_chunks)
     items = model_sharded_items(model_chunks)
     refresh_masters = False
@@ -243,7 +242,8 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
                              "its iteration with a fresh optimizer) or --finetune")
         optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts, _teratron_view(saved, num_layers))
         items += optimizer_items
-    items = [_megatron_box(item, saved, num_layers) for item in items]
+    experts = _saved_experts(saved)
+    items = [_megatron_box(item, saved, num_layers, experts) for item in items]
     serialization.load(items, checkpoint_dir, unexpected_filter=_is_megatron_model_key)
     if optimizer is not None:
         load_optimizer_common_state(optimizer, common["optimizer"], f"{source} {checkpoint_dir}")

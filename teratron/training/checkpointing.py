@@ -163,13 +163,14 @@ class Checkpointer:
         scheduler; RNG states start fresh (none are written in that layout). Training continues
         at its iteration and consumed samples, or starts at 0 with --finetune."""
         c = self.config
-        record = read_megatron_common_state(checkpoint_dir).get(TERATRON_RECORD)
+        common = read_megatron_common_state(checkpoint_dir)
+        record = common.get(TERATRON_RECORD)
         if record is not None:  # teratron wrote it: the same checks as for its own layout
             self._check_model_args(record.get("model_args", {}), checkpoint_dir)
             self._check_tokenizer(record, checkpoint_dir)
         load_optimizer = not (c.finetune or c.no_load_optim)
         common = load_megatron_checkpoint(checkpoint_dir, model, self.run.transformer.num_layers,
-                                          optimizer if load_optimizer else None)
+                                          optimizer if load_optimizer else None, common=common)
         if not dist.is_initialized() or dist.get_rank() == 0:
             fresh = "RNG states start" if load_optimizer else "optimizer and RNG states start"
             print(f"NOTE: loaded torch_dist (Megatron-LM layout) checkpoint {checkpoint_dir}; {fresh} fresh", flush=True)
