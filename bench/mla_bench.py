@@ -120,6 +120,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mla-bench-") as tmp:
         for name in names:
             measured = bench(name, MODELS[name], args, extra, os.path.join(tmp, name))
+            print(f"RESULT {name}: attention {measured['attention_ms']:.1f} ms of {measured['kernel_ms']:.1f} ms "
+                  f"kernel time ({measured['attention_ms'] / measured['kernel_ms']:.1%})", flush=True)
             rows.append((name, {**measured, **model_numbers(MODELS[name] + extra)}))
     lines = ["| model | params B (active) | attention params M/layer | tokens/s | TFLOP/s | MFU | peak GiB "
              "| attention ms (share of kernel time) | attention TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]

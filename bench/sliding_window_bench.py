@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--skip-flex", action="store_true", help="No FlexAttention cases (minutes of compilation).")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sliding_window_bench: needs a CUDA GPU")
@@ -106,13 +107,10 @@ def main():
     flex = on_flex_attention
     plain = contextlib.nullcontext
     sinks = f"window {args.window} + learned sinks"
-    cases = {  # name: (layer, the context it runs in)
+    cases = {  # name: (layer, the context it runs in); FlexAttention's last (its compilation is slow)
         "full causal, SDPA auto": (lambda: build(args), plain),
         "full causal, SDPA flash": (lambda: build(args, backend="flash"), plain),
         "full causal, SDPA cuDNN (fused)": (lambda: build(args, backend="fused"), plain),
-        "full causal, FlexAttention": (lambda: build(args, window=(args.seq_length, 0)), flex),
-        f"window {args.window}, FlexAttention": (lambda: build(args, window=window), flex),
-        f"{sinks}, FlexAttention": (lambda: build(args, window, "learnable"), flex),
     }
     for backend in ("fused", "flash"):
         kernel = banded_kernel(args, backend)
@@ -120,6 +118,12 @@ def main():
             lambda backend=backend: build(args, window=window, backend=backend), plain)
         cases[f"{sinks}, banded {backend} ({kernel})"] = (
             lambda backend=backend: build(args, window, "learnable", backend), plain)
+    if not args.skip_flex:
+        cases.update({
+            "full causal, FlexAttention": (lambda: build(args, window=(args.seq_length, 0)), flex),
+            f"window {args.window}, FlexAttention": (lambda: build(args, window=window), flex),
+            f"{sinks}, FlexAttention": (lambda: build(args, window, "learnable"), flex),
+        })
     shape = (f"seq {args.seq_length}, batch {args.batch}, heads {args.heads} (kv {args.groups}) x {args.head_dim}, "
              f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     times = {}

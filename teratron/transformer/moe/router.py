@@ -163,7 +163,12 @@ class TopKRouter(torch.nn.Module):
 
     # ----- forward ------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def forward(self, hidden_states):
+        """[s, b, h] -> (probs [T, E], routing_map [T, E]), T = s * b. Outside torch.compile (a
+        `--torch-compile` layer calls it as is): the router reads its layer number and the global
+        metrics tracker, both of which differ per layer, so traced they would recompile the shared
+        layer code once per layer until Dynamo gives up; its work is a small GEMM and a top-k."""
         seq_length, bsz = hidden_states.shape[:2]
         hidden_states = self.apply_input_jitter(hidden_states)
         logits = self.gating(hidden_states).view(-1, self.num_experts)

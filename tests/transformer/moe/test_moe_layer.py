@@ -296,22 +296,31 @@ def test_unsupported_options_raise():
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_compiled_layer_does_not_recompile_as_the_routing_changes(dispatcher):
-    """`--torch-compile` compiles layers whole; the tokens per expert change every step and must
-    not be traced (each new count would recompile the layer until Dynamo gives up)."""
+def test_compiled_layers_do_not_recompile_as_the_routing_changes(dispatcher):
+    """`--torch-compile` compiles layers whole, one compiled code object shared by every layer.
+    Nothing that changes between layers or steps may be traced: the tokens per expert (new every
+    step), the layer number (one per layer) and the metrics tracker (read and cleared every
+    step); each would recompile until Dynamo's limit and then run the layers eagerly."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    layer = build(make_config(moe_token_dispatcher_type=dispatcher), grouped=True)
-    layer.compile(backend="eager")  # Dynamo's guards and recompiles; no code generation
+    config = make_config(moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=1e-2, num_layers=3)
+    layers = [build(config, grouped=True, seed=i) for i in range(3)]
+    for number, layer in enumerate(layers, start=1):
+        layer.set_layer_number(number)
+        layer.compile(backend="eager")  # Dynamo's guards and recompiles; no code generation
     counts = set()
     for step in range(6):
-        # Two warm-up calls: the first records the metrics tracker's layout, which is then guarded.
-        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
-            x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(step)) * (step + 1)
-            out, _ = layer(x)
-            out.sum().backward()
+        inputs = torch.randn(S, B, H, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        x = inputs.requires_grad_()
+        for number, layer in enumerate(layers):
+            # The first call compiles; every later layer and step must reuse it.
+            with torch._dynamo.config.patch(error_on_recompile=step + number > 0):
+                x = layer(x)[0]
+        x.sum().backward()
+        loss = track_moe_metrics(1.0, config)["load_balancing_loss"]  # reads and clears, as each step does
+        assert loss > 0
         with torch.no_grad():
-            counts.add(tuple(layer.router(x)[1].sum(dim=0).tolist()))  # this step's tokens per expert
+            counts.add(tuple(layers[0].router(inputs)[1].sum(dim=0).tolist()))  # this step's tokens per expert
     clear_aux_losses_tracker()
     assert len(counts) > 2  # the routing did change
