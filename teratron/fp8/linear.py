@@ -80,13 +80,13 @@ class _Fp8Matmul(torch.autograd.Function):
 class Fp8Gemm(nn.Module):
     """The FP8 matmul of one linear layer and the scaling state of its three tensors.
 
-    `reduce_input` / `reduce_weight` / `reduce_grad_output`: whether that tensor differs across
-    the TP ranks of `tp_group` (a shard), so its amax is all-reduced over it (scaling.py).
+    `input_groups` / `weight_groups` / `grad_output_groups`: the process groups that tensor is
+    sharded over (TP, CP), its amax all-reduced over each (scaling.py); empty when it is whole.
     `name` names the layer in errors.
     """
 
-    def __init__(self, recipe, in_features: int, out_features: int, *, name: str, tp_group=None,
-                 reduce_input: bool, reduce_weight: bool, reduce_grad_output: bool, device=None):
+    def __init__(self, recipe, in_features: int, out_features: int, *, name: str, input_groups=(),
+                 weight_groups=(), grad_output_groups=(), device=None):
         super().__init__()
         for size in (in_features, out_features):
             if size % GEMM_ALIGNMENT:
@@ -97,9 +97,9 @@ class Fp8Gemm(nn.Module):
                     "(first_last_layers_bf16) or set fp8=None")
         self.recipe, self.name = recipe, name
         fwd, bwd = recipe.forward_dtype, recipe.backward_dtype
-        self.input_scaler = make_scaler(recipe, fwd, tp_group if reduce_input else None, device)
-        self.weight_scaler = make_scaler(recipe, fwd, tp_group if reduce_weight else None, device)
-        self.grad_output_scaler = make_scaler(recipe, bwd, tp_group if reduce_grad_output else None, device)
+        self.input_scaler = make_scaler(recipe, fwd, input_groups, device)
+        self.weight_scaler = make_scaler(recipe, fwd, weight_groups, device)
+        self.grad_output_scaler = make_scaler(recipe, bwd, grad_output_groups, device)
 
     def forward(self, x, weight, bias=None):
         """x [*, in], weight [out, in] -> [*, out] in x's dtype (bias added after the GEMM)."""

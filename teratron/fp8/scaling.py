@@ -6,11 +6,12 @@ scale of one tensor role of one layer (`scale_for`); `quantize` applies it. The 
 fp8_max / (amax * 2**margin), and 1 when amax is 0. Everything stays on the device: no
 host synchronisation per call.
 
-A tensor sharded differently on different TP ranks (a TP weight shard, a row-parallel input, a
-column-parallel output gradient) gets its amax all-reduced (MAX) over the TP group first, so all
-ranks use the scale the unsharded tensor has at TP = 1 and quantise their shards to exactly
-the values TP = 1 would (layout invariance). This MAX all-reduce is the fp8 package's only
-collective; it carries no gradient, so it is not an autograd mapping.
+A tensor sharded over ranks (a TP weight shard, a row-parallel input, a column-parallel output
+gradient; under context parallelism every activation and output gradient, each CP rank holding
+part of the sequence) gets its amax all-reduced (MAX) over the groups it is sharded over first,
+so all ranks use the scale the unsharded tensor has in one process and quantise their shards to
+exactly the values one process would (layout invariance). This MAX all-reduce is the fp8
+package's only collective; it carries no gradient, so it is not an autograd mapping.
 """
 
 import torch
@@ -24,12 +25,14 @@ def fp8_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
 
-def tensor_amax(x: torch.Tensor, group=None) -> torch.Tensor:
-    """max |x| as an fp32 scalar, reduced over `group` (None: this rank only). Empty -> 0."""
+def tensor_amax(x: torch.Tensor, groups=()) -> torch.Tensor:
+    """max |x| as an fp32 scalar, reduced over each of `groups` (none: this rank only; a MAX over
+    TP then over CP is the MAX over both). Empty -> 0."""
     x = x.detach()  # scales carry no gradient
     amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    if get_pg_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for group in groups:
+        if get_pg_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
 
@@ -53,13 +56,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 class CurrentScaling(nn.Module):
     """'tensorwise': each call scales by the tensor's own (reduced) amax."""
 
-    def __init__(self, dtype: torch.dtype, margin: int, group=None):
+    def __init__(self, dtype: torch.dtype, margin: int, groups=()):
         super().__init__()
-        self.dtype, self.margin, self.group = dtype, margin, group
+        self.dtype, self.margin, self.groups = dtype, margin, groups
 
     def scale_for(self, x: torch.Tensor, update: bool = True) -> torch.Tensor:
         """The scale to quantise x with (`update` is for the common interface: no state here)."""
-        return compute_scale(tensor_amax(x, self.group), self.dtype, self.margin)
+        return compute_scale(tensor_amax(x, self.groups), self.dtype, self.margin)
 
 
 class DelayedScaling(nn.Module):
@@ -78,9 +81,9 @@ class DelayedScaling(nn.Module):
     """
 
     def __init__(self, dtype: torch.dtype, margin: int, history_len: int, compute_algo: str,
-                 group=None, device=None):
+                 groups=(), device=None):
         super().__init__()
-        self.dtype, self.margin, self.compute_algo, self.group = dtype, margin, compute_algo, group
+        self.dtype, self.margin, self.compute_algo, self.groups = dtype, margin, compute_algo, groups
         self.register_buffer("amax_history", torch.zeros(history_len, device=device), persistent=False)
         self.register_buffer("scale", torch.ones((), device=device), persistent=False)
         # A device flag, not a Python bool: torch.compile would guard on (and recompile for) a bool.
@@ -91,7 +94,7 @@ class DelayedScaling(nn.Module):
 
     def scale_for(self, x: torch.Tensor, update: bool = True) -> torch.Tensor:
         """The scale to quantise x with, from the history; then x's amax is recorded if `update`."""
-        amax = tensor_amax(x, self.group)
+        amax = tensor_amax(x, self.groups)
         scale = torch.where(self.initialized, self.scale, compute_scale(amax, self.dtype, self.margin))
         if update:
             rolled = torch.cat([amax.view(1), self.amax_history[:-1]])
@@ -101,9 +104,10 @@ class DelayedScaling(nn.Module):
         return scale
 
 
-def make_scaler(recipe, dtype: torch.dtype, group=None, device=None) -> nn.Module:
-    """The scaler of one tensor role (input, weight or output gradient) of one linear layer."""
+def make_scaler(recipe, dtype: torch.dtype, groups=(), device=None) -> nn.Module:
+    """The scaler of one tensor role (input, weight or output gradient) of one linear layer,
+    its amax reduced over `groups` (the process groups that tensor is sharded over)."""
     if recipe.recipe == "tensorwise":
-        return CurrentScaling(dtype, recipe.margin, group)
+        return CurrentScaling(dtype, recipe.margin, tuple(groups))
     return DelayedScaling(dtype, recipe.margin, recipe.amax_history_len, recipe.amax_compute_algo,
-                          group, device)
+                          tuple(groups), device)

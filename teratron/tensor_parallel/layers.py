@@ -21,8 +21,10 @@ whatever topology is current later. Expert layers
 (`is_expert=True`) communicate nothing: the MoE token dispatcher moves tokens in
 and out of the expert-TP region, as in Megatron.
 
-`enable_fp8(recipe, name)` switches a layer's GEMM to FP8 (`teratron.fp8`; TransformerBlock
-calls it for the layers `config.fp8` covers); the parameters stay in the params dtype.
+`enable_fp8(recipe, name, cp_group)` switches a layer's GEMM to FP8 (`teratron.fp8`;
+TransformerBlock calls it for the layers `config.fp8` covers, with its context-parallel group:
+activations and their gradients are sequence shards there); the parameters stay in the params
+dtype.
 
 With `config.gradient_accumulation_fusion` a layer's own weight gets its gradient added straight
 into `main_grad` by the weight-gradient GEMM (grad_accumulation_fusion.py), once DDP has given it
@@ -187,14 +189,15 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def enable_fp8(self, recipe, name: str) -> None:
+    def enable_fp8(self, recipe, name: str, cp_group=None) -> None:
         if self.weight is not None:  # the FP8 GEMM returns dW itself
             self.weight.fuse_wgrad_accumulation = False
         # The weight shard and the output gradient [s, b, out/tp] differ across TP ranks; the
-        # input is whole on every rank (replicated, or all-gathered under sequence parallelism).
+        # input is whole over TP (replicated, or all-gathered under sequence parallelism). Both
+        # activations are sequence shards over CP.
         self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size_per_partition, name=name,
-                           tp_group=self.tp_group if self.tp_size > 1 else None, reduce_input=False,
-                           reduce_weight=True, reduce_grad_output=True, device=param_device(self.config))
+                           input_groups=(cp_group,), weight_groups=(self.tp_group,),
+                           grad_output_groups=(self.tp_group, cp_group), device=param_device(self.config))
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None:
@@ -266,13 +269,14 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def enable_fp8(self, recipe, name: str) -> None:
+    def enable_fp8(self, recipe, name: str, cp_group=None) -> None:
         self.weight.fuse_wgrad_accumulation = False  # the FP8 GEMM returns dW itself
         # The weight shard and the input [s, b, in/tp] differ across TP ranks; the output
-        # gradient is whole on every rank (the backward of the all-reduce / reduce-scatter).
+        # gradient is whole over TP (the backward of the all-reduce / reduce-scatter). Both
+        # activations are sequence shards over CP.
         self.fp8 = Fp8Gemm(recipe, self.input_size_per_partition, self.output_size, name=name,
-                           tp_group=self.tp_group if self.tp_size > 1 else None, reduce_input=True,
-                           reduce_weight=True, reduce_grad_output=False, device=param_device(self.config))
+                           input_groups=(self.tp_group, cp_group), weight_groups=(self.tp_group,),
+                           grad_output_groups=(cp_group,), device=param_device(self.config))
 
     def forward(self, input_):
         if self.input_is_parallel or self.is_expert or self.tp_size == 1:
@@ -323,13 +327,14 @@ class DuplicatedLinear(nn.Module):
         for param in self.parameters():
             param.sequence_parallel = self.sequence_parallel
 
-    def enable_fp8(self, recipe, name: str) -> None:
+    def enable_fp8(self, recipe, name: str, cp_group=None) -> None:
         self.weight.fuse_wgrad_accumulation = False  # the FP8 GEMM returns dW itself
-        # Under sequence parallelism the input and the output gradient are each rank's own slice;
-        # otherwise every tensor is the same on all ranks.
+        # Under sequence parallelism the input and the output gradient are each TP rank's own
+        # slice, and under CP each CP rank's; the weight is the same on all ranks.
+        activation_groups = (self.tp_group if self.sequence_parallel else None, cp_group)
         self.fp8 = Fp8Gemm(recipe, self.input_size, self.output_size, name=name,
-                           tp_group=self.tp_group if self.sequence_parallel else None, reduce_input=True,
-                           reduce_weight=False, reduce_grad_output=True, device=param_device(self.config))
+                           input_groups=activation_groups, grad_output_groups=activation_groups,
+                           device=param_device(self.config))
 
     def forward(self, input_):
         bias = None if self.skip_bias_add else self.bias

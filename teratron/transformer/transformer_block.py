@@ -46,7 +46,7 @@ def _block_submodules(spec, num_layers: int) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers)
 
 
-def apply_fp8(layer: torch.nn.Module, config, layer_number: int) -> None:
+def apply_fp8(layer: torch.nn.Module, config, layer_number: int, cp_group=None) -> None:
     """Switch the tensor-parallel linears of transformer layer `layer_number` to FP8 GEMMs when
     the config asks for it (TransformerBlock calls this for each layer it builds). MoE experts
     stay in the params dtype: an expert's per-tensor scale would depend on how expert
@@ -58,7 +58,7 @@ def apply_fp8(layer: torch.nn.Module, config, layer_number: int) -> None:
                tensor_parallel.DuplicatedLinear)
     for name, module in layer.named_modules():
         if isinstance(module, linears) and not module.is_expert:
-            module.enable_fp8(recipe, name=f"layer {layer_number} {name}")
+            module.enable_fp8(recipe, name=f"layer {layer_number} {name}", cp_group=cp_group)
 
 
 class TransformerBlock(torch.nn.Module):
@@ -84,7 +84,7 @@ class TransformerBlock(torch.nn.Module):
             with component_rng(f"layer{layer_number}"):
                 layers.append(build_module(layer_spec, config=config, layer_number=layer_number,
                                            pg_collection=self.pg_collection, vp_stage=vp_stage))
-            apply_fp8(layers[-1], config, layer_number)
+            apply_fp8(layers[-1], config, layer_number, self.pg_collection.cp)
         self.layers = torch.nn.ModuleList(layers)
         self.cuda_graphs = None
         if config.cuda_graph_impl == "local" and config.cuda_graph_scope == "full" and layers:

@@ -45,8 +45,7 @@ def ref_linear(x, w, dy, fmt="hybrid", margin=0, fp8_wgrad=True):
 
 
 def run_gemm(x, w, dy, **recipe):
-    gemm = Fp8Gemm(Fp8Recipe(recipe="tensorwise", **recipe), w.shape[1], w.shape[0], name="test",
-                   reduce_input=False, reduce_weight=False, reduce_grad_output=False)
+    gemm = Fp8Gemm(Fp8Recipe(recipe="tensorwise", **recipe), w.shape[1], w.shape[0], name="test")
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = gemm(x, w)
     y.backward(dy)
@@ -120,8 +119,7 @@ def test_scale_formula_and_saturation():
 
 def test_gemm_sizes_must_be_multiples_of_16():
     with pytest.raises(ValueError, match=r"fp8: layer 3 mlp.linear_fc1 multiplies \[40 x 64\] per TP rank"):
-        Fp8Gemm(Fp8Recipe(), 64, 40, name="layer 3 mlp.linear_fc1", reduce_input=False, reduce_weight=False,
-                reduce_grad_output=False)
+        Fp8Gemm(Fp8Recipe(), 64, 40, name="layer 3 mlp.linear_fc1")
 
 
 @pytest.mark.gpu

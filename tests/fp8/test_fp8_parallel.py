@@ -128,3 +128,45 @@ def test_gpt_fp8_tp2_equals_tp1():
                 full = gather_shards([r["grads"][name][0] for r in res], dim, stride) if sharded else res[0]["grads"][name][0]
                 # Gradients pass e5m2 GEMMs: within e5m2's rounding error (2**-3) in norm.
                 assert relative(full, grad) <= 2**-3, (recipe, sp, name, relative(full, grad))
+
+
+# ----- context parallelism: every activation is a sequence shard -----------------------------------
+
+def _gpt_on_cp_ranks(recipe):
+    """CP = 2 (p2p): each rank runs its two chunks of the sequence (get_batch_on_this_cp_rank)."""
+    from teratron.training.gpt_step import get_batch_on_this_cp_rank
+
+    world = dist.group.WORLD
+    pgc = ProcessGroupCollection(cp=world, dp_cp=world)
+    model = build_gpt(1, False, pgc, fp8_recipe=recipe, context_parallel_size=2)
+    g = torch.Generator().manual_seed(7)
+    ids, labels = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels, "position_ids": positions}, world)
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s / cp]
+    (loss.float().sum() / loss.new_tensor(BATCH * SEQ).float()).backward()
+    amaxes = {name: module.amax_history[0].item() for name, module in model.named_modules()
+              if name.endswith("_scaler") and hasattr(module, "amax_history")}
+    grads = {name: p.grad.float() for name, p in model.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad, group=world)  # the CP ranks' shares of the whole sequence's gradient
+    return {"loss_sum": loss.detach().float().sum(), "amaxes": amaxes, "grads": grads}
+
+
+def test_gpt_fp8_cp2_equals_cp1():
+    """Under CP every linear's input and output gradient are sequence shards: their amaxes are
+    reduced over CP, so each rank scales as the one process does. Without that reduction a rank
+    scales its half by that half's own amax (smaller than the whole's on one of the ranks)."""
+    for recipe in ("delayed", "tensorwise"):
+        ref = gpt_forward_backward(build_gpt(1, False, fp8_recipe=recipe))
+        ranks = run_distributed(_gpt_on_cp_ranks, 2, recipe)
+        for name, amax in ref["amaxes"].items():
+            assert ranks[0]["amaxes"][name] == ranks[1]["amaxes"][name], name  # CP ranks agree
+            if "weight_scaler" in name or name == "decoder.layers.0.self_attention.linear_qkv.fp8.input_scaler":
+                assert ranks[0]["amaxes"][name] == amax, name  # the layer norm's output: exact per token
+            else:  # downstream of attention merged by log-sum-exp: within one e4m3 step (2**-3)
+                assert abs(ranks[0]["amaxes"][name] - amax) <= 2**-3 * amax, name
+        loss = sum(r["loss_sum"] for r in ranks) / (BATCH * SEQ)
+        assert abs(loss - ref["loss"].mean()) <= 2**-8 * ref["loss"].mean(), recipe
+        for name, (grad, *_) in ref["grads"].items():
+            assert relative(ranks[0]["grads"][name], grad) <= 2**-3, (recipe, name)

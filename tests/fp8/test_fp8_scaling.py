@@ -68,8 +68,7 @@ def test_a_linear_layer_uses_the_previous_steps_scales():
     """Through Fp8Gemm: step n's forward output equals the reference GEMM with the input and
     weight scales of step n - 1's amaxes (history length 1, most recent)."""
     recipe = Fp8Recipe(format="hybrid", recipe="delayed", amax_history_len=1)
-    gemm = Fp8Gemm(recipe, 32, 16, name="test", reduce_input=False, reduce_weight=False,
-                   reduce_grad_output=False)
+    gemm = Fp8Gemm(recipe, 32, 16, name="test")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 32, generator=g).requires_grad_()
     previous = None
@@ -91,8 +90,7 @@ def test_delayed_scaling_under_torch_compile_matches_eager():
     in eager mode and give the same results."""
     def run(compiled):
         recipe = Fp8Recipe(recipe="delayed", amax_history_len=3, amax_compute_algo="max")
-        gemm = Fp8Gemm(recipe, 32, 16, name="test", reduce_input=False, reduce_weight=False,
-                       reduce_grad_output=False)
+        gemm = Fp8Gemm(recipe, 32, 16, name="test")
         w = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
         fn = torch.compile(gemm) if compiled else gemm
         g = torch.Generator().manual_seed(1)
