@@ -2,20 +2,20 @@
 attention alone (issue 20's target: a window of 1,024 at sequence 16,384 takes at most 1/6 of
 full causal attention's time; docs/performance.md).
 
-    python bench/sliding_window_bench.py [--seq-length 16384] [--window 1024] [--iters 20]
+    python bench/sliding_window_bench.py [--seq-length 16384] [--window 1024] [--iters 20] [--skip-flex]
 
 One GPU, bf16, the benchmark model's heads (16 x 128; --groups for GQA). Every case is teratron's
 `DotProductAttention` as a training layer builds it: full causal attention runs SDPA (`auto`:
 SDPA's own choice, and pinned to `flash` and to cuDNN's `fused` kernel, so the window is compared
-with the fastest); the windowed layer runs banded (`banded_attention`: chunks of the window on the
-dense causal kernels), once with each CUDA kernel (`attention_backend` fused: cuDNN, flash: aten's
-flash), and with learned sinks (`softmax_type learnable`); for comparison the windowed layer on
-FlexAttention (what windows under `banded_attention.MIN_WINDOW` run: compiled, a cached block
-mask), with and without sinks, and FlexAttention over the full causal mask (the kernel's own
-cost, no window). Each case runs --warmup steps first (compilation included), then --iters timed
-steps between CUDA events. Prints one RESULT line per case (ms per forward + backward, peak
-memory) and the ratios window / full causal, against the fastest full-causal kernel and against
-`auto`, next to the ratio of the key counts.
+with the fastest); the windowed layer runs cuDNN's native band (`cudnn_window_attention`, what a
+causal window without sink runs when the cuDNN frontend is installed; "not run (...)" with the
+reason otherwise); for comparison the windowed layer on FlexAttention (compiled, a cached block
+mask: what windows with sinks, and every window without the frontend, run), with and without
+learned sinks, and FlexAttention over the full causal mask (the kernel's own cost, no window).
+Each case runs --warmup steps first (compilation included), then --iters timed steps between
+CUDA events. Prints one RESULT line per case (ms per forward + backward, peak memory) and the
+ratios window / full causal, against the fastest full-causal kernel and against `auto`, next to
+the ratio of the key counts.
 """
 
 import argparse
@@ -23,9 +23,8 @@ import contextlib
 
 import torch
 
-from teratron.transformer import banded_attention
+from teratron.transformer import cudnn_window_attention
 from teratron.transformer.dot_product_attention import DotProductAttention
-from teratron.transformer.enums import AttnBackend
 from teratron.transformer.transformer_config import TransformerConfig
 
 
@@ -40,19 +39,25 @@ def build(args, window=None, softmax_type="vanilla", backend="auto"):
 
 @contextlib.contextmanager
 def on_flex_attention():
-    """Windows of any width on FlexAttention, as those under banded_attention.MIN_WINDOW run."""
-    saved = banded_attention.MIN_WINDOW
-    banded_attention.MIN_WINDOW = float("inf")
+    """Windows on FlexAttention: cuDNN's native band kept off."""
+    saved = cudnn_window_attention.available
+    cudnn_window_attention.available = lambda *args: False
     try:
         yield
     finally:
-        banded_attention.MIN_WINDOW = saved
+        cudnn_window_attention.available = saved
 
 
-def banded_kernel(args, backend: str) -> str:
-    """The CUDA kernel the banded path takes under this attention_backend."""
-    q = torch.empty(args.batch, args.heads, args.seq_length, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    return banded_attention.cuda_kernel(AttnBackend[backend], q, q)
+def cudnn_window_unavailable(args) -> str | None:
+    """Why the windowed layer would not run on cuDNN's native band here, or None."""
+    if not cudnn_window_attention.PACKAGE_FOUND:
+        return "the cuDNN frontend is not installed: pip install teratron[cudnn]"
+    shape = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(args.batch, args.heads, args.seq_length, args.head_dim, **shape)
+    kv = torch.empty(args.batch, args.groups, args.seq_length, args.head_dim, **shape)
+    if not cudnn_window_attention.available(q, kv, kv, (args.window, 0), True, 0.0, None):
+        return "cuDNN's fused attention cannot run these inputs on this GPU"
+    return None
 
 
 def time_forward_backward(attention, args):
@@ -112,12 +117,12 @@ def main():
         "full causal, SDPA flash": (lambda: build(args, backend="flash"), plain),
         "full causal, SDPA cuDNN (fused)": (lambda: build(args, backend="fused"), plain),
     }
-    for backend in ("fused", "flash"):
-        kernel = banded_kernel(args, backend)
-        cases[f"window {args.window}, banded {backend} ({kernel})"] = (
-            lambda backend=backend: build(args, window=window, backend=backend), plain)
-        cases[f"{sinks}, banded {backend} ({kernel})"] = (
-            lambda backend=backend: build(args, window, "learnable", backend), plain)
+    skipped = {}  # name: why it is not run
+    cudnn_name = f"window {args.window}, cuDNN native band"
+    cases[cudnn_name] = (lambda: build(args, window=window), plain)
+    reason = cudnn_window_unavailable(args)
+    if reason:
+        skipped[cudnn_name] = reason
     if not args.skip_flex:
         cases.update({
             "full causal, FlexAttention": (lambda: build(args, window=(args.seq_length, 0)), flex),
@@ -128,6 +133,9 @@ def main():
              f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     times = {}
     for name, (make, context) in cases.items():
+        if name in skipped:
+            print(f"RESULT {name}: not run ({skipped[name]})", flush=True)
+            continue
         try:
             with context():
                 ms, peak = time_forward_backward(make().cuda(), args)

@@ -10,11 +10,11 @@ Query row r of chunk i then sees
   (row r -> C - 1 - r, a flip along the sequence dim) turns r' >= r into r' <= r: a plain causal
   block again.
 
-So both blocks run on the dense causal kernel (aten's flash kernel, on CUDA also cuDNN's fused
-attention, both returning the log-sum-exp), batched over the chunks; chunk 0 has no previous
-chunk. Nothing of size s x s exists, and the kernels do 2 x C^2 / 2 score entries per chunk,
-about the W + 1 keys each query sees. Padded keys sit after every real query, so causality hides
-them; padded query rows are dropped.
+So both blocks run on the dense causal kernel (aten's flash kernel for the CPU, returning the
+log-sum-exp), batched over the chunks; chunk 0 has no previous chunk. Nothing of size s x s
+exists, and the kernels do 2 x C^2 / 2 score entries per chunk, about the W + 1 keys each query
+sees. Padded keys sit after every real query, so causality hides them; padded query rows are
+dropped.
 
 Layout: the layer's [b, n, s, h] (a view of [s, b, n, h]) is viewed as chunk rows [m, C, b * n, h]
 (batch folded into the heads, so no copy when the sequence is a multiple of C); a kernel sees
@@ -25,45 +25,35 @@ v, the merged output and L, and each block's gradients come from the dense kerne
 given the final output and L (the flash identity dS = P (dP - rowsum(dO * O)), P = exp(S - L)),
 the reversed block's inputs and gradients flipped like its forward's; the sink's gradient as
 context parallelism computes it.
+
+Core attention runs this on the CPU only, where it spares a windowed layer the reference's s x s
+scores. On CUDA a causal window runs cuDNN's native band (`cudnn_window_attention`) or
+FlexAttention: measured on an H200 (seq 16,384, window 1,024; bench/RESULTS.md) this path took
+0.386 of full causal attention's time against FlexAttention's 0.259, its dense kernels alone
+0.205 and the row flips 0.67 ms, so it cannot reach issue 20's 1/6.
 """
 
 import torch
 import torch.nn.functional as F
 
-from teratron import fusions
-from teratron.transformer.context_parallel import (apply_sink, flash_backward, flash_forward, flash_kernel_fits,
-                                                   merge_by_lse, sink_grad)
-from teratron.transformer.enums import AttnBackend
+from teratron.transformer.context_parallel import apply_sink, flash_backward, flash_forward, merge_by_lse, sink_grad
 
-# Narrower windows make chunks too small for the dense kernels to run well: FlexAttention keeps them.
+# Narrower windows make chunks too small for the dense kernel to pay off: they keep the reference.
 MIN_WINDOW = 256
 
 
 def runs_banded(window, causal: bool, dropout_p: float, q, k, v, reference: bool) -> bool:
-    """Whether a layer's attention (q [b, n, sq, h], k and v [b, g, sk, h]) runs banded:
-    self-attention (sq = sk) under a causal window of at least MIN_WINDOW keys (the right side is
-    hidden by causality), no dropout, and a dense kernel that fits (16-bit on CUDA, any dtype on
-    the CPU; not the reference backend)."""
-    return (window is not None and causal and window[0] >= MIN_WINDOW and dropout_p == 0
-            and q.shape[2] == k.shape[2] and flash_kernel_fits(q, v, reference))
+    """Whether a layer's attention (q [b, n, sq, h], k and v [b, g, sk, h]) runs banded: on the
+    CPU, self-attention (sq = sk) under a causal window of at least MIN_WINDOW keys (the right
+    side is hidden by causality), no dropout, not the reference backend."""
+    return (not q.is_cuda and not reference and window is not None and causal and window[0] >= MIN_WINDOW
+            and dropout_p == 0 and q.shape[2] == k.shape[2])
 
 
-def cuda_kernel(attention_backend: AttnBackend, q, v) -> str:
-    """The dense kernel of the banded path on CUDA: 'flash' when attention_backend pins flash,
-    else cuDNN's fused attention (about twice as fast as aten's flash on Hopper) where SDPA
-    finds it can run these inputs (query and value heads of one size), else 'flash'."""
-    if attention_backend == AttnBackend.flash or q.shape[-1] != v.shape[-1]:
-        return "flash"
-    probe = q.detach()  # the kernels see q's shape three times: key/value heads repeated to the query heads
-    params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, True, False)
-    return "cudnn" if torch.backends.cuda.can_use_cudnn_attention(params) else "flash"
-
-
-def banded_attention(q, k, v, window: int, scale: float, sink=None, kernel: str = "flash"):
+def banded_attention(q, k, v, window: int, scale: float, sink=None):
     """q [b, n, s, hq], k [b, g, s, hq], v [b, g, s, hv]; each query sees itself and the `window`
-    keys before it; sink: logits [n] or None -> [b, n, s, hv] (q's dtype). `kernel`: 'flash' or
-    'cudnn' (CUDA; the CPU runs aten's CPU flash kernel)."""
-    return _BandedAttention.apply(q, k, v, sink, min(window, q.shape[2]), scale, kernel)
+    keys before it; sink: logits [n] or None -> [b, n, s, hv] (q's dtype)."""
+    return _BandedAttention.apply(q, k, v, sink, min(window, q.shape[2]), scale)
 
 
 def _to_chunks(t, size: int):
@@ -115,28 +105,22 @@ def _add_previous(grad_own, grad_previous, queries: bool, dtype):
     return (grad_own.float() + F.pad(_reversed(grad_previous).float(), (0, 0, 0, 0, 0, 0, *chunks))).to(dtype)
 
 
-def _compiled(fn, on_cuda: bool):
-    # One fused kernel per call on CUDA instead of a dozen elementwise passes over the output.
-    return fusions.fused(fn) if on_cuda else fn
-
-
 class _BandedAttention(torch.autograd.Function):
     """`banded_attention`; explicit backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, size, scale, kernel):
+    def forward(ctx, q, k, v, sink, size, scale):
         b, s = q.shape[0], q.shape[2]
         qr, kr, vr = (_to_chunks(t, size) for t in (q, k, v))
-        out_own, lse_own = flash_forward(_kernel(qr), _kernel(kr), _kernel(vr), True, scale, kernel)
+        out_own, lse_own = flash_forward(_kernel(qr), _kernel(kr), _kernel(vr), True, scale)
         out_previous = lse_previous = None
         if qr.shape[0] > 1:
             out_previous, lse_previous = flash_forward(_kernel(_reversed(qr[1:])), _kernel(_reversed(kr[:-1])),
-                                                       _kernel(_reversed(vr[:-1])), True, scale, kernel)
+                                                       _kernel(_reversed(vr[:-1])), True, scale)
             out_previous, lse_previous = _kernel(out_previous), _kernel(lse_previous)
         heads_sink = None if sink is None else sink.repeat(b)  # the sink of every (sample, head)
-        out, lse = _compiled(_merge, q.is_cuda)(_kernel(out_own), _kernel(lse_own), out_previous, lse_previous,
-                                                heads_sink)
-        ctx.size, ctx.scale, ctx.kernel = size, scale, kernel
+        out, lse = _merge(_kernel(out_own), _kernel(lse_own), out_previous, lse_previous, heads_sink)
+        ctx.size, ctx.scale = size, scale
         ctx.save_for_backward(q, k, v, sink, out, lse)
         return _from_chunks(out, b, s)
 
@@ -148,7 +132,7 @@ class _BandedAttention(torch.autograd.Function):
 
         def block_grads(dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows):
             grads = flash_backward(_kernel(dout_rows), _kernel(q_rows), _kernel(k_rows), _kernel(v_rows),
-                                   _kernel(out_rows), _kernel(lse_rows), True, ctx.scale, ctx.kernel)
+                                   _kernel(out_rows), _kernel(lse_rows), True, ctx.scale)
             return [_kernel(g) for g in grads]
 
         own = block_grads(doutr, qr, kr, vr, out, lse)
@@ -156,10 +140,9 @@ class _BandedAttention(torch.autograd.Function):
         if qr.shape[0] > 1:
             previous = block_grads(*(_reversed(t[1:]) for t in (doutr, qr)), *(_reversed(t[:-1]) for t in (kr, vr)),
                                    *(_reversed(t[1:]) for t in (out, lse)))
-        add = _compiled(_add_previous, q.is_cuda)
-        grads = [_from_chunks(add(own_grad, previous_grad, i == 0, t.dtype), b, s)
+        grads = [_from_chunks(_add_previous(own_grad, previous_grad, i == 0, t.dtype), b, s)
                  for i, (own_grad, previous_grad, t) in enumerate(zip(own, previous, (q, k, v)))]
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_grad(dout, _from_chunks(out, b, s), _from_chunks(lse.unsqueeze(-1), b, s)[..., 0], sink)
-        return (*grads, dsink, None, None, None)
+        return (*grads, dsink, None, None)

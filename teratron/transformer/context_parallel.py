@@ -362,27 +362,23 @@ def _pad_heads(q, k, v):
     return tuple(t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1])) for t in (q, k, v))
 
 
-def flash_forward(q, k, v, causal: bool, scale: float, kernel: str = "flash"):
+def flash_forward(q, k, v, causal: bool, scale: float):
     """q [b, n, sq, hq], k [b, g, sk, hq], v [b, g, sk, hv] -> (out [b, n, sq, hv] in q's dtype,
-    log-sum-exp [b, n, sq] fp32). On CUDA aten's flash kernel, or cuDNN's fused attention with
-    `kernel` 'cudnn'; on the CPU aten's flash kernel for the CPU."""
+    log-sum-exp [b, n, sq] fp32). On CUDA aten's flash kernel; on the CPU aten's flash kernel for
+    the CPU."""
     hv = v.shape[-1]
     k, v = _expand_groups(k, v, q.shape[1])
     q, k, v = _pad_heads(q, k, v)
     if not q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    elif kernel == "cudnn":
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                      scale=scale)[:2]
-        lse = lse.reshape(q.shape[:3])  # cuDNN's statistics may carry a trailing dim of 1
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out[..., :hv], lse.float()
 
 
-def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str = "flash"):
+def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """Gradients of q, k, v of one block given the final output `out` (q's dtype) and log-sum-exp
-    `lse` of these queries and the gradient of that output; `kernel` as `flash_forward`'s."""
+    `lse` of these queries and the gradient of that output."""
     groups, hq, hv = q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1]
     k, v = _expand_groups(k, v, q.shape[1])
     q, k, v = _pad_heads(q, k, v)
@@ -394,14 +390,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: 
     else:
         # No cumulative lengths (None: the dense kernel, not varlen); without dropout the RNG state is unused.
         rng = torch.zeros((), device=q.device, dtype=torch.int64)
-        if kernel == "cudnn":  # no attention bias; the statistics as cuDNN's forward lays them out, [b, n, sq, 1]
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), rng, rng, None, None, None, q.shape[2],
-                k.shape[2], 0.0, causal, scale=scale)
-        else:  # the kernel reads the log-sum-exp as a contiguous [b, n, sq] (a block's rows are a slice)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng,
-                scale=scale)
+        # The kernel reads the log-sum-exp as a contiguous [b, n, sq] (a block's rows are a slice).
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng,
+            scale=scale)
     return dq[..., :hq], _fold_groups(dk[..., :hq], groups), _fold_groups(dv[..., :hv], groups)
 
 

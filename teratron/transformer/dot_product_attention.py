@@ -14,13 +14,18 @@ sees and how its softmax is normalised:
 `_attend` picks the kernel, all with one meaning:
 - `scaled_dot_product_attention` for plain attention (flash, cuDNN or memory-efficient kernels on
   GPU, see `_SDPA_BACKENDS`);
+- cuDNN's fused attention with the window as a band native to the kernel
+  (`cudnn_window_attention`, through the cuDNN frontend's Python package, `pip install
+  teratron[cudnn]`) for a causal window on CUDA without dropout or sink, 16-bit, head sizes cuDNN
+  supports, `attention_backend` auto or fused (flash keeps windows off cuDNN): its kernels skip
+  the key tiles outside the band;
 - the banded path (`banded_attention`) for a causal window of at least 256 keys without dropout
-  (16-bit on CUDA, any dtype on the CPU): chunks of the window's width on the dense causal
-  kernels with log-sum-exp (cuDNN's or, with `attention_backend` flash or where cuDNN cannot run,
-  aten's flash kernel; on the CPU aten's CPU flash kernel), the sink merged into their log-sum-exp;
-- FlexAttention (compiled) for other windows or a sink on CUDA: the window is a block mask,
-  built once per (sq, sk, causal, window) and cached, so windowed layers skip the blocks outside
-  the band and nothing of size s x s is built; the sink rescales the plain output by its log-sum-exp L:
+  on the CPU (a sink allowed): chunks of the window's width on aten's CPU flash kernel, merged by
+  log-sum-exp, so nothing of size s x s is built;
+- FlexAttention (compiled) for the other windows and sinks on CUDA, and for every CUDA window
+  when the cuDNN frontend is not installed: the window is a block mask, built once per (sq, sk,
+  causal, window) and cached, so windowed layers skip the blocks outside the band and nothing of
+  size s x s is built; the sink rescales the plain output by its log-sum-exp L:
   sum_k exp(s_k) / (exp(z) + sum_k exp(s_k)) = sigmoid(L - z), so out_sink = out * sigmoid(L - z),
   differentiable in the scores (through L) and in z;
 - the explicit reference (`attention_backend` unfused / local, and those windows or sinks on CPU,
@@ -51,7 +56,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.topology import resolve_pg_collection
-from teratron.transformer import banded_attention, context_parallel
+from teratron.transformer import banded_attention, context_parallel, cudnn_window_attention
 from teratron.transformer.attention_masks import allowed_keys, max_attention_logits
 from teratron.transformer.enums import AttnBackend, AttnMaskType
 from teratron.transformer.transformer_config import pattern_layer_number
@@ -63,6 +68,8 @@ _SDPA_BACKENDS = {
     AttnBackend.flash: [SDPBackend.FLASH_ATTENTION],
     AttnBackend.fused: [SDPBackend.CUDNN_ATTENTION],
 }
+# Backends under which a causal window runs on cuDNN's native band (flash keeps it off cuDNN).
+_CUDNN_WINDOW_BACKENDS = (AttnBackend.auto, AttnBackend.fused)
 
 
 def _sdpa_backends(backend: AttnBackend, on_cuda: bool):
@@ -220,13 +227,15 @@ class DotProductAttention(torch.nn.Module):
         self.current_max_attn_logits.copy_(torch.maximum(self.current_max_attn_logits, logits))
 
     def _attend(self, q, k, v, attention_mask, is_causal, dropout_p):
-        """The kernel: SDPA for plain attention, the banded dense kernels for a wide causal window,
-        FlexAttention for other windows or a sink on CUDA, the reference for the unfused backend
-        and for those windows or sinks elsewhere."""
+        """The kernel: SDPA for plain attention, cuDNN's native band for a causal window on CUDA,
+        the banded dense kernels for a wide causal window on the CPU, FlexAttention for other
+        windows or a sink on CUDA, the reference for the unfused backend and for those windows or
+        sinks on the CPU."""
+        if self._runs_cudnn_window(q, k, v, is_causal, dropout_p):
+            return cudnn_window_attention.cudnn_window_attention(q, k, v, self.window_size[0], self.softmax_scale)
         if banded_attention.runs_banded(self.window_size, is_causal, dropout_p, q, k, v, self.use_reference):
-            kernel = banded_attention.cuda_kernel(self.config.attention_backend, q, v) if q.is_cuda else "flash"
             return banded_attention.banded_attention(q, k, v, self.window_size[0], self.softmax_scale,
-                                                     self.softmax_offset, kernel)
+                                                     self.softmax_offset)
         plain = self.window_size is None and self.softmax_offset is None
         if self.use_reference or (not plain and not q.is_cuda):
             return self._reference(q, k, v, attention_mask, is_causal, dropout_p)
@@ -242,6 +251,11 @@ class DotProductAttention(torch.nn.Module):
                              "no attention dropout; set attention_dropout to 0 or attention_backend to 'unfused'")
         block_mask = block_mask_for(q.shape[2], k.shape[2], is_causal, self.window_size, q.device, attention_mask)
         return flex_attention_with_sink(q, k, v, block_mask, self.softmax_scale, self.softmax_offset)
+
+    def _runs_cudnn_window(self, q, k, v, is_causal, dropout_p) -> bool:
+        return (self.config.attention_backend in _CUDNN_WINDOW_BACKENDS
+                and cudnn_window_attention.available(q, k, v, self.window_size, is_causal, dropout_p,
+                                                     self.softmax_offset))
 
     def _reference(self, q, k, v, attention_mask, is_causal, dropout_p):
         groups = q.shape[1] // k.shape[1]

@@ -1,8 +1,10 @@
 """Causal sliding-window attention on the dense causal kernels (teratron/transformer/banded_attention.py)
 against the band written out: scores of every (query, key) pair in float64, masked to keys j with
 i - W <= j <= i, softmax (with the sink's logit as one more column), times the values; gradients
-by autograd through that formula. Then DotProductAttention: which windows take the banded path,
-and that its output, gradients and QK-clip record equal the reference backend's (unfused)."""
+by autograd through that formula. Then DotProductAttention on the CPU (CUDA windows run cuDNN's
+native band or FlexAttention, never banded: test_cudnn_window_attention_gpu.py): which windows
+take the banded path, and that its output, gradients and QK-clip record equal the reference
+backend's (unfused)."""
 
 import pytest
 import torch
