@@ -378,6 +378,11 @@ def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer
         print(f"NOTE: {checkpoint_dir} was saved with another parallel layout; RNG states start fresh",
               flush=True)
     serialization.load(items, checkpoint_dir, unexpected_filter=is_model_key)
+    masters_loaded = optimizer is not None and load_optimizer and not refresh_masters
+    if not masters_loaded:  # FSDP shards take the model's values (else the masters are their values)
+        for item in items:
+            if getattr(item, "on_load", None) is not None:
+                item.on_load()
     if optimizer is not None and load_optimizer:
         load_optimizer_common_state(optimizer, common["optimizer"], f"--load {checkpoint_dir}")
         if refresh_masters:

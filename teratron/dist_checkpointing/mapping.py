@@ -32,6 +32,9 @@ class ShardedTensor:
     resizable_rows: bool = False
     # A copy of a tensor another rank saves (the last stage's tied output weight): loaded only.
     replica: bool = False
+    # `data` is a copy (an FSDP shard in the model's compute dtype): what to run once it is loaded,
+    # when the model's values come from it (no optimizer master weights were loaded).
+    on_load: Any = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from teratron.dist_checkpointing.mapping import shard_tensor_items
 from teratron.pipeline_parallel.layout import get_transformer_layer_offset
@@ -104,9 +105,29 @@ def param_layouts(model_chunks, pg_collection=None) -> dict:
 
 
 def model_sharded_items(model_chunks, pg_collection=None) -> list:
-    """ShardedTensors of every model tensor (views: loading writes into the model)."""
-    return [item for tensor, layout in param_layouts(model_chunks, pg_collection).items()
-            for item in layout.items(layout.key, tensor.detach())]
+    """ShardedTensors of every model tensor (views: loading writes into the model). An FSDP
+    parameter (a DTensor) is saved from its local shard, a flat range of the parameter, in the
+    dtype the model computes in (`compute_dtype`, as a model without FSDP holds it); its fp32
+    values are the optimizer's master weights, saved by the optimizer's items."""
+    items = []
+    for tensor, layout in param_layouts(model_chunks, pg_collection).items():
+        if isinstance(tensor, DTensor):
+            items += _fsdp_shard_items(tensor, layout)
+        else:
+            items += layout.items(layout.key, tensor.detach())
+    return items
+
+
+def _fsdp_shard_items(param, layout) -> list:
+    from teratron.distributed.fsdp import local_flat_range
+
+    with torch.no_grad():
+        local = param.to_local()  # the shard's own storage
+    copy = local.to(getattr(param, "compute_dtype", local.dtype), copy=True).view(-1)
+    items = layout.items(layout.key, copy, flat_range=local_flat_range(param), local_shape=tuple(param.shape))
+    if items:
+        items[0].on_load = lambda: local.copy_(copy.view_as(local))
+    return items
 
 
 def is_model_key(key: str) -> bool:

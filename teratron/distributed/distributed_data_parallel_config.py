@@ -55,7 +55,19 @@ class DistributedDataParallelConfig:
     """Accepted for Megatron compatibility; must stay False (no FP8 params)."""
 
     use_megatron_fsdp: bool = False
-    """Accepted for Megatron compatibility; must stay False."""
+    """Shard over data parallelism as `data_parallel_sharding_strategy` says
+    (distributed/fsdp.py: FSDP2 for the strategies that shard gradients)."""
+
+    use_torch_fsdp2: bool = False
+    """PyTorch FSDP2 over data parallelism: `optim_grads_params`, or `optim_grads` without
+    `torch_fsdp2_reshard_after_forward` (teratron's field for Megatron's
+    --torch-fsdp2-no-reshard-after-forward)."""
+
+    torch_fsdp2_reshard_after_forward: bool = True
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    """With use_megatron_fsdp: 'no_shard' (DDP), 'optim' (the distributed optimizer), 'optim_grads'
+    or 'optim_grads_params' (FSDP2)."""
 
     def __post_init__(self):
         if self.num_distributed_optimizer_instances != 1:
@@ -72,6 +84,33 @@ class DistributedDataParallelConfig:
                 "(--use-distributed-optimizer); it replaces the reduce-scatter and all-gather")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive element count or None, got {self.bucket_size}")
-        for name in ("check_for_large_grads", "fp8_param_gather", "use_megatron_fsdp"):
+        if self.use_megatron_fsdp and self.use_torch_fsdp2:
+            raise ValueError("use_megatron_fsdp and use_torch_fsdp2 each choose the FSDP flavour; pass one "
+                             "(--use-megatron-fsdp or --use-torch-fsdp2)")
+        strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        if self.data_parallel_sharding_strategy not in strategies:
+            raise ValueError(f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}; "
+                             f"choose one of {', '.join(strategies)}")
+        if self.fsdp_strategy() == "optim":  # ZeRO-1 is the distributed optimizer
+            self.use_distributed_optimizer = True
+        if self.shards_with_fsdp2():
+            for name in ("overlap_param_gather", "copy_engine_collectives"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is a setting of DDP's buffers, which FSDP does not use "
+                                     "(FSDP2 prefetches each layer's gather); drop it")
+        for name in ("check_for_large_grads", "fp8_param_gather"):
             if getattr(self, name):
                 raise NotImplementedError(f"DistributedDataParallelConfig.{name}=True is not supported; leave it False")
+
+    def fsdp_strategy(self) -> str | None:
+        """The sharding strategy when FSDP is on (None without it)."""
+        if self.use_torch_fsdp2:
+            return "optim_grads_params" if self.torch_fsdp2_reshard_after_forward else "optim_grads"
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy
+        return None
+
+    def shards_with_fsdp2(self) -> bool:
+        """Whether the model chunks are sharded by FullyShardedDataParallel (the strategies that
+        shard gradients); 'no_shard' and 'optim' run DDP (with the distributed optimizer)."""
+        return self.fsdp_strategy() in ("optim_grads", "optim_grads_params")

@@ -74,6 +74,8 @@ def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: 
                 fused_adam: bool = False) -> StateBytes:
     """Model and optimizer states of one rank (params summed over its model chunks). `fused_adam`:
     on-device Adam is torch's fused kernel (CUDA), which needs no temporaries."""
+    if ddp_config.shards_with_fsdp2():
+        return _fsdp_state_bytes(config, optimizer_config, par, params, fused_adam)
     param_bytes = config.params_dtype.itemsize
     mixed = param_bytes < 4
     grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
@@ -98,6 +100,40 @@ def state_bytes(config, optimizer_config, ddp_config, par: Parallelism, params: 
     if foreach_adam:
         out.step_transient += int(4 * max(groups))  # foreach Adam's sqrt(v) temporary
     return out
+
+
+def _fsdp_state_bytes(config, optimizer_config, par: Parallelism, params: ChunkParams, fused_adam: bool):
+    """FSDP (distributed/fsdp.py): the fp32 shards are both the params and the master weights, their
+    grads fp32 shards, the optimizer states sharded alike; dense parts over DP x CP, experts over
+    expert DP. The gathered params of the layers being run are activation-time memory
+    (`fsdp_gathered_bytes`)."""
+    dense = sum(params.dense.values()) / (config.context_parallel_size * par.data_parallel_size)
+    expert = sum(params.expert.values()) / par.expert_data_parallel_size(config)
+    states = sum(n * _states_per_element(optimizer_config, p) for p, n in params.dense.items()) / (
+        config.context_parallel_size * par.data_parallel_size)
+    states += sum(n * _states_per_element(optimizer_config, p) for p, n in params.expert.items()) / (
+        par.expert_data_parallel_size(config))
+    out = StateBytes(weights=int(4 * (dense + expert)), grads=int(4 * (dense + expert)),
+                     optimizer_states=int(4 * states))
+    foreach_adam = optimizer_config.optimizer == "muon" or (optimizer_config.optimizer == "adam" and not fused_adam)
+    if foreach_adam:
+        out.step_transient += int(4 * max(dense, expert))  # foreach Adam's sqrt(v) temporary
+    return out
+
+
+def fsdp_gathered_bytes(config, ddp_config, params: ChunkParams, largest_layer: int) -> int:
+    """Unsharded params (params dtype) and one layer's unsharded grads (reduce dtype) that FSDP holds
+    while layers run: optim_grads_params gathers a layer at a time (and prefetches the next), plus
+    the root unit (embedding, output layer); optim_grads keeps every layer gathered from forward
+    to backward."""
+    param_bytes = config.params_dtype.itemsize
+    grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
+    if ddp_config.fsdp_strategy() == "optim_grads":
+        gathered = params.total
+    else:
+        root = sum(n for part, n in params.dense.items() if part in ("embedding", "output layer"))
+        gathered = 2 * largest_layer + root
+    return gathered * param_bytes + largest_layer * grad_bytes
 
 
 def activation_peak(chunks: list, pp_rank: int, pp_size: int, num_microbatches: int,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from teratron.estimate.activations import chunk_activations
 from teratron.estimate.kernels import kernels_for
 from teratron.estimate.memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, GiB,
-                                      Parallelism, RankMemory, activation_peak, state_bytes)
+                                      Parallelism, RankMemory, activation_peak, fsdp_gathered_bytes, state_bytes)
 from teratron.estimate.params import ChunkParams, ModelShape, chunk_params
 from teratron.pipeline_parallel.layout import stage_layer_counts
 
@@ -153,6 +153,13 @@ def _stage_estimate(config, optimizer_config, ddp_config, par, kernels, shape, m
     for act in acts:  # a parameter's own grad lives until the DDP hook adds it to the buffer
         act.backward_transient = max(act.backward_transient + params.largest * config.params_dtype.itemsize,
                                      act.loss_backward_transient)
+    if ddp_config.shards_with_fsdp2():  # the gathered layers sit beside the activations
+        largest_layer = max((chunk_params(config, shape, [n], False, False).total
+                             for layers, _, _ in chunks for n in layers), default=0)
+        gathered = fsdp_gathered_bytes(config, ddp_config, params, largest_layer)
+        for act in acts:
+            act.forward_transient += gathered
+            act.backward_transient += gathered
     group_size = config.microbatch_group_size_per_vp_stage or config.pipeline_model_parallel_size
     peak, in_flight, host = activation_peak(acts, pp_rank, config.pipeline_model_parallel_size,
                                             par.num_microbatches, group_size)

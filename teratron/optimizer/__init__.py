@@ -3,9 +3,11 @@ gradient clipping and CPU offload, built by `get_megatron_optimizer` (Megatron's
 
 import torch
 
+from teratron.distributed.fsdp import FullyShardedDataParallel
 from teratron.optimizer.clip_grads import all_reduce_over_groups, calc_params_l2_norm, default_device
 from teratron.optimizer.cpu_offload import use_host_cores
 from teratron.optimizer.distrib_optimizer import DistributedOptimizer
+from teratron.optimizer.fsdp_optimizer import FsdpOptimizer
 from teratron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from teratron.optimizer.lion import Lion
 from teratron.optimizer.muon import Muon
@@ -17,7 +19,7 @@ from teratron.topology import resolve_pg_collection
 
 __all__ = [
     "ChainedOptimizer", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler",
-    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "Lion", "MainParamShard", "MegatronGradScaler",
+    "Float16OptimizerWithFloat16Params", "FP32Optimizer", "FsdpOptimizer", "Lion", "MainParamShard", "MegatronGradScaler",
     "MegatronOptimizer", "Muon", "OptimizerConfig", "calc_params_l2_norm", "get_megatron_optimizer",
 ]
 
@@ -137,23 +139,32 @@ def _grid_groups(pg):
     return [pg.tp, pg.dp_cp, pg.pp]
 
 
-def _uses_distributed_optimizer(model_chunks) -> bool:
-    """Whether the chunks' DDP buffers shard the params for the distributed optimizer (their
-    DistributedDataParallelConfig.use_distributed_optimizer; False for a chunk outside DDP)."""
-    flags = {getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False)
-             for chunk in model_chunks}
-    if len(flags) > 1:
-        raise ValueError("the model chunks disagree on use_distributed_optimizer; wrap every chunk in "
-                         "DistributedDataParallel with the same DistributedDataParallelConfig")
-    return flags.pop()
+def _sharding(model_chunks) -> str | None:
+    """How the chunks shard the optimizer: 'fsdp' (FullyShardedDataParallel), 'distributed' (DDP
+    buffers for the distributed optimizer: use_distributed_optimizer) or None (whole params; also a
+    chunk outside DDP)."""
+    def kind(chunk):
+        if isinstance(chunk, FullyShardedDataParallel):
+            return "fsdp"
+        ddp_config = getattr(chunk, "ddp_config", None)
+        return "distributed" if getattr(ddp_config, "use_distributed_optimizer", False) else None
+
+    kinds = {kind(chunk) for chunk in model_chunks}
+    if len(kinds) > 1:
+        raise ValueError("the model chunks disagree on how they shard the optimizer; wrap every chunk the same "
+                         "way (DistributedDataParallel with one DistributedDataParallelConfig, or "
+                         "FullyShardedDataParallel)")
+    return kinds.pop()
 
 
-def _build(config, param_groups, kind, grad_scaler, model_chunks, distributed, is_expert, pg):
+def _build(config, param_groups, kind, grad_scaler, model_chunks, sharding, is_expert, pg):
     make = _torch_optimizer_factory(config, kind, pg)
     tp = pg.expt_tp if is_expert else pg.tp
     dp = pg.expt_dp if is_expert else pg.dp_cp
     common = dict(tp_group=tp, pp_group=pg.pp, grad_stats_groups=_grid_groups(pg))
-    if distributed:
+    if sharding == "fsdp":
+        return FsdpOptimizer(make, param_groups, config, grad_scaler, dp, **common)
+    if sharding == "distributed":
         buffers = [b for chunk in model_chunks
                    for b in (chunk.expert_parallel_buffers if is_expert else chunk.buffers)]
         return DistributedOptimizer(make, param_groups, config, grad_scaler, model_chunks, buffers, dp, **common)
@@ -191,7 +202,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     if pg_collection is None:
         pg_collection = getattr(model_chunks[0], "pg_collection", None)
     pg_collection = resolve_pg_collection(pg_collection)
-    distributed = _uses_distributed_optimizer(model_chunks)
+    sharding = _sharding(model_chunks)
+    if sharding == "fsdp" and config.optimizer_cpu_offload:
+        raise ValueError("optimizer_cpu_offload with FSDP: the sharded fp32 parameters are the master weights "
+                         "and stay on the device; turn one off")
     grad_scaler = _grad_scaler(config)
     if config.optimizer_cpu_offload:
         use_host_cores()
@@ -217,7 +231,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
         for is_expert in (False, True):
             built.append((kind, is_expert, [g for g in groups if g["is_expert_parallel"] == is_expert]))
     present = _present_on_any_rank([bool(groups) for _, _, groups in built], pg_collection)
-    optimizers = [_build(config, groups, kind, grad_scaler, model_chunks, distributed, is_expert, pg_collection)
+    optimizers = [_build(config, groups, kind, grad_scaler, model_chunks, sharding, is_expert, pg_collection)
                   for (kind, is_expert, groups), keep in zip(built, present) if keep]
     if not optimizers:
         raise ValueError("the model chunks have no trainable parameters (requires_grad=True) to optimize")

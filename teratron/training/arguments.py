@@ -410,6 +410,18 @@ def _add_parallel_args(parser):
                    help="Shard norm/dropout activations along the sequence over TP.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Shard params, grads and optimizer states over data parallelism with PyTorch FSDP2 "
+                        "(optim_grads_params).")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward",
+                   help="--use-torch-fsdp2 keeps each layer's params gathered from forward to backward (optim_grads).")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Shard over data parallelism as --data-parallel-sharding-strategy says (run on FSDP2).")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="--use-megatron-fsdp: no_shard (DDP), optim (the distributed optimizer), optim_grads, "
+                        "optim_grads_params (FSDP2; params gathered per layer).")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="Distributed-optimizer replicas over the data-parallel ranks (only 1 is supported).")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")

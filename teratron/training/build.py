@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from teratron.distributed import DistributedDataParallel, finalize_model_grads
+from teratron.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from teratron.models.gpt.builder import build_model_chunks
 from teratron.optimizer import get_megatron_optimizer
 from teratron.optimizer.qk_clip import QKClip
@@ -16,7 +16,8 @@ from teratron.tensor_parallel import model_parallel_cuda_manual_seed
 
 
 def build_model(run, device, pg_collection=None) -> list:
-    """This rank's model chunks (one per virtual stage), on `device`, each wrapped in DDP.
+    """This rank's model chunks (one per virtual stage), on `device`, each wrapped in DDP (or
+    sharded by FSDP, `--use-torch-fsdp2` / `--use-megatron-fsdp`).
 
     The chunks share a copy of the run's TransformerConfig, on which the Trainer sets the
     schedule's callbacks (Megatron's plumbing); the run description itself stays unchanged.
@@ -32,6 +33,8 @@ def build_model(run, device, pg_collection=None) -> list:
 
         for chunk in chunks:
             compile_transformer_layers(chunk)
+    if run.ddp.shards_with_fsdp2():
+        return [FullyShardedDataParallel(model_config.transformer, run.ddp, chunk, pg_collection) for chunk in chunks]
     return [DistributedDataParallel(config=model_config.transformer, ddp_config=run.ddp, module=chunk,
                                     disable_bucketing=i > 0, pg_collection=pg_collection)
             for i, chunk in enumerate(chunks)]

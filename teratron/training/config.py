@@ -304,6 +304,22 @@ class RunConfig:
         self._check_sequence_packing()
         self._check_profiled_range()
         self._check_cuda_graph_loop()
+        self._check_fsdp()
+
+    def _check_fsdp(self):
+        if not self.ddp.shards_with_fsdp2():
+            return
+        name = "--use-torch-fsdp2" if self.ddp.use_torch_fsdp2 else "--use-megatron-fsdp"
+        if self.distributed.world_size == 1:
+            raise ValueError(f"{name} shards over data-parallel ranks, which one process does not have; launch "
+                             "several (--nproc-per-node N) or drop the flag")
+        if self.optimizer.optimizer_cpu_offload:
+            raise ValueError(f"--optimizer-cpu-offload with FSDP ({name}): the sharded fp32 parameters are the "
+                             "master weights and stay on the device; drop one")
+        t = self.transformer
+        if t.cuda_graph_impl == "local" or t.enable_cuda_graph:
+            raise ValueError(f"{name} with --cuda-graph-impl local: FSDP gathers parameters in hooks the graphs "
+                             "would not replay; drop one")
 
     def _check_run_length(self):
         training = self.training

@@ -343,15 +343,14 @@ REFUSED = {
     Refused("choosing layer specs on the command line", "build custom layers with ModuleSpec in Python"): "--spec=*",
     Refused("Megatron's YAML config", "use --config (a YAML file of teratron train's flag names)"): "--yaml-cfg=",
     Refused("the precision-aware optimizer (low-precision optimizer states)"): "--use-precision-aware-optimizer",
-    Refused("Megatron FSDP", "use --use-distributed-optimizer (ZeRO-1) or --optimizer-cpu-offload"):
-        "--use-megatron-fsdp --megatron-fsdp-version= --no-use-layer-wise-param-layout "
-        "--fsdp-manual-registration --data-parallel-sharding-strategy= --outer-dp-sharding-strategy= "
+    Refused("tuning of Megatron-FSDP's own buffers and hybrid-sharding variants",
+            "drop it; teratron's FSDP runs on FSDP2 (--use-megatron-fsdp / --use-torch-fsdp2)"):
+        "--megatron-fsdp-version= --no-use-layer-wise-param-layout "
+        "--fsdp-manual-registration --outer-dp-sharding-strategy= "
         "--fsdp-double-buffer --suggested-communication-unit-size= --keep-fp8-transpose-cache "
         "--enable-full-sharding-in-hsdp --megatron-fsdp-main-params-dtype= --megatron-fsdp-main-grads-dtype= "
         "--megatron-fsdp-grad-comm-dtype= --megatron-fsdp-enable-fine-grained-param-gather "
         "--megatron-fsdp-max-pool-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail",
-    Refused("PyTorch FSDP2", "use --use-distributed-optimizer (ZeRO-1) or --optimizer-cpu-offload"):
-        "--use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward",
     Refused("an external DDP manager (lazy model-parallel init)"): "--lazy-mpu-init",
     Refused("the tp-pp-dp rank order", "drop it; teratron orders ranks tp-cp-ep-dp-pp, as Megatron's default"):
         "--use-tp-pp-dp-mapping",

@@ -308,7 +308,7 @@ def test_bad_config_raises():
         get_megatron_optimizer(OptimizerConfig(), [_model()])
     sharded = DistributedDataParallel(_Config(), DistributedDataParallelConfig(use_distributed_optimizer=True),
                                       _model())
-    with pytest.raises(ValueError, match="disagree on use_distributed_optimizer"):
+    with pytest.raises(ValueError, match="disagree on how they shard the optimizer"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0), [sharded, _model()])
 
 

@@ -198,8 +198,8 @@ def test_yaml_config_takes_megatron_flags(tmp_path):
     cfg.write_text("use-mcore-models: true\nno-persist-layer-norm: false\ntransformer_impl: local\n")
     args = parse_train_args(BASE + ["--config", str(cfg)])
     assert args.megatron_flags == (("--use-mcore-models", None), ("--transformer-impl", "local"))
-    cfg.write_text("use-megatron-fsdp: true\n")
-    with pytest.raises(NotImplementedError, match="^--use-megatron-fsdp: Megatron FSDP is not supported"):
+    cfg.write_text("fsdp-double-buffer: true\n")
+    with pytest.raises(NotImplementedError, match="^--fsdp-double-buffer: tuning of Megatron-FSDP's own buffers"):
         parse_train_args(BASE + ["--config", str(cfg)])
 
 

@@ -1,0 +1,142 @@
+"""`teratron train` with FSDP (--use-torch-fsdp2, --use-megatron-fsdp) under torchrun (gloo, CPU)
+against the single process: every iteration's loss and grad norm must equal it.
+
+Each sharding strategy (no_shard: DDP, optim: the distributed optimizer, optim_grads and
+optim_grads_params: FSDP2) at DP 2, and FSDP2 at DP 4; FSDP x TP 2 with sequence parallelism,
+saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP with MoE at EP 2 (experts
+sharded over expert DP). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
+checkpoint saved under FSDP continues under the distributed optimizer with the uninterrupted
+run's losses, and back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from teratron.distributed import DistributedDataParallelConfig
+
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
+        "--num-workers", "0", "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--train-iters", "3", "--mock-data"]
+BF16 = ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+FSDP2 = ["--use-torch-fsdp2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "24",
+       "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
+
+
+def _train(args, tmp_path, name, nproc=None):
+    """The training records of `teratron train` (under torchrun with nproc ranks)."""
+    launcher = [sys.executable, "-m", "teratron"]
+    if nproc:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                    "-m", "teratron"]
+    path = tmp_path / f"{name}.jsonl"
+    cmd = launcher + ["train"] + TINY + args + ["--metrics-file", str(path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "lr" in r]
+
+
+def _assert_equal(reference, run, name):
+    assert [r["iteration"] for r in run] == [r["iteration"] for r in reference[-len(run):]], name
+    for a, b in zip(reference[-len(run):], run):
+        for key in ("lm_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+
+
+def _resume_at(checkpoint, iteration: int):
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return ["--load", str(checkpoint)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = _train([], tmp_path_factory.mktemp("single"), "single")
+    assert run[-1]["lm_loss"] < run[0]["lm_loss"]
+    return run
+
+
+@pytest.mark.parametrize("flags, nproc", [
+    (FSDP2, 2),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], 4),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], 2),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"], 2),
+], ids=["torch-fsdp2-dp2", "optim-grads-dp4", "optim-dp2", "no-shard-dp2"])
+def test_each_strategy_equals_the_single_process(reference, tmp_path, flags, nproc):
+    _assert_equal(reference, _train(flags, tmp_path, "run", nproc), flags[-1])
+
+
+def test_tensor_and_sequence_parallel_and_a_checkpoint_continued_without_fsdp(reference, tmp_path):
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    run = _train(FSDP2 + tp + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path, "tp2-fsdp", 4)
+    _assert_equal(reference, run, "tp2-fsdp")
+    resumed = _train(tp + _resume_at(tmp_path / "ckpt", 2), tmp_path, "tp2-from-fsdp", 2)
+    assert [r["iteration"] for r in resumed] == [3]
+    _assert_equal(reference, resumed, "tp2-from-fsdp")
+
+
+def test_pipeline_parallel(reference, tmp_path):
+    _assert_equal(reference, _train(FSDP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2-fsdp", 4),
+                  "pp2-fsdp")
+
+
+def test_moe_experts_sharded_over_expert_data_parallel(tmp_path):
+    single = _train(MOE, tmp_path, "moe-single")
+    run = _train(MOE + FSDP2 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                 tmp_path, "moe-ep2-fsdp", 4)
+    _assert_equal(single, run, "moe-ep2-fsdp")
+
+
+def test_bf16_master_weights_move_between_fsdp_and_the_distributed_optimizer(tmp_path):
+    """bf16 compute, fp32 grads: FSDP's sharded fp32 params hold what the distributed optimizer's
+    fp32 masters hold, and checkpoints carry them both ways (a bf16-rounded master would change
+    iteration 3)."""
+    single = _train(BF16, tmp_path, "bf16-single")
+    save = ["--save-interval", "2", "--save"]
+    _assert_equal(single, _train(BF16 + FSDP2 + save + [str(tmp_path / "fsdp")], tmp_path, "bf16-fsdp", 2),
+                  "bf16-fsdp")
+    dist_opt = ["--use-distributed-optimizer"]
+    _assert_equal(single, _train(BF16 + dist_opt + save + [str(tmp_path / "dist")], tmp_path, "bf16-dist", 2),
+                  "bf16-dist")
+    from_fsdp = _train(BF16 + dist_opt + _resume_at(tmp_path / "fsdp", 2), tmp_path, "dist-from-fsdp", 2)
+    from_dist = _train(BF16 + FSDP2 + _resume_at(tmp_path / "dist", 2), tmp_path, "fsdp-from-dist", 2)
+    for name, run in (("dist-from-fsdp", from_fsdp), ("fsdp-from-dist", from_dist)):
+        assert [r["iteration"] for r in run] == [3], name
+        _assert_equal(single, run, name)
+
+
+def test_settings_that_do_not_go_together():
+    with pytest.raises(ValueError, match="pass one"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, use_torch_fsdp2=True)
+    with pytest.raises(ValueError, match="overlap_param_gather is a setting of DDP's buffers"):
+        DistributedDataParallelConfig(use_torch_fsdp2=True, use_distributed_optimizer=True,
+                                      overlap_param_gather=True)
+    with pytest.raises(ValueError, match="data_parallel_sharding_strategy='zero3'"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="zero3")
+    optim = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")
+    assert optim.use_distributed_optimizer and not optim.shards_with_fsdp2()
+    assert DistributedDataParallelConfig(use_torch_fsdp2=True, torch_fsdp2_reshard_after_forward=False
+                                         ).fsdp_strategy() == "optim_grads"
+
+
+def test_command_line_errors(tmp_path, capsys, monkeypatch):
+    from teratron import cli
+
+    monkeypatch.chdir(tmp_path)
+    for flags, phrase in [(FSDP2 + ["--use-megatron-fsdp"], "pass one (--use-megatron-fsdp or --use-torch-fsdp2)"),
+                          (FSDP2, "--use-torch-fsdp2 shards over data-parallel ranks, which one process does not")]:
+        assert cli.main(["train"] + TINY + flags) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
+    assert not list(tmp_path.iterdir())
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
+
+    with pytest.raises(ValueError, match="^--optimizer-cpu-offload with FSDP"):
+        run_config_from_args(parse_train_args(TINY + FSDP2 + ["--optimizer-cpu-offload"]), 2, 100, cuda=False)
