@@ -3,7 +3,8 @@ against the single process: every iteration's loss and grad norm must equal it.
 
 Each sharding strategy (no_shard: DDP, optim: the distributed optimizer, optim_grads and
 optim_grads_params: FSDP2) at DP 2, and FSDP2 at DP 4; FSDP x TP 2 with sequence parallelism,
-saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP with MoE at EP 2 (experts
+saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP x CP 2 with full recompute;
+selective recompute with activation offloading; FP8 linears; FSDP with MoE at EP 2 (experts
 sharded over expert DP). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
 checkpoint saved under FSDP continues under the distributed optimizer with the uninterrupted
 run's losses, and back.
@@ -84,6 +85,21 @@ def test_tensor_and_sequence_parallel_and_a_checkpoint_continued_without_fsdp(re
 def test_pipeline_parallel(reference, tmp_path):
     _assert_equal(reference, _train(FSDP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2-fsdp", 4),
                   "pp2-fsdp")
+
+
+@pytest.mark.parametrize("flags, nproc", [
+    (["--context-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], 4),
+    (["--recompute-granularity", "selective", "--fine-grained-activation-offloading", "--offload-modules",
+      "qkv_linear", "attn_proj"], 2),
+], ids=["cp2-full-recompute", "selective-recompute-offloading"])
+def test_context_parallel_recompute_and_offloading(reference, tmp_path, flags, nproc):
+    _assert_equal(reference, _train(FSDP2 + flags, tmp_path, "run", nproc), flags[0])
+
+
+def test_fp8_linears(tmp_path):
+    fp8 = BF16 + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    _assert_equal(_train(fp8, tmp_path, "fp8-single"), _train(fp8 + FSDP2, tmp_path, "fp8-fsdp", 2), "fp8-fsdp")
 
 
 def test_moe_experts_sharded_over_expert_data_parallel(tmp_path):
