@@ -77,16 +77,13 @@ def initialize_model_parallel(
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group() first")
     if model_parallel_is_initialized():
         raise RuntimeError("model parallel is already initialized; call destroy_model_parallel() first")
-    if num_distributed_optimizer_instances != 1:
-        raise ValueError(
-            f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} is not "
-            "supported; use 1"
-        )
+    if num_distributed_optimizer_instances < 1:
+        raise ValueError(f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} must be >= 1")
     set_current_topology(Topology.build(
         tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
         context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order,
         timedelta(minutes=distributed_timeout_minutes), get_embedding_ranks, get_position_embedding_ranks,
-        hierarchical_context_parallel_sizes,
+        hierarchical_context_parallel_sizes, num_distributed_optimizer_instances,
     ))
 
 

@@ -31,8 +31,9 @@ import torch.distributed as dist
 class ProcessGroupCollection:
     """Megatron's field names: tensor, pipeline, data (without / with context), context, expert,
     expert-tensor, expert-data, expert tensor+model, model, embedding, position-embedding and
-    tensor+context parallel groups, and `hcp`: the hierarchical context-parallel groups, one per
-    level of hierarchical_context_parallel_sizes (a list; None without them)."""
+    tensor+context parallel groups, `hcp`: the hierarchical context-parallel groups, one per
+    level of hierarchical_context_parallel_sizes (a list; None without them), and the groups of
+    hybrid sharding (intra_dp_cp, inter_dist_opt)."""
 
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
@@ -48,6 +49,10 @@ class ProcessGroupCollection:
     pos_embd: dist.ProcessGroup | None = None
     tp_cp: dist.ProcessGroup | None = None
     hcp: list | None = None
+    # With num_distributed_optimizer_instances N > 1 (hybrid sharding): the DP x CP ranks of one
+    # instance (1/N of dp_cp: sharded over), and the same position in every instance (replicated over).
+    intra_dp_cp: dist.ProcessGroup | None = None
+    inter_dist_opt: dist.ProcessGroup | None = None
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> "ProcessGroupCollection":
@@ -79,7 +84,7 @@ _DIMS = ("tp", "cp", "ep", "dp", "pp")
 _DENSE_GROUPS = {"dp": "dp", "dp_cp": "dp-cp", "cp": "cp", "tp": "tp", "pp": "pp", "mp": "tp-pp",
                  "tp_cp": "tp-cp", "tp_dp": "tp-dp", "tp_dp_cp": "tp-dp-cp"}
 _EXPERT_GROUPS = {"expt_tp": "tp", "ep": "ep", "expt_dp": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp"}
-GROUP_NAMES = (*_DENSE_GROUPS, "embd", "pos_embd", *_EXPERT_GROUPS, "hcp")
+GROUP_NAMES = (*_DENSE_GROUPS, "embd", "pos_embd", *_EXPERT_GROUPS, "hcp", "intra_dp_cp", "inter_dist_opt")
 
 
 class RankGenerator:
@@ -178,7 +183,7 @@ class Topology:
               expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
               order: str = "tp-cp-ep-dp-pp", timeout: timedelta = timedelta(minutes=30),
               get_embedding_ranks=None, get_position_embedding_ranks=None,
-              hierarchical_context_parallel_sizes=None) -> "Topology":
+              hierarchical_context_parallel_sizes=None, num_distributed_optimizer_instances: int = 1) -> "Topology":
         """Create every group of the dense and the expert grid over all of torch.distributed's
         ranks (every rank must call this, with the same arguments); keep this rank's."""
         world_size = dist.get_world_size()
@@ -204,7 +209,22 @@ class Topology:
         if hierarchical_context_parallel_sizes:
             topology._create_hierarchical_cp(dense.get_ranks("cp"), list(hierarchical_context_parallel_sizes),
                                              timeout)
+        if num_distributed_optimizer_instances > 1:
+            topology._create_instances(dense.get_ranks("dp-cp"), num_distributed_optimizer_instances, timeout)
         return topology
+
+    def _create_instances(self, dp_cp_groups: list, instances: int, timeout: timedelta) -> None:
+        """Hybrid sharding: each DP x CP group cut into `instances` runs of consecutive ranks
+        (intra_dp_cp, sharded over), and the ranks at one position of every run (inter_dist_opt,
+        replicated over)."""
+        size = len(dp_cp_groups[0])
+        if size % instances:
+            raise ValueError(f"num_distributed_optimizer_instances={instances} does not divide the data x context "
+                             f"parallel size {size}; choose a divisor")
+        shard = size // instances
+        self._create("intra_dp_cp", [ranks[i:i + shard] for ranks in dp_cp_groups for i in range(0, size, shard)],
+                     timeout)
+        self._create("inter_dist_opt", [ranks[i::shard] for ranks in dp_cp_groups for i in range(shard)], timeout)
 
     def _create_hierarchical_cp(self, cp_groups: list, sizes: list, timeout: timedelta) -> None:
         """Megatron's hierarchical CP groups: level 0 runs of sizes[0] consecutive CP ranks, each

@@ -29,7 +29,9 @@ class DistributedDataParallelConfig:
     configs set it (--use-distributed-optimizer)."""
 
     num_distributed_optimizer_instances: int = 1
-    """Only 1 (one distributed-optimizer instance over the full data-parallel group)."""
+    """FSDP: hybrid sharding (HSDP) over this many instances: each shards over 1/N of the DP x CP
+    ranks and replicates across the others. Without FSDP only 1 (one distributed-optimizer
+    instance over the full data-parallel group)."""
 
     copy_engine_collectives: bool = False
     """Distributed optimizer, all data-parallel ranks on one NVLink node: reduce-scatter grads and
@@ -70,10 +72,9 @@ class DistributedDataParallelConfig:
     or 'optim_grads_params' (FSDP2)."""
 
     def __post_init__(self):
-        if self.num_distributed_optimizer_instances != 1:
-            raise ValueError(
-                "num_distributed_optimizer_instances must be 1; partial (multi-instance) "
-                "distributed optimizer is not supported")
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got "
+                             f"{self.num_distributed_optimizer_instances}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError(
                 "overlap_param_gather needs use_distributed_optimizer=True "
@@ -93,6 +94,10 @@ class DistributedDataParallelConfig:
                              f"choose one of {', '.join(strategies)}")
         if self.fsdp_strategy() == "optim":  # ZeRO-1 is the distributed optimizer
             self.use_distributed_optimizer = True
+        if self.num_distributed_optimizer_instances != 1 and not self.shards_with_fsdp2():
+            raise ValueError(
+                "num_distributed_optimizer_instances must be 1 without FSDP (a partial, multi-instance distributed "
+                "optimizer is not supported); with --use-torch-fsdp2 / --use-megatron-fsdp it sets hybrid sharding")
         if self.shards_with_fsdp2():
             for name in ("overlap_param_gather", "copy_engine_collectives"):
                 if getattr(self, name):

@@ -11,6 +11,9 @@ Megatron-FSDP's sharding strategies, and what runs each here:
                         (ZeRO-3: reshard_after_forward=True)
 
 `--use-torch-fsdp2` is `optim_grads_params` (`--torch-fsdp2-no-reshard-after-forward`: `optim_grads`).
+With `num_distributed_optimizer_instances` N > 1 (hybrid sharding, HSDP) the dense units shard over
+the 1/N of the DP x CP ranks of their instance and replicate across instances (a 2-D mesh; FSDP2
+reduce-scatters inside an instance, then all-reduces across them); experts still shard over expert DP.
 
 Under FSDP2 each transformer layer (and each MTP layer) is one unit, gathered before it runs and
 freed after; the chunk's root unit holds the rest (embedding, final norm, output layer). A
@@ -50,9 +53,21 @@ from teratron.transformer.transformer_layer import TransformerLayer
 SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
+def _device_type(group) -> str:
+    return "cuda" if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl" else "cpu"
+
+
 def _mesh(group) -> DeviceMesh:
-    device_type = "cuda" if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl" else "cpu"
-    return DeviceMesh.from_group(group, device_type)
+    return DeviceMesh.from_group(group, _device_type(group))
+
+
+def _hybrid_mesh(pg) -> DeviceMesh:
+    """[instances, ranks per instance] over DP x CP: replicate along dim 0, shard along dim 1."""
+    ranks = torch.distributed.get_process_group_ranks(pg.dp_cp)
+    shard = torch.distributed.get_world_size(pg.intra_dp_cp)
+    mesh = torch.tensor(ranks).view(-1, shard)
+    return DeviceMesh.from_group([pg.inter_dist_opt, pg.intra_dp_cp], _device_type(pg.dp_cp), mesh=mesh,
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def _is_expert_param(param) -> bool:
@@ -60,10 +75,11 @@ def _is_expert_param(param) -> bool:
 
 
 def local_flat_range(param: DTensor) -> tuple[int, int]:
-    """Flat elements [start, end) of the whole (tensor-parallel) parameter this rank's shard holds."""
+    """Flat elements [start, end) of the whole (tensor-parallel) parameter this rank's shard holds
+    (the shard dim of a hybrid mesh is its last)."""
     rows = param.shape[0]
-    world = param.device_mesh.size()
-    rank = param.device_mesh.get_local_rank()
+    mesh = param.device_mesh
+    world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     chunk = math.ceil(rows / world) if rows else 0
     first, last = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
     per_row = math.prod(param.shape[1:])
@@ -94,7 +110,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         # (tensor-parallel layout, expert, sequence-parallel, tied-embedding flags) over.
         attributes = {name: {k: v for k, v in vars(p).items() if not k.startswith("_")}
                       for name, p in module.named_parameters()}
-        dense_mesh = _mesh(self.dp_cp_group)
+        hybrid = ddp_config.num_distributed_optimizer_instances > 1
+        dense_mesh = _hybrid_mesh(pg_collection) if hybrid else _mesh(self.dp_cp_group)
         units = [m for m in module.modules() if isinstance(m, (TransformerLayer, MultiTokenPredictionLayer))]
         for unit in units:
             for experts in self._expert_modules(unit):

@@ -163,7 +163,9 @@ def _build(config, param_groups, kind, grad_scaler, model_chunks, sharding, is_e
     dp = pg.expt_dp if is_expert else pg.dp_cp
     common = dict(tp_group=tp, pp_group=pg.pp, grad_stats_groups=_grid_groups(pg))
     if sharding == "fsdp":
-        return FsdpOptimizer(make, param_groups, config, grad_scaler, dp, **common)
+        # Hybrid sharding replicates each dense shard across instances: count it once.
+        replicas = None if is_expert else pg.inter_dist_opt
+        return FsdpOptimizer(make, param_groups, config, grad_scaler, grad_replica_group=replicas, **common)
     if sharding == "distributed":
         buffers = [b for chunk in model_chunks
                    for b in (chunk.expert_parallel_buffers if is_expert else chunk.buffers)]

@@ -19,10 +19,10 @@ from teratron.optimizer.optimizer import MainParamShard, MegatronOptimizer, copy
 class FsdpOptimizer(MegatronOptimizer):
     """make_optimizer(param_groups) builds the torch optimizer over the local shards.
 
-    param_groups: groups of FSDP-sharded (DTensor) parameters; data_parallel_group: the group
-    they are sharded over (dense: DP x CP; experts: expert DP)."""
+    param_groups: groups of FSDP-sharded (DTensor) parameters (each knows the group it is sharded
+    over: its mesh's last dim)."""
 
-    def __init__(self, make_optimizer, param_groups, config, grad_scaler, data_parallel_group, **kwargs):
+    def __init__(self, make_optimizer, param_groups, config, grad_scaler, **kwargs):
         self._shards = []
         main_groups = []
         for group in param_groups:
@@ -32,7 +32,8 @@ class FsdpOptimizer(MegatronOptimizer):
                     main = param.to_local()  # the shard's own storage: stepped in place
                 start, end = local_flat_range(param)
                 copy_param_attributes(main, param)
-                main.dp_shard = (tuple(param.shape), start, end, data_parallel_group)
+                shard_group = param.device_mesh.get_group(param.device_mesh.ndim - 1)
+                main.dp_shard = (tuple(param.shape), start, end, shard_group)  # Muon gathers whole matrices
                 self._shards.append(MainParamShard(param, main, (start, end)))
                 mains.append(main)
             main_groups.append({**group, "params": mains})

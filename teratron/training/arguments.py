@@ -423,7 +423,8 @@ def _add_parallel_args(parser):
                    help="--use-megatron-fsdp: no_shard (DDP), optim (the distributed optimizer), optim_grads, "
                         "optim_grads_params (FSDP2; params gathered per layer).")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="Distributed-optimizer replicas over the data-parallel ranks (only 1 is supported).")
+                   help="FSDP: hybrid sharding over this many instances (shard inside one, replicate across); "
+                        "without FSDP only 1.")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the param all-gather with forward (distributed optimizer).")

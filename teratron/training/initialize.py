@@ -11,9 +11,9 @@ import torch.distributed as dist
 from teratron import parallel_state
 
 
-def initialize_model_parallel(config, distributed) -> None:
+def initialize_model_parallel(config, distributed, ddp=None) -> None:
     """The process groups of `config`'s layout (a TransformerConfig; `distributed` a
-    DistributedConfig)."""
+    DistributedConfig; `ddp` a DistributedDataParallelConfig: its hybrid-sharding instances)."""
     if not dist.is_initialized():
         return
     parallel_state.initialize_model_parallel(
@@ -25,6 +25,7 @@ def initialize_model_parallel(config, distributed) -> None:
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         distributed_timeout_minutes=distributed.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=1 if ddp is None else ddp.num_distributed_optimizer_instances,
     )
 
 

@@ -30,7 +30,7 @@ def pretrain(run: RunConfig, tokenizer=None,
         if world_size != run.distributed.world_size:
             raise ValueError(f"the run was described for {run.distributed.world_size} processes but "
                              f"{world_size} started; build the RunConfig for this launch")
-        initialize_model_parallel(run.transformer, run.distributed)
+        initialize_model_parallel(run.transformer, run.distributed, run.ddp)
         if not dist.is_initialized() or dist.get_rank() == 0:
             for line in startup_notes(run.megatron_flags):
                 print(line, flush=True)

@@ -5,7 +5,8 @@ Each sharding strategy (no_shard: DDP, optim: the distributed optimizer, optim_g
 optim_grads_params: FSDP2) at DP 2, and FSDP2 at DP 4; FSDP x TP 2 with sequence parallelism,
 saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP x CP 2 with full recompute;
 selective recompute with activation offloading; FP8 linears; FSDP with MoE at EP 2 (experts
-sharded over expert DP). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
+sharded over expert DP); hybrid sharding (2 instances at DP 4) whose checkpoint FSDP at DP 2
+continues; Muon. In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
 checkpoint saved under FSDP continues under the distributed optimizer with the uninterrupted
 run's losses, and back.
 """
@@ -82,6 +83,23 @@ def test_tensor_and_sequence_parallel_and_a_checkpoint_continued_without_fsdp(re
     _assert_equal(reference, resumed, "tp2-from-fsdp")
 
 
+def test_hybrid_sharding_and_its_checkpoint_continued_at_dp2(reference, tmp_path):
+    """--num-distributed-optimizer-instances 2 at DP 4: shards over 2 ranks, replicated over the
+    2 instances (the grad norm counts each shard once)."""
+    hybrid = FSDP2 + ["--num-distributed-optimizer-instances", "2"]
+    run = _train(hybrid + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path, "hsdp", 4)
+    _assert_equal(reference, run, "hsdp")
+    resumed = _train(FSDP2 + _resume_at(tmp_path / "ckpt", 2), tmp_path, "fsdp-from-hsdp", 2)
+    assert [r["iteration"] for r in resumed] == [3]
+    _assert_equal(reference, resumed, "fsdp-from-hsdp")
+
+
+def test_muon(tmp_path):
+    """Muon orthogonalises whole matrices: it gathers each FSDP shard's matrix over the shard group."""
+    muon = ["--optimizer", "muon"]
+    _assert_equal(_train(muon, tmp_path, "muon-single"), _train(muon + FSDP2, tmp_path, "muon-fsdp", 2), "muon")
+
+
 def test_pipeline_parallel(reference, tmp_path):
     _assert_equal(reference, _train(FSDP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2-fsdp", 4),
                   "pp2-fsdp")
@@ -133,6 +151,8 @@ def test_settings_that_do_not_go_together():
     with pytest.raises(ValueError, match="overlap_param_gather is a setting of DDP's buffers"):
         DistributedDataParallelConfig(use_torch_fsdp2=True, use_distributed_optimizer=True,
                                       overlap_param_gather=True)
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances must be 1 without FSDP"):
+        DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
     with pytest.raises(ValueError, match="data_parallel_sharding_strategy='zero3'"):
         DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="zero3")
     optim = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")
