@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from teratron.process_groups import ProcessGroupCollection, get_pg_size
 from teratron.topology import resolve_pg_collection
+from teratron.transformer.init_rng import built_components, rebuild
 from teratron.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from teratron.transformer.transformer_layer import TransformerLayer
 
@@ -86,15 +87,48 @@ def local_flat_range(param: DTensor) -> tuple[int, int]:
     return first * per_row, last * per_row
 
 
+def _default_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@torch.no_grad()
+def _materialize(module: torch.nn.Module, device) -> None:
+    """Shards of a model built on the meta device (`init_model_with_meta_device`): allocate them on
+    `device`, then build each component again (`init_rng.rebuild`: the values a non-meta build
+    gives), one at a time, and copy the rows of this rank's shard (and the component's buffers).
+    Buffers built outside components (RoPE frequencies) were real and keep their values."""
+    outside = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    for name, value in outside.items():
+        module.get_buffer(name).copy_(value)
+    filled = set()
+    for component in built_components(module):
+        full = rebuild(component, device)
+        full_params = dict(full.named_parameters())
+        for name, param in component.named_parameters():
+            local = param.to_local()
+            start, end = local_flat_range(param)
+            local.copy_(full_params[name].detach().reshape(-1)[start:end].view_as(local))
+            filled.add(param)
+        for name, buffer in component.named_buffers():
+            buffer.copy_(full.get_buffer(name))
+        del full
+    missing = [name for name, p in module.named_parameters() if p not in filled]
+    if missing:
+        raise RuntimeError(f"init_model_with_meta_device: {missing[:3]} were built outside a component "
+                           "(init_rng.build_component), so their values cannot be made again")
+
+
 class FullyShardedDataParallel(torch.nn.Module):
     """Shard `module` (one model chunk) over data parallelism with FSDP2.
 
     config: the model's TransformerConfig (params_dtype, calculate_per_token_loss).
     ddp_config: its DistributedDataParallelConfig (the strategy, grad_reduce_in_fp32).
+    device: where a module built on the meta device (init_model_with_meta_device) gets its shards.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module,
-                 pg_collection: ProcessGroupCollection | None = None):
+                 pg_collection: ProcessGroupCollection | None = None, device=None):
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
@@ -113,15 +147,20 @@ class FullyShardedDataParallel(torch.nn.Module):
         hybrid = ddp_config.num_distributed_optimizer_instances > 1
         dense_mesh = _hybrid_mesh(pg_collection) if hybrid else _mesh(self.dp_cp_group)
         units = [m for m in module.modules() if isinstance(m, (TransformerLayer, MultiTokenPredictionLayer))]
-        for unit in units:
+        sharded = set()
+        for unit in reversed(units):  # inner units first (an MTP layer holds a transformer layer)
             for experts in self._expert_modules(unit):
-                fully_shard(experts, mesh=_mesh(self.expt_dp_group), mp_policy=policy,
-                            reshard_after_forward=reshard)
+                if experts not in sharded:
+                    fully_shard(experts, mesh=_mesh(self.expt_dp_group), mp_policy=policy,
+                                reshard_after_forward=reshard)
+                    sharded.add(experts)
             fully_shard(unit, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(module, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for name, param in module.named_parameters():
             vars(param).update(attributes[name])
             param.compute_dtype = config.params_dtype  # the dtype checkpoints save the model weights in
+        if any(p.is_meta for p in module.parameters()):
+            _materialize(module, device or _default_device())
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.grad_corrections = self._grad_corrections()

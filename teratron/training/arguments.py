@@ -416,6 +416,9 @@ def _add_parallel_args(parser):
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
                    dest="torch_fsdp2_reshard_after_forward",
                    help="--use-torch-fsdp2 keeps each layer's params gathered from forward to backward (optim_grads).")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="FSDP: build the model on the meta device and fill each rank's shards one layer at a time "
+                        "(a model larger than one device).")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Shard over data parallelism as --data-parallel-sharding-strategy says (run on FSDP2).")
     g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",

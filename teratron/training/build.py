@@ -26,7 +26,9 @@ def build_model(run, device, pg_collection=None) -> list:
     """
     model_config = dataclasses.replace(run.model, transformer=copy.copy(run.transformer))
     torch.manual_seed(run.training.seed)
-    chunks = [chunk.to(device) for chunk in build_model_chunks(model_config, pg_collection)]
+    chunks = build_model_chunks(model_config, pg_collection)
+    if not run.transformer.init_model_with_meta_device:  # else FSDP allocates the shards on the device
+        chunks = [chunk.to(device) for chunk in chunks]
     model_parallel_cuda_manual_seed(run.training.seed)
     if run.training.torch_compile:
         from teratron.transformer.torch_compile import compile_transformer_layers
@@ -34,7 +36,8 @@ def build_model(run, device, pg_collection=None) -> list:
         for chunk in chunks:
             compile_transformer_layers(chunk)
     if run.ddp.shards_with_fsdp2():
-        return [FullyShardedDataParallel(model_config.transformer, run.ddp, chunk, pg_collection) for chunk in chunks]
+        return [FullyShardedDataParallel(model_config.transformer, run.ddp, chunk, pg_collection, device)
+                for chunk in chunks]
     return [DistributedDataParallel(config=model_config.transformer, ddp_config=run.ddp, module=chunk,
                                     disable_bucketing=i > 0, pg_collection=pg_collection)
             for i, chunk in enumerate(chunks)]

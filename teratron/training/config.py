@@ -307,6 +307,9 @@ class RunConfig:
         self._check_fsdp()
 
     def _check_fsdp(self):
+        if self.transformer.init_model_with_meta_device and not self.ddp.shards_with_fsdp2():
+            raise ValueError("--init-model-with-meta-device builds the model without values and lets FSDP make each "
+                             "rank's shards; add --use-torch-fsdp2 (or --use-megatron-fsdp) or drop it")
         if not self.ddp.shards_with_fsdp2():
             return
         name = "--use-torch-fsdp2" if self.ddp.use_torch_fsdp2 else "--use-megatron-fsdp"

@@ -252,7 +252,6 @@ REFUSED = {
         "--no-dsa-indexer-scoring-relu|--disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon= "
         "--dsa-indexer-k-norm-fp32 --linear-conv-kernel-dim= --linear-key-head-dim= --linear-value-head-dim= "
         "--linear-num-key-heads= --linear-num-value-heads= --linear-attention-freq=",
-    Refused("meta-device initialisation (Megatron FSDP)"): "--init-model-with-meta-device",
     Refused("muP (maximal update parametrisation)"):
         "--use-mup --mup-width-mult= --mup-base-hidden-size= --mup-embedding-mult= --mup-output-mult= "
         "--mup-base-head-dim= --mup-attn-scale-power=",

@@ -19,6 +19,7 @@ LM loss's value unchanged; each depth's [loss sum, token count] is kept for the 
 (`pop_mtp_losses`, read by the training step right after the forward).
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -30,7 +31,7 @@ from teratron.process_groups import get_pg_size
 from teratron.tensor_parallel import mappings
 from teratron.topology import resolve_pg_collection
 from teratron.transformer.context_parallel import gather_sequence, scatter_sequence
-from teratron.transformer.init_rng import component_rng
+from teratron.transformer.init_rng import build_component
 from teratron.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from teratron.transformer.norms import Norm
 from teratron.transformer.spec_utils import ModuleSpec, build_module
@@ -116,9 +117,9 @@ class MultiTokenPredictionBlock(torch.nn.Module):
                              f"{config.mtp_num_layers}; give one spec per depth")
         layers = []
         for depth, layer_spec in enumerate(spec.layer_specs, 1):
-            with component_rng(f"mtp{depth}"):
-                layers.append(build_module(layer_spec, config=config, depth=depth,
-                                           pg_collection=self.pg_collection, vp_stage=vp_stage))
+            layers.append(build_component(f"mtp{depth}", functools.partial(
+                build_module, layer_spec, config=config, depth=depth, pg_collection=self.pg_collection,
+                vp_stage=vp_stage), config.init_model_with_meta_device))
         self.layers = torch.nn.ModuleList(layers)
 
     def forward(self, input_ids, position_ids, hidden_states, embedding, attention_mask=None,

@@ -11,6 +11,7 @@ With `config.fp8` the layers' linears run FP8 GEMMs (`apply_fp8`; first/last lay
 stay bf16), not the embedding or the output layer, which are outside the block.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import List, Union
 
@@ -22,7 +23,7 @@ from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_trans
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
 from teratron.transformer.cuda_graphs import LayerCudaGraphs
-from teratron.transformer.init_rng import component_rng
+from teratron.transformer.init_rng import build_component
 from teratron.transformer.norms import Norm
 from teratron.transformer.spec_utils import ModuleSpec, build_module
 
@@ -81,20 +82,23 @@ class TransformerBlock(torch.nn.Module):
         layers = []
         for i, layer_spec in enumerate(submodules.layer_specs):
             layer_number = offset + i + 1
-            with component_rng(f"layer{layer_number}"):
-                layers.append(build_module(layer_spec, config=config, layer_number=layer_number,
-                                           pg_collection=self.pg_collection, vp_stage=vp_stage))
-            apply_fp8(layers[-1], config, layer_number, self.pg_collection.cp)
+            layers.append(build_component(f"layer{layer_number}", functools.partial(
+                self._build_layer, layer_spec, layer_number, vp_stage), config.init_model_with_meta_device))
         self.layers = torch.nn.ModuleList(layers)
         self.cuda_graphs = None
         if config.cuda_graph_impl == "local" and config.cuda_graph_scope == "full" and layers:
             self.cuda_graphs = LayerCudaGraphs(self.layers, config.cuda_graph_retain_backward_graph)
         self.final_layernorm = None
         if post_process and post_layer_norm and submodules.layer_norm is not None:
-            with component_rng("final_norm"):
-                self.final_layernorm = build_module(submodules.layer_norm, config=config,
-                                                    hidden_size=config.hidden_size,
-                                                    eps=config.layernorm_epsilon)
+            self.final_layernorm = build_component("final_norm", functools.partial(
+                build_module, submodules.layer_norm, config=config, hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon), config.init_model_with_meta_device)
+
+    def _build_layer(self, layer_spec, layer_number: int, vp_stage):
+        layer = build_module(layer_spec, config=self.config, layer_number=layer_number,
+                             pg_collection=self.pg_collection, vp_stage=vp_stage)
+        apply_fp8(layer, self.config, layer_number, self.pg_collection.cp)
+        return layer
 
     def set_input_tensor(self, input_tensor):
         """The activations received from the previous pipeline stage (used when not pre_process)."""

@@ -35,7 +35,6 @@ YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddi
 UNSUPPORTED = {
     "moe_latent_size": "latent MoE projections",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "init_model_with_meta_device": "meta-device initialisation (Megatron FSDP)",
     "disable_bf16_reduced_precision_matmul": "the bf16 reduced-precision matmul switch",
     "masked_softmax_fusion": "fused masked softmax",
     "persist_layer_norm": "persistent fused LayerNorm",
@@ -286,7 +285,9 @@ class TransformerConfig(ModelParallelConfig):
     """Std of the default embedding init; None means init_method_std."""
 
     init_model_with_meta_device: bool = False
-    """Build parameters on the meta device (Megatron FSDP only)."""
+    """Build the components (embedding, layers, final norm, output layer, MTP layers) on the meta
+    device, without memory or values; FSDP then allocates each rank's shards and fills them by
+    building the components again one at a time (init_rng.rebuild). Needs FSDP."""
 
     ####################
     # mixed-precision

@@ -6,7 +6,7 @@ optim_grads_params: FSDP2) at DP 2, and FSDP2 at DP 4; FSDP x TP 2 with sequence
 saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP x CP 2 with full recompute;
 selective recompute with activation offloading; FP8 linears; FSDP with MoE at EP 2 (experts
 sharded over expert DP); hybrid sharding (2 instances at DP 4) whose checkpoint FSDP at DP 2
-continues; Muon. In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
+continues; Muon; MTP; meta-device initialisation (bit-identical to building with values). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
 checkpoint saved under FSDP continues under the distributed optimizer with the uninterrupted
 run's losses, and back.
 """
@@ -100,6 +100,24 @@ def test_muon(tmp_path):
     _assert_equal(_train(muon, tmp_path, "muon-single"), _train(muon + FSDP2, tmp_path, "muon-fsdp", 2), "muon")
 
 
+def test_multi_token_prediction(tmp_path):
+    """An MTP layer holds a transformer layer: both are FSDP units, the inner one sharded first."""
+    mtp = ["--mtp-num-layers", "1"]
+    _assert_equal(_train(mtp, tmp_path, "mtp-single"), _train(mtp + FSDP2, tmp_path, "mtp-fsdp", 2), "mtp")
+
+
+def test_meta_device_initialisation_gives_the_same_shards(tmp_path):
+    """--init-model-with-meta-device: the model is built without values, then each rank's shards
+    are filled one component at a time: the run equals the one built with values, bit for bit
+    (TP + SP, MoE with EP, an MTP layer, bf16)."""
+    flags = BF16 + FSDP2 + MOE + ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                  "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                  "--moe-token-dispatcher-type", "alltoall"]
+    built = _train(flags, tmp_path, "built", 4)
+    meta = _train(flags + ["--init-model-with-meta-device"], tmp_path, "meta", 4)
+    assert [(r["lm_loss"], r["grad_norm"]) for r in meta] == [(r["lm_loss"], r["grad_norm"]) for r in built]
+
+
 def test_pipeline_parallel(reference, tmp_path):
     _assert_equal(reference, _train(FSDP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2-fsdp", 4),
                   "pp2-fsdp")
@@ -176,3 +194,5 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
 
     with pytest.raises(ValueError, match="^--optimizer-cpu-offload with FSDP"):
         run_config_from_args(parse_train_args(TINY + FSDP2 + ["--optimizer-cpu-offload"]), 2, 100, cuda=False)
+    with pytest.raises(ValueError, match="^--init-model-with-meta-device builds the model without values"):
+        run_config_from_args(parse_train_args(TINY + ["--init-model-with-meta-device"]), 2, 100, cuda=False)

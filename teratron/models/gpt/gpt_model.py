@@ -23,6 +23,7 @@ every other parameter is frozen and the main model runs without autograd.
 """
 
 import contextlib
+import functools
 
 from typing import Literal
 
@@ -37,7 +38,7 @@ from teratron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cr
 from teratron.tensor_parallel.layers import padded_vocab_init_method
 from teratron.topology import check_parallel_sizes, resolve_pg_collection
 from teratron.transformer.context_parallel import cp_token_index
-from teratron.transformer.init_rng import component_rng
+from teratron.transformer.init_rng import build_component
 from teratron.transformer.multi_latent_attention import mla_rotary_embedding
 from teratron.transformer.multi_token_prediction import MultiTokenPredictionBlock, attach_mtp_loss, roll_left
 from teratron.transformer.rope import RotaryEmbedding, YarnRotaryEmbedding
@@ -91,10 +92,10 @@ class GPTModel(torch.nn.Module):
         if self.mtp_process:
             _check_mtp_stage(config, post_process, position_embedding_type)
         if pre_process or self.mtp_process:
-            with component_rng("embedding"):
-                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                        position_embedding_type=position_embedding_type,
-                                                        tp_group=tp, unpadded_vocab_size=unpadded_vocab_size)
+            self.embedding = build_component("embedding", functools.partial(
+                LanguageModelEmbedding, config, vocab_size, max_sequence_length,
+                position_embedding_type=position_embedding_type, tp_group=tp,
+                unpadded_vocab_size=unpadded_vocab_size), config.init_model_with_meta_device)
         self.rotary_pos_emb = None
         if config.multi_latent_attention:  # MLA rotates its positional channels whatever the type (Megatron)
             self.rotary_pos_emb = mla_rotary_embedding(config)
@@ -120,14 +121,12 @@ class GPTModel(torch.nn.Module):
             has_embedding = pre_process or self.mtp_process
             tied_copy = share_embeddings_and_output_weights and not has_embedding
             init_method = config.embedding_init_method if tied_copy else config.init_method
-            with component_rng("embedding" if tied_copy else "output_layer"):
-                self.output_layer = tensor_parallel.ColumnParallelLinear(
-                    config.hidden_size, vocab_size, config=config,
-                    init_method=padded_vocab_init_method(init_method, unpadded_vocab_size),
-                    bias=False, skip_bias_add=False, gather_output=False,
-                    skip_weight_param_allocation=has_embedding and share_embeddings_and_output_weights,
-                    tp_group=tp,
-                )
+            self.output_layer = build_component("embedding" if tied_copy else "output_layer", functools.partial(
+                tensor_parallel.ColumnParallelLinear, config.hidden_size, vocab_size, config=config,
+                init_method=padded_vocab_init_method(init_method, unpadded_vocab_size),
+                bias=False, skip_bias_add=False, gather_output=False,
+                skip_weight_param_allocation=has_embedding and share_embeddings_and_output_weights,
+                tp_group=tp), config.init_model_with_meta_device)
             if tied_copy:
                 self.output_layer.weight.shared_embedding = True
         if config.freeze_base_model_for_mtp:
