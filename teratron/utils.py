@@ -55,3 +55,16 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+def local_flat_range(param) -> tuple[int, int]:
+    """Flat elements [start, end) of the whole (tensor-parallel) parameter that this rank's shard
+    of an FSDP parameter (a DTensor sharded on dim 0, as torch.chunk cuts) holds; the shard dim
+    of a hybrid mesh is its last."""
+    rows = param.shape[0]
+    mesh = param.device_mesh
+    world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    chunk = math.ceil(rows / world) if rows else 0
+    first, last = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+    per_row = math.prod(param.shape[1:])
+    return first * per_row, last * per_row

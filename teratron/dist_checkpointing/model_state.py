@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from teratron.dist_checkpointing.mapping import shard_tensor_items
 from teratron.pipeline_parallel.layout import get_transformer_layer_offset
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.utils import local_flat_range
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -119,8 +120,6 @@ def model_sharded_items(model_chunks, pg_collection=None) -> list:
 
 
 def _fsdp_shard_items(param, layout) -> list:
-    from teratron.distributed.fsdp import local_flat_range
-
     with torch.no_grad():
         local = param.to_local()  # the shard's own storage
     copy = local.to(getattr(param, "compute_dtype", local.dtype), copy=True).view(-1)

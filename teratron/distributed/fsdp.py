@@ -37,19 +37,18 @@ after backward each sharded parameter gets `main_grad`, its local gradient shard
 buffers.
 """
 
-import math
 from contextlib import contextmanager
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from teratron.process_groups import ProcessGroupCollection, get_pg_size
 from teratron.topology import resolve_pg_collection
 from teratron.transformer.init_rng import built_components, rebuild
 from teratron.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from teratron.transformer.transformer_layer import TransformerLayer
+from teratron.utils import local_flat_range
 
 SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
 
@@ -73,18 +72,6 @@ def _hybrid_mesh(pg) -> DeviceMesh:
 
 def _is_expert_param(param) -> bool:
     return not getattr(param, "allreduce", True)
-
-
-def local_flat_range(param: DTensor) -> tuple[int, int]:
-    """Flat elements [start, end) of the whole (tensor-parallel) parameter this rank's shard holds
-    (the shard dim of a hybrid mesh is its last)."""
-    rows = param.shape[0]
-    mesh = param.device_mesh
-    world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunk = math.ceil(rows / world) if rows else 0
-    first, last = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
-    per_row = math.prod(param.shape[1:])
-    return first * per_row, last * per_row
 
 
 def _default_device():

@@ -3,7 +3,6 @@ gradient clipping and CPU offload, built by `get_megatron_optimizer` (Megatron's
 
 import torch
 
-from teratron.distributed.fsdp import FullyShardedDataParallel
 from teratron.optimizer.clip_grads import all_reduce_over_groups, calc_params_l2_norm, default_device
 from teratron.optimizer.cpu_offload import use_host_cores
 from teratron.optimizer.distrib_optimizer import DistributedOptimizer
@@ -144,9 +143,9 @@ def _sharding(model_chunks) -> str | None:
     buffers for the distributed optimizer: use_distributed_optimizer) or None (whole params; also a
     chunk outside DDP)."""
     def kind(chunk):
-        if isinstance(chunk, FullyShardedDataParallel):
-            return "fsdp"
         ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.shards_with_fsdp2():
+            return "fsdp"
         return "distributed" if getattr(ddp_config, "use_distributed_optimizer", False) else None
 
     kinds = {kind(chunk) for chunk in model_chunks}

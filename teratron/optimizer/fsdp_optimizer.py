@@ -11,9 +11,9 @@ the distributed optimizer and back.
 
 import torch
 
-from teratron.distributed.fsdp import local_flat_range
 from teratron.optimizer.cpu_offload import main_grad_for
 from teratron.optimizer.optimizer import MainParamShard, MegatronOptimizer, copy_param_attributes
+from teratron.utils import local_flat_range
 
 
 class FsdpOptimizer(MegatronOptimizer):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from teratron.distributed import DistributedDataParallelConfig
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.optimizer import OptimizerConfig
+from teratron.parallel_state import launched_by_torchrun
 from teratron.dist_checkpointing.model_args import YARN_ARGS
 from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, inverted_dests
 from teratron.training.microbatches import build_num_microbatches_calculator
@@ -313,9 +314,10 @@ class RunConfig:
         if not self.ddp.shards_with_fsdp2():
             return
         name = "--use-torch-fsdp2" if self.ddp.use_torch_fsdp2 else "--use-megatron-fsdp"
-        if self.distributed.world_size == 1:
-            raise ValueError(f"{name} shards over data-parallel ranks, which one process does not have; launch "
-                             "several (--nproc-per-node N) or drop the flag")
+        if self.distributed.world_size == 1 and not launched_by_torchrun():
+            raise ValueError(f"{name} shards over data-parallel ranks with torch.distributed, which one process "
+                             "without torchrun does not start; launch with torchrun (--nproc-per-node N) or drop "
+                             "the flag")
         if self.optimizer.optimizer_cpu_offload:
             raise ValueError(f"--optimizer-cpu-offload with FSDP ({name}): the sharded fp32 parameters are the "
                              "master weights and stay on the device; drop one")

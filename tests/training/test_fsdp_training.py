@@ -184,7 +184,8 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     for flags, phrase in [(FSDP2 + ["--use-megatron-fsdp"], "pass one (--use-megatron-fsdp or --use-torch-fsdp2)"),
-                          (FSDP2, "--use-torch-fsdp2 shards over data-parallel ranks, which one process does not")]:
+                          (FSDP2, "--use-torch-fsdp2 shards over data-parallel ranks with torch.distributed, which one "
+                                  "process without torchrun does not start")]:
         assert cli.main(["train"] + TINY + flags) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
