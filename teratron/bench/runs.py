@@ -34,7 +34,10 @@ class BaselineResult:
 
 
 def train_command(train_argv: list, nproc_per_node: int) -> list:
-    if nproc_per_node == 1:
+    """`teratron train` as one process, or under torchrun (several processes, or FSDP, which needs
+    torch.distributed even on one GPU)."""
+    fsdp = any(flag in train_argv for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp"))
+    if nproc_per_node == 1 and not fsdp:
         return [sys.executable, "-m", "teratron", "train", *train_argv]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
             "-m", "teratron", "train", *train_argv]

@@ -75,6 +75,8 @@ def test_flags_the_harness_owns_and_gpu_only_baseline(monkeypatch):
     with pytest.raises(ValueError, match="--skip-baseline"):
         cli.run(cli.parse_args([]))
     assert train_command(["--bf16"], 2)[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert train_command(["--bf16"], 1)[1:4] == ["-m", "teratron", "train"]
+    assert train_command(["--use-torch-fsdp2"], 1)[1:4] == ["-m", "torch.distributed.run", "--standalone"]
 
 
 def test_commit_comes_from_the_environment_on_a_copy_without_git(monkeypatch):
