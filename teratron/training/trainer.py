@@ -9,9 +9,10 @@ micro-batches (gradient accumulation; with --cuda-graph-impl local as CUDA graph
 `full_iteration_graph`), reduce the max attention logits (QK-clip, which clips inside the
 optimizer step), stop (or skip the step) on a non-finite loss, step the optimizer and
 the LR schedule, update the MoE routers and collect their metrics. `train` then logs, evaluates
-and saves on their intervals. At the end (also when --exit-interval or a signal stops the run)
-it logs the last partial log window, evaluates the validation set unless that iteration just
-did, and the test split.
+and saves on their intervals. At the end (also when --exit-interval stops the run) it logs the
+last partial log window, evaluates the validation set unless that iteration just did, and the
+test split. A SIGTERM under --exit-signal-handler skips every evaluation from the iteration it
+arrives in: the run logs, saves and stops, within the scheduler's grace period.
 """
 
 import math
@@ -118,6 +119,7 @@ class Trainer:
             claim_save_dir(c.save, c.load, c.finetune, c.overwrite)
         self.run = run
         self.tokenizer = tokenizer
+        self.logger = None  # the TrainingLogger, made by train()
         self.device = get_device()
         self.pg_collection = current_topology().pg_collection()  # passed to everything built below
         set_random_seed(run.training.seed, run.training.deterministic_mode)
@@ -132,15 +134,23 @@ class Trainer:
         if is_logging_rank():
             self._print_model_summary()
 
-        self.checkpointer = Checkpointer(run, tokenizer)
+        self.checkpointer = Checkpointer(run, tokenizer, log=self._print)
         self.state = TrainState()
         if run.checkpoint.load:
             (self.state.iteration, self.state.consumed_train_samples,
              self.state.consumed_valid_samples) = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
+            if self.state.iteration:
+                self._print(f"resumed from iteration {self.state.iteration} of --load {run.checkpoint.load}")
         self.train_iters, self.valid_iters, self.test_iters = self._data_iterators()
         self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection)
-        self.logger = None
         self.microbatches = run.microbatches()
+
+    def _print(self, line: str) -> None:
+        """A line on the logging rank (through the logger's progress bar once training runs)."""
+        if self.logger is not None:
+            self.logger.print(line)
+        elif is_logging_rank():
+            print(line, flush=True)
 
     def _print_model_summary(self) -> None:
         t, run = self.run.transformer, self.run
@@ -199,7 +209,7 @@ class Trainer:
             profiler.step(state.iteration + 1)
         window = LogWindow()
         last_saved = last_evaluated = state.iteration
-        stop = False
+        stop = signalled = False
         result, global_batch = None, training.global_batch_size
         while state.iteration < training.train_iters and not stop:
             self.microbatches.update(state.consumed_train_samples)
@@ -215,12 +225,13 @@ class Trainer:
             if state.iteration % run.logging.log_interval == 0 or state.iteration == training.train_iters:
                 window = self.log(window, result.grad_norm, global_batch)
             paused = time.perf_counter()  # evaluation and saving do not count as training time
-            if self.valid_iters and state.iteration % training.eval_interval == 0:
+            signalled = exit_handler is not None and exit_handler.any_rank_received()
+            if self.valid_iters and state.iteration % training.eval_interval == 0 and not signalled:
                 self.evaluate_and_log()
                 last_evaluated = state.iteration
             saved, stop = self.checkpointer.after_iteration(
                 state.iteration, self.model, self.optimizer, self.scheduler, state.consumed_train_samples,
-                state.consumed_valid_samples, exit_handler)
+                state.consumed_valid_samples, signalled)
             if saved:
                 last_saved = state.iteration
             if profiler is not None:  # nor does starting, stopping and writing the profile
@@ -229,11 +240,14 @@ class Trainer:
 
         if window.iters:  # stopped between logging iterations: no iteration goes unlogged
             self.log(window, result.grad_norm, global_batch)
-        if stop:
-            self.logger.print(f"exiting after iteration {state.iteration} (--exit-interval or a signal)")
-        if self.valid_iters and last_evaluated != state.iteration:
+        if signalled:
+            self.logger.print(f"exiting after iteration {state.iteration}: SIGTERM (--exit-signal-handler), "
+                              "saved without evaluating")
+        elif stop:
+            self.logger.print(f"exiting after iteration {state.iteration} (--exit-interval)")
+        if self.valid_iters and last_evaluated != state.iteration and not signalled:
             self.evaluate_and_log(prefix="the end of training for val data")
-        if self.test_iters:
+        if self.test_iters and not signalled:
             losses = self.evaluate(self.test_iters)
             self.logger.log_eval(state.iteration, losses, split="test", prefix="the end of training for test data")
         if run.checkpoint.save and last_saved != state.iteration:

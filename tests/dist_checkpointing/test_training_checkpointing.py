@@ -99,9 +99,11 @@ def test_async_save_exit_signal_and_exit_interval(tmp_path):
     checkpointer = checkpointing.Checkpointer(run)
     handler = checkpointing.ExitSignalHandler()
     try:
-        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (False, False)
+        assert not handler.any_rank_received()
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, False) == (False, False)
         os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal
-        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (True, True)
+        assert handler.any_rank_received()
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, True) == (True, True)
     finally:
         handler.restore()
     assert storage.read_tracker(save) == 3
@@ -162,10 +164,12 @@ def test_load_refusals(tmp_path):
         checkpointer.load(model, optimizer, scheduler)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_and_exits_cleanly_without_evaluating(tmp_path):
+    """SIGTERM under --exit-signal-handler: the iteration it arrives in is saved and the run
+    stops, with no validation (due every iteration here) nor test evaluation first."""
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "teratron", "train", *TINY, "--train-iters", "100000", "--save", str(save),
-           "--exit-signal-handler", "--metrics-file", str(metrics)]
+           "--exit-signal-handler", "--metrics-file", str(metrics), "--eval-iters", "1", "--eval-interval", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -176,9 +180,15 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    last = json.loads(metrics.read_text().splitlines()[-1])["iteration"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = records[-1]["iteration"]
     assert 3 <= last < 100000 and storage.read_tracker(str(save)) == last
     assert sorted(os.listdir(save)) == [f"iter_{last:07d}", storage.TRACKER_FILENAME]
+    evaluated = [r["iteration"] for r in records if "lr" not in r]
+    assert evaluated == list(range(1, last))  # every iteration but the signalled one; no test split
+    assert "lr" in records[-1] and not any("test_lm_loss" in r for r in records)
+    assert out.count(f"saved checkpoint at iteration {last} to {save}") == 1
+    assert f"exiting after iteration {last}: SIGTERM (--exit-signal-handler), saved without evaluating" in out
 
 
 def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, capsys):
