@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import tempfile
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -125,7 +126,8 @@ class Checkpointer:
                     metadata=self._model_record(), with_rng=not c.no_save_rng, ckpt_format=c.ckpt_format)
         self._copy_hf_files()
         if c.async_save:
-            self._pending_save = dist_checkpointing.start_async_save(**save)
+            timeout = timedelta(minutes=self.run.distributed.distributed_timeout_minutes)
+            self._pending_save = dist_checkpointing.start_async_save(**save, timeout=timeout)
             return storage.iteration_dir(c.save, iteration)
         folder = dist_checkpointing.save_checkpoint(**save)
         self.log(f"saved checkpoint at iteration {iteration} to {c.save}")

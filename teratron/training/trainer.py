@@ -37,6 +37,8 @@ from teratron.training.initialize import get_device, set_random_seed
 from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
+from teratron.training.straggler import StragglerReport
+from teratron.training.watchdog import Watchdog, peer_store
 from teratron.transformer.moe import clear_aux_losses_tracker
 from teratron.utils import HostCopy
 
@@ -120,6 +122,7 @@ class Trainer:
         self.run = run
         self.tokenizer = tokenizer
         self.logger = None  # the TrainingLogger, made by train()
+        self.watchdog = self.straggler = None  # --watchdog-timeout, --log-straggler: made by train()
         self.device = get_device()
         self.pg_collection = current_topology().pg_collection()  # passed to everything built below
         set_random_seed(run.training.seed, run.training.deterministic_mode)
@@ -190,9 +193,16 @@ class Trainer:
         self.logger = TrainingLogger(run, is_logging_rank(), state.iteration)
         exit_handler = ExitSignalHandler() if run.training.exit_signal_handler else None
         profiler = build_profiler(run.profiling, self.device)
+        if run.logging.log_straggler:
+            self.straggler = StragglerReport(self.config, self.device, run.logging.straggler_minmax_count)
+        if run.training.watchdog_timeout:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            self.watchdog = Watchdog(run.training.watchdog_timeout, rank, world, peer_store())
         try:
             self._train_loop(exit_handler, profiler)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
             if profiler is not None:  # training ended inside the profiled range
                 profiler.stop(state.iteration)
             if exit_handler is not None:
@@ -214,7 +224,7 @@ class Trainer:
         while state.iteration < training.train_iters and not stop:
             self.microbatches.update(state.consumed_train_samples)
             global_batch = self.microbatches.get_current_global_batch_size()
-            result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+            result = self._watched_step(global_batch, forward_backward_func, first=result is None)
             state.iteration += 1
             state.consumed_train_samples += global_batch
             if "lm loss" in result.losses:
@@ -254,6 +264,20 @@ class Trainer:
             self.save()
         self.checkpointer.finalize_async_save(blocking=True)
 
+    def _watched_step(self, global_batch: int, forward_backward_func, first: bool) -> StepResult:
+        """`step` under the hang watchdog (not this process's first step: compilation and warm-up)
+        and the straggler report's clock."""
+        if self.watchdog is not None and not first:
+            self.watchdog.step_started(self.state.iteration + 1)
+        if self.straggler is not None:
+            self.straggler.step_started()
+        result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+        if self.straggler is not None:
+            self.straggler.step_ended()
+        if self.watchdog is not None:
+            self.watchdog.step_ended()
+        return result
+
     def save(self) -> str:
         s = self.state
         return self.checkpointer.save(s.iteration, self.model, self.optimizer, self.scheduler,
@@ -271,6 +295,8 @@ class Trainer:
             loss_scale=self.optimizer.get_loss_scale().item() if self.run.optimizer.fp16 else None,
             moe_metrics=moe_metrics, max_attention_logit=window.max_attention_logit,
         )
+        if self.straggler is not None:  # a collective: every rank logs at the same iterations
+            self.logger.print(self.straggler.line(self.straggler.gather()))
         return LogWindow()
 
     # ----- one step -----

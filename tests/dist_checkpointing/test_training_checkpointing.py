@@ -221,3 +221,34 @@ def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, c
     stranger.fingerprint = lambda: {"class": "ByteLevelTokenizer", "vocab_size": 100, "sha256": "0" * 64}
     with pytest.raises(ValueError, match=r"another tokenizer \(NullTokenizer, 100 ids; now ByteLevelTokenizer"):
         checkpointing.Checkpointer(changed(run, "checkpoint", load=save), stranger).load(model, optimizer, scheduler)
+
+
+def _async_group_timeout(timeout):
+    import torch.distributed as dist
+
+    from teratron.dist_checkpointing import checkpoint
+
+    asked = []
+    new_group = dist.new_group
+    dist.new_group = lambda *args, **kwargs: asked.append(kwargs) or new_group(*args, **kwargs)
+    try:
+        checkpoint._ASYNC_GROUP = None
+        group = checkpoint._async_group(timeout)
+        assert checkpoint.all_ranks_true(True, group)
+    finally:
+        dist.new_group = new_group
+    return asked
+
+
+def test_the_async_writer_group_times_out_with_the_run(tmp_path, monkeypatch):
+    """--async-save's own gloo group takes --distributed-timeout-minutes, not gloo's default."""
+    import datetime
+
+    minutes = datetime.timedelta(minutes=3)
+    assert run_distributed(_async_group_timeout, 2, minutes) == [[{"backend": "gloo", "timeout": minutes}]] * 2
+    run, model, optimizer, scheduler = setup(tmp_path, "--async-save", "--distributed-timeout-minutes", "3")
+    started = []
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "start_async_save",
+                        lambda **kwargs: started.append(kwargs["timeout"]))
+    checkpointing.Checkpointer(run).save(1, model, optimizer, scheduler, 4)
+    assert started == [minutes]
