@@ -23,6 +23,7 @@ Bad input (a flag, a config value, a file) ends the command with one line on std
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 import teratron
@@ -34,10 +35,16 @@ USER_ERRORS = (ValueError, NotImplementedError, OSError)
 def _train(argv) -> int:
     from teratron.training import demo
     from teratron.training.arguments import demo_argv, parse_train_args
-    from teratron.training.checkpointing import resume_hint
     from teratron.training.training import pretrain
 
     args = parse_train_args(argv)
+    interrupted = []
+
+    def on_ctrl_c(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         if not args.demo:
             demo.check_not_demo(args)
@@ -48,9 +55,21 @@ def _train(argv) -> int:
         pretrain(_fitting_run(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
         return 0
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":  # torchrun passes Ctrl+C to every rank: one says it
-            print(f"teratron: interrupted; {resume_hint(args.save)}", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted(args.save)
+    except Exception:
+        if not interrupted:
+            raise
+        return _interrupted(args.save)  # Ctrl+C inside a library call can surface as another error
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(save) -> int:
+    from teratron.training.checkpointing import resume_hint
+
+    if os.environ.get("RANK", "0") == "0":  # torchrun passes Ctrl+C to every rank: one says it
+        print(f"teratron: interrupted; {resume_hint(save)}", file=sys.stderr, flush=True)
+    return 130
 
 
 def _fitting_run(args):

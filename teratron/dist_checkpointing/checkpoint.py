@@ -233,6 +233,8 @@ def _finish(root, iteration, files, error, common, metadata, ckpt_format="teratr
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+        if serialization.interrupted(error):  # Ctrl+C while saving: an interruption, not a failed save
+            raise KeyboardInterrupt
         cause = f"({serialization.failure_reason(error)})" if error is not None else "on another rank"
         raise OSError(f"--save {root}: writing checkpoint iteration {iteration} failed {cause}; "
                       "the previous checkpoint stays the latest") from None

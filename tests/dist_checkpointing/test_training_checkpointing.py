@@ -252,3 +252,29 @@ def test_the_async_writer_group_times_out_with_the_run(tmp_path, monkeypatch):
                         lambda **kwargs: started.append(kwargs["timeout"]))
     checkpointing.Checkpointer(run).save(1, model, optimizer, scheduler, 4)
     assert started == [minutes]
+
+
+def test_ctrl_c_inside_a_save_is_an_interruption_and_the_last_checkpoint_stays(tmp_path, monkeypatch):
+    """DCP wraps a KeyboardInterrupt of its writers with every other failure: the save re-raises
+    it as Ctrl+C (the CLI then names the checkpoint to resume from), not as a failed save."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from teratron.dist_checkpointing import serialization
+
+    run, model, optimizer, scheduler = setup(tmp_path)
+    checkpointer = checkpointing.Checkpointer(run)
+    checkpointer.save(2, model, optimizer, scheduler, 8)
+
+    def interrupted_write(*args, **kwargs):
+        raise CheckpointException("write", {0: (KeyboardInterrupt(), None)})
+
+    monkeypatch.setattr(serialization, "save", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(3, model, optimizer, scheduler, 12)
+    save = run.checkpoint.save
+    assert storage.read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", storage.TRACKER_FILENAME]
+    assert checkpointing.resume_hint(save) == f"resume from iteration 2 with --load {save}"
+    monkeypatch.setattr(serialization, "save", lambda *a, **k: (_ for _ in ()).throw(
+        CheckpointException("write", {0: (OSError("disk full"), None)})))
+    with pytest.raises(OSError, match="writing checkpoint iteration 3 failed .*disk full"):
+        checkpointer.save(3, model, optimizer, scheduler, 12)

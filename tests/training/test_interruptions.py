@@ -41,7 +41,7 @@ def _records(path):
 def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
     save = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "teratron", "train", *TINY, "--train-iters", "100000",
-                             "--save", str(save), "--save-interval", "2"], cwd=tmp_path, env=_env(),
+                             "--save", str(save), "--save-interval", "1"], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -53,7 +53,7 @@ def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
     finally:
         proc.kill()
     saved = storage.read_tracker(str(save))
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert err.splitlines()[-1] == f"teratron: interrupted; resume from iteration {saved} with --load {save}"
     assert f"saved checkpoint at iteration {saved} to {save}" in out
 
