@@ -252,7 +252,7 @@ class Trainer:
             self.log(window, result.grad_norm, global_batch)
         if signalled:
             self.logger.print(f"exiting after iteration {state.iteration}: SIGTERM (--exit-signal-handler), "
-                              "saved without evaluating")
+                              "no evaluation")
         elif stop:
             self.logger.print(f"exiting after iteration {state.iteration} (--exit-interval)")
         if self.valid_iters and last_evaluated != state.iteration and not signalled:

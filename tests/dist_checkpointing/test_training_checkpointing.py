@@ -188,7 +188,7 @@ def test_sigterm_saves_and_exits_cleanly_without_evaluating(tmp_path):
     assert evaluated == list(range(1, last))  # every iteration but the signalled one; no test split
     assert "lr" in records[-1] and not any("test_lm_loss" in r for r in records)
     assert out.count(f"saved checkpoint at iteration {last} to {save}") == 1
-    assert f"exiting after iteration {last}: SIGTERM (--exit-signal-handler), saved without evaluating" in out
+    assert f"exiting after iteration {last}: SIGTERM (--exit-signal-handler), no evaluation" in out
 
 
 def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, capsys):
