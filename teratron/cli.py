@@ -16,11 +16,14 @@
                                     --draft-load / --num-speculative-tokens
 
 Bad input (a flag, a config value, a file) ends the command with one line on stderr,
-`teratron: error: <message>`, and exit status 2; no traceback.
+`teratron: error: <message>`, and exit status 2; no traceback. Ctrl+C ends it with one line
+(`teratron train`'s names the checkpoint to resume from) and exit status 130.
 """
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 import teratron
@@ -35,14 +38,38 @@ def _train(argv) -> int:
     from teratron.training.training import pretrain
 
     args = parse_train_args(argv)
-    if not args.demo:
-        demo.check_not_demo(args)
-        pretrain(_fitting_run(args))
+    interrupted = []
+
+    def on_ctrl_c(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        if not args.demo:
+            demo.check_not_demo(args)
+            pretrain(_fitting_run(args))
+            return 0
+        demo_dir, samples = demo.output_dir(args), demo.num_samples(args)
+        args = parse_train_args(argv, defaults=demo_argv() + demo.prepare(args))
+        pretrain(_fitting_run(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
         return 0
-    demo_dir, samples = demo.output_dir(args), demo.num_samples(args)
-    args = parse_train_args(argv, defaults=demo_argv() + demo.prepare(args))
-    pretrain(_fitting_run(args), after_training=lambda trainer: demo.finish(trainer, demo_dir, samples))
-    return 0
+    except KeyboardInterrupt:
+        return _interrupted(args.save)
+    except Exception:
+        if not interrupted:
+            raise
+        return _interrupted(args.save)  # Ctrl+C inside a library call can surface as another error
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(save) -> int:
+    from teratron.training.checkpointing import resume_hint
+
+    if os.environ.get("RANK", "0") == "0":  # torchrun passes Ctrl+C to every rank: one says it
+        print(f"teratron: interrupted; {resume_hint(save)}", file=sys.stderr, flush=True)
+    return 130
 
 
 def _fitting_run(args):

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from teratron.parent_death import exit_with_parent
 from teratron.topology import (  # noqa: F401  RankGenerator and the defaults: Megatron's names here
     RankGenerator,
     Topology,
@@ -38,13 +39,15 @@ def world_size_from_env() -> int:
 def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10) -> int:
     """Start torch.distributed when torchrun launched us (NCCL with CUDA, else gloo, unless
     `backend` says); returns the world size. Under torchrun each process takes the GPU of its
-    LOCAL_RANK.
+    LOCAL_RANK, and is killed by the kernel when torchrun dies (`parent_death`), so no rank
+    outlives its launcher.
 
     A process without torchrun runs without torch.distributed: every group is a group of one
     (this module's contract), so nothing needs a rendezvous.
     """
     if not launched_by_torchrun():
         return 1
+    exit_with_parent()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():

@@ -16,6 +16,7 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "teratron"
 # top-level module of teratron ("teratron" is the package's own __init__). A unit may import its
 # own modules and units of LOWER levels only; units of one level are independent of each other.
 LAYERS = [
+    ("parent_death",),
     ("teratron", "utils", "model_parallel_config", "fusions", "packed_seq_params"),
     ("topology",),
     ("parallel_state", "process_groups"),

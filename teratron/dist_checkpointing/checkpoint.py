@@ -233,6 +233,8 @@ def _finish(root, iteration, files, error, common, metadata, ckpt_format="teratr
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+        if serialization.interrupted(error):  # Ctrl+C while saving: an interruption, not a failed save
+            raise KeyboardInterrupt
         cause = f"({serialization.failure_reason(error)})" if error is not None else "on another rank"
         raise OSError(f"--save {root}: writing checkpoint iteration {iteration} failed {cause}; "
                       "the previous checkpoint stays the latest") from None
@@ -299,22 +301,24 @@ def _snapshot(items):
 _ASYNC_GROUP = None
 
 
-def _async_group():
-    """A gloo group of all ranks for the background writer's collectives, apart from training's."""
+def _async_group(timeout=None):
+    """A gloo group of all ranks for the background writer's collectives, apart from training's;
+    its collectives give up after `timeout` (the run's --distributed-timeout-minutes; None: torch's
+    gloo default)."""
     global _ASYNC_GROUP
     if _ASYNC_GROUP is None and dist.is_initialized():
-        _ASYNC_GROUP = dist.new_group(backend="gloo")
+        _ASYNC_GROUP = dist.new_group(backend="gloo", timeout=timeout)
     return _ASYNC_GROUP
 
 
 class AsyncSave:
     """A checkpoint being written by a background thread; `finalize` publishes it."""
 
-    def __init__(self, root, iteration, items, common, metadata, ckpt_format="teratron"):
+    def __init__(self, root, iteration, items, common, metadata, ckpt_format="teratron", timeout=None):
         self.root, self.iteration, self.common, self.metadata = root, iteration, common, metadata
         self.ckpt_format = ckpt_format
         self.files, self.error = None, None
-        group = _async_group()
+        group = _async_group(timeout)
         self.thread = threading.Thread(target=self._write, args=(items, group), daemon=True,
                                        name=f"teratron-async-save-{iteration}")
         self.thread.start()
@@ -333,8 +337,9 @@ class AsyncSave:
 
 
 def start_async_save(root, iteration, model_chunks, optimizer=None, common=None, metadata=None,
-                     with_rng=True, ckpt_format="teratron") -> AsyncSave:
-    """Snapshot the state now and write it in the background (a collective)."""
+                     with_rng=True, ckpt_format="teratron", timeout=None) -> AsyncSave:
+    """Snapshot the state now and write it in the background (a collective); `timeout` bounds the
+    background writer's collectives (a timedelta; the first async save of a process sets it)."""
     megatron = ckpt_format == "torch_dist"
     items = sharded_items(model_chunks, optimizer, with_rng and not megatron)
     check_finite(items, root, iteration)
@@ -343,7 +348,7 @@ def start_async_save(root, iteration, model_chunks, optimizer=None, common=None,
     common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng and not megatron)
     if megatron:
         items = _as_megatron(items, model_chunks, common, metadata, iteration)
-    return AsyncSave(root, iteration, items, common, metadata, ckpt_format)
+    return AsyncSave(root, iteration, items, common, metadata, ckpt_format, timeout)
 
 
 def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer=True, load_rng=True,

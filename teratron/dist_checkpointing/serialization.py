@@ -43,6 +43,13 @@ def _rank_errors(error: CheckpointException) -> list:
     return [(rank, e[0] if isinstance(e, tuple) else e) for rank, e in sorted(error.failures.items())]
 
 
+def interrupted(error) -> bool:
+    """Whether the error is Ctrl+C (DCP catches KeyboardInterrupt with the rest and wraps it)."""
+    if isinstance(error, CheckpointException):
+        return any(interrupted(e) for _, e in _rank_errors(error))
+    return isinstance(error, KeyboardInterrupt)
+
+
 def failure_reason(error) -> str:
     """One line for an error; DCP's CheckpointException gathers every rank's (exception, traceback)."""
     if isinstance(error, CheckpointException):

@@ -655,7 +655,11 @@ def _add_checkpoint_args(parser):
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (after saving) at iterations divisible by this.")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM, save and stop after the current iteration.")
+                   help="On SIGTERM, save and stop after the current iteration, without evaluating first.")
+    g.add_argument("--watchdog-timeout", type=float, default=None,
+                   help="Seconds a training step may run (the first step of a process excepted): past it, "
+                        "each live rank names the ranks that stopped responding, prints its Python stack and "
+                        "exits with status 124.")
 
 
 def _add_logging_args(parser):
@@ -667,6 +671,11 @@ def _add_logging_args(parser):
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--no-progress-bar", action="store_false", dest="progress_bar",
                    help="No tqdm progress bar (it only shows on a terminal anyway).")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="Every log interval, log each rank's step time up to its gradient reduction and "
+                        "name the slowest and fastest ranks.")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="With --log-straggler: how many slowest and fastest ranks to name.")
 
 
 def _add_profiling_args(parser):

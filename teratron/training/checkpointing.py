@@ -16,14 +16,17 @@ Saving writes into a hidden temporary folder that is renamed once every rank has
 only then names it in the tracker: an interrupted save never looks complete. `--async-save`
 snapshots the state and writes it on a background thread; the save is published by a later
 `maybe_finalize_async_save` (every iteration, before the next save and at the end).
-`--exit-signal-handler` turns SIGTERM into "save and stop after this iteration";
-`--exit-interval N` stops (after saving) at iterations divisible by N.
+`--exit-signal-handler` turns SIGTERM into "save and stop after this iteration" (no evaluation
+first: the scheduler's grace period is for the save); `--exit-interval N` stops (after saving) at
+iterations divisible by N. Every published save logs "saved checkpoint at iteration N"; after
+Ctrl+C, `resume_hint` names the checkpoint to resume from.
 """
 
 import os
 import shutil
 import signal
 import tempfile
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -62,6 +65,25 @@ def check_save_dir_writable(save: str) -> None:
                               "choose a writable directory") from None
 
 
+def _print_on_rank_0(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def resume_hint(save) -> str:
+    """One line for an interrupted run: the checkpoint to resume from (--save's latest complete
+    one), or that there is none."""
+    if not save:
+        return "no checkpoint was saved (no --save)"
+    try:
+        iteration = storage.read_tracker(save)
+    except (ValueError, OSError) as e:
+        return f"the checkpoint to resume from is unclear: {e}"
+    if iteration is None:
+        return f"no checkpoint was saved in --save {save}"
+    return f"resume from iteration {iteration} with --load {save}"
+
+
 def read_tracker(load: str):
     """The iteration named by load's tracker file, or None when there is no tracker."""
     try:
@@ -75,16 +97,18 @@ class Checkpointer:
     flight (published by `finalize_async_save`: every iteration, before the next save and at the
     end)."""
 
-    def __init__(self, run, tokenizer=None):
+    def __init__(self, run, tokenizer=None, log=None):
         self.run = run
         self.config = run.checkpoint
         self.tokenizer = tokenizer  # recorded with every save, checked at load
+        self.log = log or _print_on_rank_0  # the "saved checkpoint at iteration N" lines
         self._pending_save = None
 
     def finalize_async_save(self, blocking: bool = False) -> None:
         """Publish the background save once every rank has written it (a collective when one is
         in flight); with `blocking`, wait for it."""
         if self._pending_save is not None and self._pending_save.finalize(blocking):
+            self.log(f"saved checkpoint at iteration {self._pending_save.iteration} to {self.config.save}")
             self._pending_save = None
 
     def save(self, iteration, model, optimizer, opt_param_scheduler, consumed_samples,
@@ -102,9 +126,12 @@ class Checkpointer:
                     metadata=self._model_record(), with_rng=not c.no_save_rng, ckpt_format=c.ckpt_format)
         self._copy_hf_files()
         if c.async_save:
-            self._pending_save = dist_checkpointing.start_async_save(**save)
+            timeout = timedelta(minutes=self.run.distributed.distributed_timeout_minutes)
+            self._pending_save = dist_checkpointing.start_async_save(**save, timeout=timeout)
             return storage.iteration_dir(c.save, iteration)
-        return dist_checkpointing.save_checkpoint(**save)
+        folder = dist_checkpointing.save_checkpoint(**save)
+        self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
+        return folder
 
     def _copy_hf_files(self) -> None:
         """Keep the Hugging Face config/tokenizer files of an imported checkpoint with its descendants."""
@@ -240,9 +267,9 @@ class Checkpointer:
                   "resized to this run's vocabulary (new rows start from the initialisation)", flush=True)
 
     def after_iteration(self, iteration, model, optimizer, opt_param_scheduler, consumed_samples,
-                        consumed_valid_samples, exit_handler=None):
+                        consumed_valid_samples, exit_requested=False):
         """Save on --save-interval, publish a finished async save, and decide whether to stop
-        (SIGTERM under --exit-signal-handler, or --exit-interval), saving first.
+        (`exit_requested`: SIGTERM under --exit-signal-handler, or --exit-interval), saving first.
         Returns (saved, stop)."""
         c, exit_interval = self.config, self.run.training.exit_interval
         self.finalize_async_save(blocking=False)
@@ -255,7 +282,7 @@ class Checkpointer:
         if c.save and c.save_interval and iteration % c.save_interval == 0:
             saved = save()
         stop = bool(exit_interval and iteration % exit_interval == 0)
-        stop = (exit_handler is not None and exit_handler.any_rank_received()) or stop
+        stop = exit_requested or stop
         if stop:
             if c.save and not saved:
                 saved = save()

@@ -65,6 +65,8 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: Optional[int] = None
     exit_signal_handler: bool = False
+    watchdog_timeout: Optional[float] = None
+    """Seconds a step may run before the hang watchdog ends the job (training/watchdog.py)."""
     torch_compile: bool = False
     """torch.compile every transformer layer (default on CUDA)."""
 
@@ -74,6 +76,8 @@ class TrainingConfig:
         _at_least(self, 0, ("eval_iters",))
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.watchdog_timeout is not None and not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be a positive number of seconds, got {self.watchdog_timeout}")
         if self.skip_nan_steps and not self.check_for_nan_in_loss_and_grad:
             raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
 
@@ -222,9 +226,11 @@ class LoggingConfig:
     metrics_file: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     progress_bar: bool = True
+    log_straggler: bool = False
+    straggler_minmax_count: int = 1
 
     def __post_init__(self):
-        _at_least(self, 1, ("log_interval",))
+        _at_least(self, 1, ("log_interval", "straggler_minmax_count"))
 
 
 @dataclass(frozen=True)

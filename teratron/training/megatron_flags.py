@@ -133,8 +133,8 @@ ACCEPTED = {
     "teratron logs the peak memory (mem_peak_gib) on every log line": "--log-memory-interval= "
                                                                      "--log-device-memory-used",
     "teratron prints at its own level (errors as one line, notes, the log line)": "--logging-level=",
-    "teratron has no straggler detector": "--log-straggler --straggler-ctrlr-port= --straggler-minmax-count= "
-                                          "--disable-straggler-on-startup",
+    "teratron's --log-straggler report has no run-time controller: it is on for the whole run":
+        "--straggler-ctrlr-port=",
     "teratron reports to no one-logger (NVIDIA telemetry)": "--no-one-logger --one-logger-project= "
                                                             "--one-logger-run-name= --one-logger-async "
                                                             "--app-tag-run-name= --app-tag-run-version=",
@@ -436,6 +436,8 @@ REFUSED = {
         "--inprocess-heartbeat-timeout= --inprocess-barrier-timeout= --inprocess-completion-timeout= "
         "--inprocess-last-call-wait= --inprocess-termination-grace-time= --inprocess-granularity= "
         "--inprocess-active-world-size= --inprocess-empty-cuda-cache",
+    Refused("switching the straggler report on at run time", "drop --log-straggler to run without it"):
+        "--disable-straggler-on-startup",
     Refused("the fault-tolerance package"): "--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters=",
     Refused("the fault injector"): "--fault-injector-ranks= --fault-injector-num-ranks= --fault-injector-fault-types= "
                                    "--fault-injector-fault-probabilities= --fault-injector-fault-delay= "

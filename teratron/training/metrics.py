@@ -5,6 +5,9 @@ Each logged iteration goes to: the console (a tqdm progress bar plus Megatron's 
 TensorBoard (`--tensorboard-dir`). Each evaluation goes to the same three: its own metrics
 record holds the iteration and the split's losses (`val_lm_loss`, `test_lm_loss`, ...). Only
 the logging rank (the last rank, which holds the loss) writes any of them.
+
+A resumed run appends to the metrics file after removing the interrupted run's records past the
+iteration it resumes from (`drop_records_after`), so the file holds one record per iteration.
 """
 
 import json
@@ -105,6 +108,39 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def drop_records_after(path: str, iteration: int) -> int:
+    """Remove the records at the end of the metrics file whose iteration is past `iteration`
+    (what an interrupted run logged after the checkpoint a resume starts from; a torn last line
+    too), keeping everything before them: earlier runs that share the file keep their records.
+    The shortened file replaces the old one by a rename, so a crash leaves one or the other.
+    Returns how many lines were removed."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    keep = len(lines)
+    while keep and _past(lines[keep - 1], iteration):
+        keep -= 1
+    if keep == len(lines):
+        return 0
+    replacement = f"{path}.tmp-{os.getpid()}"
+    with open(replacement, "w") as f:
+        f.writelines(lines[:keep])
+    os.replace(replacement, path)
+    return len(lines) - keep
+
+
+def _past(line: str, iteration: int) -> bool:
+    """A record after `iteration`, or a line without its newline (the end of a killed writer)."""
+    if not line.endswith("\n"):
+        return True
+    try:
+        return json.loads(line)["iteration"] > iteration
+    except (ValueError, KeyError, TypeError):
+        return False  # not a record of ours: the walk stops here
+
+
 def _open_metrics_file(path: str):
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -148,6 +184,8 @@ class TrainingLogger:
             return
         log = run.logging
         if log.metrics_file:
+            if start_iteration:
+                self._drop_records_after(log.metrics_file, start_iteration)
             self.metrics_file = _open_metrics_file(log.metrics_file)
         if log.tensorboard_dir:
             self.writer = _open_tensorboard(log.tensorboard_dir)
@@ -156,6 +194,17 @@ class TrainingLogger:
         self.bar = tqdm(total=self.train_iters, initial=start_iteration, desc="train", unit="it",
                         ncols=shutil.get_terminal_size().columns,
                         disable=None if log.progress_bar else True)
+
+    @staticmethod
+    def _drop_records_after(path: str, iteration: int) -> None:
+        try:
+            dropped = drop_records_after(path, iteration)
+        except OSError as e:
+            raise OSError(f"--metrics-file {path}: cannot rewrite it for the resume ({e.strerror}); pass a "
+                          "writable file path") from None
+        if dropped:
+            print(f"--metrics-file {path}: removed {dropped} record(s) past iteration {iteration}, logged "
+                  "after the checkpoint this run resumes from", flush=True)
 
     def print(self, line: str) -> None:
         if self.enabled:

@@ -9,9 +9,10 @@ micro-batches (gradient accumulation; with --cuda-graph-impl local as CUDA graph
 `full_iteration_graph`), reduce the max attention logits (QK-clip, which clips inside the
 optimizer step), stop (or skip the step) on a non-finite loss, step the optimizer and
 the LR schedule, update the MoE routers and collect their metrics. `train` then logs, evaluates
-and saves on their intervals. At the end (also when --exit-interval or a signal stops the run)
-it logs the last partial log window, evaluates the validation set unless that iteration just
-did, and the test split.
+and saves on their intervals. At the end (also when --exit-interval stops the run) it logs the
+last partial log window, evaluates the validation set unless that iteration just did, and the
+test split. A SIGTERM under --exit-signal-handler skips every evaluation from the iteration it
+arrives in: the run logs, saves and stops, within the scheduler's grace period.
 """
 
 import math
@@ -36,6 +37,8 @@ from teratron.training.initialize import get_device, set_random_seed
 from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
+from teratron.training.straggler import StragglerReport
+from teratron.training.watchdog import Watchdog, peer_store
 from teratron.transformer.moe import clear_aux_losses_tracker
 from teratron.utils import HostCopy
 
@@ -118,6 +121,8 @@ class Trainer:
             claim_save_dir(c.save, c.load, c.finetune, c.overwrite)
         self.run = run
         self.tokenizer = tokenizer
+        self.logger = None  # the TrainingLogger, made by train()
+        self.watchdog = self.straggler = None  # --watchdog-timeout, --log-straggler: made by train()
         self.device = get_device()
         self.pg_collection = current_topology().pg_collection()  # passed to everything built below
         set_random_seed(run.training.seed, run.training.deterministic_mode)
@@ -132,15 +137,23 @@ class Trainer:
         if is_logging_rank():
             self._print_model_summary()
 
-        self.checkpointer = Checkpointer(run, tokenizer)
+        self.checkpointer = Checkpointer(run, tokenizer, log=self._print)
         self.state = TrainState()
         if run.checkpoint.load:
             (self.state.iteration, self.state.consumed_train_samples,
              self.state.consumed_valid_samples) = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
+            if self.state.iteration:
+                self._print(f"resumed from iteration {self.state.iteration} of --load {run.checkpoint.load}")
         self.train_iters, self.valid_iters, self.test_iters = self._data_iterators()
         self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection)
-        self.logger = None
         self.microbatches = run.microbatches()
+
+    def _print(self, line: str) -> None:
+        """A line on the logging rank (through the logger's progress bar once training runs)."""
+        if self.logger is not None:
+            self.logger.print(line)
+        elif is_logging_rank():
+            print(line, flush=True)
 
     def _print_model_summary(self) -> None:
         t, run = self.run.transformer, self.run
@@ -180,9 +193,16 @@ class Trainer:
         self.logger = TrainingLogger(run, is_logging_rank(), state.iteration)
         exit_handler = ExitSignalHandler() if run.training.exit_signal_handler else None
         profiler = build_profiler(run.profiling, self.device)
+        if run.logging.log_straggler:
+            self.straggler = StragglerReport(self.config, self.device, run.logging.straggler_minmax_count)
+        if run.training.watchdog_timeout:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            self.watchdog = Watchdog(run.training.watchdog_timeout, rank, world, peer_store())
         try:
             self._train_loop(exit_handler, profiler)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
             if profiler is not None:  # training ended inside the profiled range
                 profiler.stop(state.iteration)
             if exit_handler is not None:
@@ -199,12 +219,12 @@ class Trainer:
             profiler.step(state.iteration + 1)
         window = LogWindow()
         last_saved = last_evaluated = state.iteration
-        stop = False
+        stop = signalled = False
         result, global_batch = None, training.global_batch_size
         while state.iteration < training.train_iters and not stop:
             self.microbatches.update(state.consumed_train_samples)
             global_batch = self.microbatches.get_current_global_batch_size()
-            result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+            result = self._watched_step(global_batch, forward_backward_func, first=result is None)
             state.iteration += 1
             state.consumed_train_samples += global_batch
             if "lm loss" in result.losses:
@@ -215,12 +235,13 @@ class Trainer:
             if state.iteration % run.logging.log_interval == 0 or state.iteration == training.train_iters:
                 window = self.log(window, result.grad_norm, global_batch)
             paused = time.perf_counter()  # evaluation and saving do not count as training time
-            if self.valid_iters and state.iteration % training.eval_interval == 0:
+            signalled = exit_handler is not None and exit_handler.any_rank_received()
+            if self.valid_iters and state.iteration % training.eval_interval == 0 and not signalled:
                 self.evaluate_and_log()
                 last_evaluated = state.iteration
             saved, stop = self.checkpointer.after_iteration(
                 state.iteration, self.model, self.optimizer, self.scheduler, state.consumed_train_samples,
-                state.consumed_valid_samples, exit_handler)
+                state.consumed_valid_samples, signalled)
             if saved:
                 last_saved = state.iteration
             if profiler is not None:  # nor does starting, stopping and writing the profile
@@ -229,16 +250,33 @@ class Trainer:
 
         if window.iters:  # stopped between logging iterations: no iteration goes unlogged
             self.log(window, result.grad_norm, global_batch)
-        if stop:
-            self.logger.print(f"exiting after iteration {state.iteration} (--exit-interval or a signal)")
-        if self.valid_iters and last_evaluated != state.iteration:
+        if signalled:
+            self.logger.print(f"exiting after iteration {state.iteration}: SIGTERM (--exit-signal-handler), "
+                              "no evaluation")
+        elif stop:
+            self.logger.print(f"exiting after iteration {state.iteration} (--exit-interval)")
+        if self.valid_iters and last_evaluated != state.iteration and not signalled:
             self.evaluate_and_log(prefix="the end of training for val data")
-        if self.test_iters:
+        if self.test_iters and not signalled:
             losses = self.evaluate(self.test_iters)
             self.logger.log_eval(state.iteration, losses, split="test", prefix="the end of training for test data")
         if run.checkpoint.save and last_saved != state.iteration:
             self.save()
         self.checkpointer.finalize_async_save(blocking=True)
+
+    def _watched_step(self, global_batch: int, forward_backward_func, first: bool) -> StepResult:
+        """`step` under the hang watchdog (not this process's first step: compilation and warm-up)
+        and the straggler report's clock."""
+        if self.watchdog is not None and not first:
+            self.watchdog.step_started(self.state.iteration + 1)
+        if self.straggler is not None:
+            self.straggler.step_started()
+        result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+        if self.straggler is not None:
+            self.straggler.step_ended()
+        if self.watchdog is not None:
+            self.watchdog.step_ended()
+        return result
 
     def save(self) -> str:
         s = self.state
@@ -257,6 +295,8 @@ class Trainer:
             loss_scale=self.optimizer.get_loss_scale().item() if self.run.optimizer.fp16 else None,
             moe_metrics=moe_metrics, max_attention_logit=window.max_attention_logit,
         )
+        if self.straggler is not None:  # a collective: every rank logs at the same iterations
+            self.logger.print(self.straggler.line(self.straggler.gather()))
         return LogWindow()
 
     # ----- one step -----

@@ -99,9 +99,11 @@ def test_async_save_exit_signal_and_exit_interval(tmp_path):
     checkpointer = checkpointing.Checkpointer(run)
     handler = checkpointing.ExitSignalHandler()
     try:
-        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (False, False)
+        assert not handler.any_rank_received()
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, False) == (False, False)
         os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal
-        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, handler) == (True, True)
+        assert handler.any_rank_received()
+        assert checkpointer.after_iteration(3, model, optimizer, scheduler, 12, 0, True) == (True, True)
     finally:
         handler.restore()
     assert storage.read_tracker(save) == 3
@@ -162,10 +164,12 @@ def test_load_refusals(tmp_path):
         checkpointer.load(model, optimizer, scheduler)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_and_exits_cleanly_without_evaluating(tmp_path):
+    """SIGTERM under --exit-signal-handler: the iteration it arrives in is saved and the run
+    stops, with no validation (due every iteration here) nor test evaluation first."""
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "teratron", "train", *TINY, "--train-iters", "100000", "--save", str(save),
-           "--exit-signal-handler", "--metrics-file", str(metrics)]
+           "--exit-signal-handler", "--metrics-file", str(metrics), "--eval-iters", "1", "--eval-interval", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -176,9 +180,15 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    last = json.loads(metrics.read_text().splitlines()[-1])["iteration"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = records[-1]["iteration"]
     assert 3 <= last < 100000 and storage.read_tracker(str(save)) == last
     assert sorted(os.listdir(save)) == [f"iter_{last:07d}", storage.TRACKER_FILENAME]
+    evaluated = [r["iteration"] for r in records if "lr" not in r]
+    assert evaluated == list(range(1, last))  # every iteration but the signalled one; no test split
+    assert "lr" in records[-1] and not any("test_lm_loss" in r for r in records)
+    assert out.count(f"saved checkpoint at iteration {last} to {save}") == 1
+    assert f"exiting after iteration {last}: SIGTERM (--exit-signal-handler), no evaluation" in out
 
 
 def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, capsys):
@@ -211,3 +221,60 @@ def test_another_vocabulary_or_tokenizer_is_refused_unless_asked_for(tmp_path, c
     stranger.fingerprint = lambda: {"class": "ByteLevelTokenizer", "vocab_size": 100, "sha256": "0" * 64}
     with pytest.raises(ValueError, match=r"another tokenizer \(NullTokenizer, 100 ids; now ByteLevelTokenizer"):
         checkpointing.Checkpointer(changed(run, "checkpoint", load=save), stranger).load(model, optimizer, scheduler)
+
+
+def _async_group_timeout(timeout):
+    import torch.distributed as dist
+
+    from teratron.dist_checkpointing import checkpoint
+
+    asked = []
+    new_group = dist.new_group
+    dist.new_group = lambda *args, **kwargs: asked.append(kwargs) or new_group(*args, **kwargs)
+    try:
+        checkpoint._ASYNC_GROUP = None
+        group = checkpoint._async_group(timeout)
+        assert checkpoint.all_ranks_true(True, group)
+    finally:
+        dist.new_group = new_group
+    return asked
+
+
+def test_the_async_writer_group_times_out_with_the_run(tmp_path, monkeypatch):
+    """--async-save's own gloo group takes --distributed-timeout-minutes, not gloo's default."""
+    import datetime
+
+    minutes = datetime.timedelta(minutes=3)
+    assert run_distributed(_async_group_timeout, 2, minutes) == [[{"backend": "gloo", "timeout": minutes}]] * 2
+    run, model, optimizer, scheduler = setup(tmp_path, "--async-save", "--distributed-timeout-minutes", "3")
+    started = []
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "start_async_save",
+                        lambda **kwargs: started.append(kwargs["timeout"]))
+    checkpointing.Checkpointer(run).save(1, model, optimizer, scheduler, 4)
+    assert started == [minutes]
+
+
+def test_ctrl_c_inside_a_save_is_an_interruption_and_the_last_checkpoint_stays(tmp_path, monkeypatch):
+    """DCP wraps a KeyboardInterrupt of its writers with every other failure: the save re-raises
+    it as Ctrl+C (the CLI then names the checkpoint to resume from), not as a failed save."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from teratron.dist_checkpointing import serialization
+
+    run, model, optimizer, scheduler = setup(tmp_path)
+    checkpointer = checkpointing.Checkpointer(run)
+    checkpointer.save(2, model, optimizer, scheduler, 8)
+
+    def interrupted_write(*args, **kwargs):
+        raise CheckpointException("write", {0: (KeyboardInterrupt(), None)})
+
+    monkeypatch.setattr(serialization, "save", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(3, model, optimizer, scheduler, 12)
+    save = run.checkpoint.save
+    assert storage.read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", storage.TRACKER_FILENAME]
+    assert checkpointing.resume_hint(save) == f"resume from iteration 2 with --load {save}"
+    monkeypatch.setattr(serialization, "save", lambda *a, **k: (_ for _ in ()).throw(
+        CheckpointException("write", {0: (OSError("disk full"), None)})))
+    with pytest.raises(OSError, match="writing checkpoint iteration 3 failed .*disk full"):
+        checkpointer.save(3, model, optimizer, scheduler, 12)
