@@ -2,11 +2,11 @@
 against the single process: every iteration's loss and grad norm must equal it.
 
 Each sharding strategy (no_shard: DDP, optim: the distributed optimizer, optim_grads and
-optim_grads_params: FSDP2) at DP 2, and FSDP2 at DP 4; FSDP x TP 2 with sequence parallelism,
+optim_grads_params: FSDP2) at DP 2 and DP 4, through both flags; FSDP x TP 2 with sequence parallelism,
 saving a checkpoint that TP 2 without FSDP continues; FSDP x PP 2; FSDP x CP 2 with full recompute;
 selective recompute with activation offloading; FP8 linears; FSDP with MoE at EP 2 (experts
 sharded over expert DP); hybrid sharding (2 instances at DP 4) whose checkpoint FSDP at DP 2
-continues; Muon; MTP; meta-device initialisation (bit-identical to building with values). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
+continues; Muon and Lion; MTP; meta-device initialisation (bit-identical to building with values). In bf16 (fp32 grads), FSDP's fp32 shards are the master weights: a
 checkpoint saved under FSDP continues under the distributed optimizer with the uninterrupted
 run's losses, and back.
 """
@@ -64,12 +64,17 @@ def reference(tmp_path_factory):
     return run
 
 
+def _megatron_fsdp(strategy):
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+
+
 @pytest.mark.parametrize("flags, nproc", [
-    (FSDP2, 2),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], 4),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], 2),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"], 2),
-], ids=["torch-fsdp2-dp2", "optim-grads-dp4", "optim-dp2", "no-shard-dp2"])
+    (FSDP2, 2), (_megatron_fsdp("optim_grads_params"), 4),
+    (FSDP2 + ["--torch-fsdp2-no-reshard-after-forward"], 4), (_megatron_fsdp("optim_grads"), 2),
+    (_megatron_fsdp("optim"), 2), (_megatron_fsdp("optim"), 4),
+    (_megatron_fsdp("no_shard"), 2), (_megatron_fsdp("no_shard"), 4),
+], ids=["torch-fsdp2-dp2", "optim-grads-params-dp4", "torch-fsdp2-no-reshard-dp4", "optim-grads-dp2",
+        "optim-dp2", "optim-dp4", "no-shard-dp2", "no-shard-dp4"])
 def test_each_strategy_equals_the_single_process(reference, tmp_path, flags, nproc):
     _assert_equal(reference, _train(flags, tmp_path, "run", nproc), flags[-1])
 
@@ -94,10 +99,11 @@ def test_hybrid_sharding_and_its_checkpoint_continued_at_dp2(reference, tmp_path
     _assert_equal(reference, resumed, "fsdp-from-hsdp")
 
 
-def test_muon(tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "lion"])
+def test_muon_and_lion(tmp_path, optimizer):
     """Muon orthogonalises whole matrices: it gathers each FSDP shard's matrix over the shard group."""
-    muon = ["--optimizer", "muon"]
-    _assert_equal(_train(muon, tmp_path, "muon-single"), _train(muon + FSDP2, tmp_path, "muon-fsdp", 2), "muon")
+    flags = ["--optimizer", optimizer]
+    _assert_equal(_train(flags, tmp_path, "single"), _train(flags + FSDP2, tmp_path, "fsdp", 2), optimizer)
 
 
 def test_multi_token_prediction(tmp_path):
