@@ -50,8 +50,6 @@ from teratron.transformer.multi_token_prediction import MultiTokenPredictionLaye
 from teratron.transformer.transformer_layer import TransformerLayer
 from teratron.utils import local_flat_range
 
-SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
-
 
 def _device_type(group) -> str:
     return "cuda" if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl" else "cpu"
