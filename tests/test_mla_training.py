@@ -9,15 +9,12 @@ sequence parallelism. The flags reach MLATransformerConfig; flags without
 --multi-latent-attention are refused.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from teratron import cli
+from train_runs import assert_same_losses, train, training_records
 
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -35,23 +32,10 @@ MODEL_B = TINY + MLA
 
 
 def _train(args, tmp_path, name, nproc=None):
-    launcher = [sys.executable, "-m", "teratron"]
-    if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-                    "-m", "teratron"]
-    path = tmp_path / f"{name}.jsonl"
-    cmd = launcher + ["train"] + args + ["--metrics-file", str(path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "lr" in r]
+    return training_records(train(args, tmp_path, name, nproc)[0])
 
 
-def _assert_same_losses(reference, records, name):
-    assert [r["iteration"] for r in records] == [r["iteration"] for r in reference[-len(records):]], name
-    for a, b in zip(reference[-len(records):], records):
-        for key in ("lm_loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+_assert_same_losses = assert_same_losses
 
 
 def test_mla_moe_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):

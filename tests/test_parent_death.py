@@ -10,6 +10,7 @@ import textwrap
 import time
 
 from teratron import parent_death
+from train_runs import alive, env
 
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
         "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
@@ -17,17 +18,6 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
         "--num-workers", "0", "--no-progress-bar", "--distributed-backend", "gloo"]
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper that never comes counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _children(pid: int) -> list:
@@ -60,7 +50,7 @@ def test_killing_torchrun_process_group_stops_every_rank_and_their_checkpoints(t
            "-m", "teratron", "train", *TINY, "--train-iters", "100000", "--save", str(save), "--save-interval", "1"]
     # The launcher leads a process group of its own (as a shell job would); torchrun puts each
     # rank in a session of its own, out of that group.
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     ranks = []
     try:
@@ -70,13 +60,13 @@ def test_killing_torchrun_process_group_stops_every_rank_and_their_checkpoints(t
         assert len(ranks) == 2 and all(os.getsid(r) == r for r in ranks)  # each leads its own session
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
-        _wait_for(lambda: not any(_alive(r) for r in ranks), 5, f"ranks {ranks} to die with their launcher")
+        _wait_for(lambda: not any(alive(r) for r in ranks), 5, f"ranks {ranks} to die with their launcher")
         after = _checkpoints(save)
         time.sleep(1.0)  # nothing left to write: the folder stays as the kill left it
         assert _checkpoints(save) == after
     finally:
         for pid in [launcher.pid] + ranks:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=10)
 
@@ -99,12 +89,12 @@ _CHILD_OF_LIVE_PARENT = textwrap.dedent("""
 
 
 def test_a_rank_whose_parent_is_already_gone_stops_at_once():
-    orphan = subprocess.run([sys.executable, "-c", _ORPHAN], env=_env(), capture_output=True, text=True,
+    orphan = subprocess.run([sys.executable, "-c", _ORPHAN], env=env(), capture_output=True, text=True,
                             timeout=60)
     # The child holds the pipes until it dies: the output is complete once they close.
     assert "outlived" not in orphan.stdout
     assert "is gone; this rank" in orphan.stderr
-    child = subprocess.run([sys.executable, "-c", _CHILD_OF_LIVE_PARENT], env=_env(), capture_output=True,
+    child = subprocess.run([sys.executable, "-c", _CHILD_OF_LIVE_PARENT], env=env(), capture_output=True,
                            text=True, timeout=60)
     assert (child.returncode, child.stdout) == (0, "True\n")
 

@@ -16,17 +16,13 @@ Sequence packing (documents as samples, balanced over DP ranks by tokens, packed
 under CP 2 x DP 2: each document split into 2 x CP chunks.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy
 import pytest
 
 from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
 from teratron.training.arguments import parse_train_args
 from teratron.training.config import run_config_from_args
+from train_runs import assert_same_losses, train, training_records
 
 TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -46,25 +42,13 @@ CP2 = ["--context-parallel-size", "2"]
 
 def _train(args, tmp_path, name, nproc=None):
     """(training records, evaluation records, stdout) of `teratron train` (torchrun with nproc)."""
-    launcher = [sys.executable, "-m", "teratron"]
-    if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-                    "-m", "teratron"]
-    path = tmp_path / f"{name}.jsonl"
-    cmd = launcher + ["train"] + TINY + args + ["--metrics-file", str(path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in records if "lr" in r], [r for r in records if "lr" not in r], proc.stdout
+    records, stdout = train(TINY + args, tmp_path, name, nproc)
+    return training_records(records), [r for r in records if "lr" not in r], stdout
 
 
 def _assert_equal(reference, run, name, keys=("lm_loss", "grad_norm")):
-    (ref_train, ref_eval, _), (train, evals, _) = reference, run
-    assert [r["iteration"] for r in train] == [r["iteration"] for r in ref_train[-len(train):]], name
-    for a, b in zip(ref_train[-len(train):], train):
-        for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+    (ref_train, ref_eval, _), (train_records, evals, _) = reference, run
+    assert_same_losses(ref_train, train_records, name, keys)
     for a, b in zip(ref_eval[-len(evals):], evals):
         for key in a.keys() - {"iteration"}:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (name, key, a[key], b[key])

@@ -11,13 +11,10 @@ checkpoint saved under FSDP continues under the distributed optimizer with the u
 run's losses, and back.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
 from teratron.distributed import DistributedDataParallelConfig
+from train_runs import assert_same_losses, train, training_records
 
 TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -32,24 +29,10 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", 
 
 
 def _train(args, tmp_path, name, nproc=None):
-    """The training records of `teratron train` (under torchrun with nproc ranks)."""
-    launcher = [sys.executable, "-m", "teratron"]
-    if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-                    "-m", "teratron"]
-    path = tmp_path / f"{name}.jsonl"
-    cmd = launcher + ["train"] + TINY + args + ["--metrics-file", str(path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "lr" in r]
+    return training_records(train(TINY + args, tmp_path, name, nproc)[0])
 
 
-def _assert_equal(reference, run, name):
-    assert [r["iteration"] for r in run] == [r["iteration"] for r in reference[-len(run):]], name
-    for a, b in zip(reference[-len(run):], run):
-        for key in ("lm_loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+_assert_equal = assert_same_losses
 
 
 def _resume_at(checkpoint, iteration: int):

@@ -9,14 +9,12 @@ checkpointed without MTP changes only the MTP layers; bad flag combinations fail
 naming the flag."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from teratron import cli
+from train_runs import assert_same_losses, train, training_records
 
 # 2 layers, hidden 32, seq 16, no dropout, mock data, RoPE (MTP refuses learned positions).
 # Global batch 8: 4 micro-batches per step alone, 2 per rank at DP 2.
@@ -35,23 +33,11 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 def _train(args, tmp_path, name, nproc=None):
     """Runs `teratron train` (under torchrun when nproc is given); its training records."""
-    launcher = [sys.executable, "-m", "teratron"]
-    if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                    "--standalone", "-m", "teratron"]
-    path = tmp_path / f"{name}.jsonl"
-    cmd = launcher + ["train"] + TINY + args + ["--metrics-file", str(path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "lr" in r]
+    return training_records(train(TINY + args, tmp_path, name, nproc, timeout=240)[0])
 
 
 def _assert_equal(reference, run, name, keys):
-    assert [r["iteration"] for r in run] == [r["iteration"] for r in reference[-len(run):]], name
-    for a, b in zip(reference[-len(run):], run):
-        for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["iteration"], key, a[key], b[key])
+    assert_same_losses(reference, run, name, keys)
 
 
 def test_dense_mtp_layouts_and_resharding_equal_single_process(tmp_path):

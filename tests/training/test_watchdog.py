@@ -13,6 +13,7 @@ import pytest
 from teratron.training.arguments import parse_train_args
 from teratron.training.config import build_run_config
 from teratron.training.watchdog import EXIT_CODE, Watchdog
+from train_runs import alive, env
 
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
         "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
@@ -21,16 +22,6 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 LIMIT_S = 3
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _rank_pids(launcher_pid: int) -> dict:
@@ -62,7 +53,7 @@ def test_a_stopped_rank_ends_the_job_named_with_the_waiting_ranks_stack(tmp_path
            "-m", "teratron", "train", *TINY, "--train-iters", "100000", "--metrics-file", str(metrics),
            "--watchdog-timeout", str(LIMIT_S)]
     with open(log, "w") as out:
-        launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+        launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     ranks = {}
     try:
@@ -71,7 +62,7 @@ def test_a_stopped_rank_ends_the_job_named_with_the_waiting_ranks_stack(tmp_path
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        _wait_for(lambda: not _alive(ranks[0]), LIMIT_S + 10, "rank 0's watchdog to end it")
+        _wait_for(lambda: not alive(ranks[0]), LIMIT_S + 10, "rank 0's watchdog to end it")
         assert time.monotonic() - stopped < LIMIT_S + 6  # the limit, the silence check and a last interval
         os.kill(ranks[1], signal.SIGCONT)  # torchrun's SIGTERM (or rank 0's absence) ends it now
         launcher.wait(timeout=60)
@@ -83,7 +74,7 @@ def test_a_stopped_rank_ends_the_job_named_with_the_waiting_ranks_stack(tmp_path
         assert f"exitcode  : {EXIT_CODE}" in text  # torchrun's failure summary names rank 0's status
     finally:
         for pid in ranks.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
