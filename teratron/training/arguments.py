@@ -676,6 +676,15 @@ def _add_logging_args(parser):
                         "name the slowest and fastest ranks.")
     g.add_argument("--straggler-minmax-count", type=int, default=1,
                    help="With --log-straggler: how many slowest and fastest ranks to name.")
+    g.add_argument("--config-logger-dir", default="",
+                   help="Write the run's whole configuration as JSON into this folder, one file per run.")
+    g = parser.add_argument_group("OpenTelemetry (teratron.training.telemetry; pip install teratron[otel])")
+    g.add_argument("--otel-enabled", action="store_true",
+                   help="Export traces and metrics over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT; default localhost).")
+    g.add_argument("--otel-service-name", default=None, help="The service name (default OTEL_SERVICE_NAME, else teratron).")
+    g.add_argument("--otel-span-groups", default=None,
+                   help="Comma list of span groups or presets: default (job, checkpoint, evaluate), per_step "
+                        "(+ model_init, load_checkpoint, step, forward_backward, optimizer), all (+ microbatch).")
 
 
 def _add_profiling_args(parser):

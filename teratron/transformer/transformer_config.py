@@ -61,7 +61,6 @@ UNSUPPORTED = {
     "moe_router_fusion": "fused MoE routing",
     "clone_scatter_output_in_embedding": "not cloning the SP-scattered embedding output",
     "disable_parameter_transpose_cache": "Transformer Engine's parameter transpose cache",
-    "config_logger_dir": "config dumping",
     "flash_decode": "the flash-decoding inference kernel",
     "batch_invariant_mode": "batch-invariant kernels",
     "use_te_activation_func": "Transformer Engine activation functions",
