@@ -592,7 +592,7 @@ class TransformerConfig(ModelParallelConfig):
     """Do not cache parameter transposes between iterations."""
 
     config_logger_dir: str = ""
-    """When non-empty, dump entry-point configs to this directory."""
+    """When non-empty, `teratron train` writes the run's configuration there (training/config_logger.py)."""
 
     flash_decode: bool = False
     """Flash-decoding kernel at inference."""
