@@ -80,6 +80,8 @@ ACCEPTED = {
     "teratron's embedding does not clone the sequence-parallel scattered output (what this flag asks)":
         "--no-clone-scatter-output-in-embedding|--disable-clone-scatter-output-in-embedding",
     "a workaround of Megatron's legacy ONNX export; teratron's layers need none": "--onnx-safe=",
+    "teratron's --batch-invariant-mode runs every GEMM in fixed-shape row tiles of the device's own GEMM (no "
+    "separate kernel library to choose)": "--batch-invariant-backend=",
     "teratron's Newton-Schulz iterations use plain matmuls": "--muon-use-syrk",
     _INFERENCE: "--cache-mla-latents --moe-pad-experts-for-cuda-graph-inference --inference-cuda-graph-scope= "
                 "--flash-decode --symmetric-ar-type= --nccl-all-reduce-for-prefill --inference-fuse-tp-communication "
@@ -285,7 +287,6 @@ REFUSED = {
     Refused("mHC (manifold hyper-connections)"): "--enable-mhc-connections --mhc-num-residual-streams= "
                                                  "--mhc-sinkhorn-iterations= --mhc-init-gating-factor= "
                                                  "--mhc-recompute-layer-num=",
-    Refused("the batch-invariant mode"): "--batch-invariant-mode --batch-invariant-backend=",
     Refused("multimodal RoPE"): "--mrope-section=+",
     Refused("a hybrid Mamba / gated-delta model"):
         "--is-hybrid-model --mamba-state-dim= --mamba-head-dim= --mamba-num-groups= --mamba-num-heads= "

@@ -82,8 +82,10 @@ def table(rows) -> str:
     lines = [f"{'layer':>5} {'tokens':>7} {'entropy':>8} {'(max ' + format(math.log2(num_experts), '.2f') + ')':>11} "
              f"{'max share':>9} {'gini':>6} | {'H(next)':>8} {'H(next|this)':>12} {'top-1 pred':>10}"]
     for r in rows:
-        nxt = (f"{r['next_entropy_bits']:8.3f} {r['conditional_entropy_bits']:12.3f} "
-               f"{r['top1_prediction_accuracy']:10.3f}" if "next_entropy_bits" in r else f"{'-':>8} {'-':>12} {'-':>10}")
+        nxt = f"{'-':>8} {'-':>12} {'-':>10}"  # the last layer predicts nothing
+        if "next_entropy_bits" in r:
+            nxt = (f"{r['next_entropy_bits']:8.3f} {r['conditional_entropy_bits']:12.3f} "
+                   f"{r['top1_prediction_accuracy']:10.3f}")
         lines.append(f"{r['layer']:5d} {r['tokens']:7d} {r['entropy_bits']:8.3f} {'':>11} {r['max_share']:9.3f} "
                      f"{r['gini']:6.3f} | {nxt}")
     return "\n".join(lines)
