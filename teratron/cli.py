@@ -14,6 +14,8 @@
                                     OpenAI-compatible HTTP server (completions, chat, streaming);
                                     both take --tensor-model-parallel-size (under torchrun) and
                                     --draft-load / --num-speculative-tokens
+    teratron analyze-routing FILE... [--csv PATH] [--plot PATH]
+                                    MoE routing statistics of router replay recordings
 
 Bad input (a flag, a config value, a file) ends the command with one line on stderr,
 `teratron: error: <message>`, and exit status 2; no traceback. Ctrl+C ends it with one line
@@ -128,6 +130,9 @@ COMMANDS = {
     "serve": _module_command("teratron.inference.cli", "teratron serve",
                              "Serve a checkpoint's model over an OpenAI-compatible HTTP API.", "add_serve_arguments",
                              "run_serve"),
+    "analyze-routing": _module_command("teratron.transformer.moe.routing_analysis", "teratron analyze-routing",
+                                       "Per-expert load, its concentration and layer-to-layer predictability "
+                                       "of MoE routing recordings."),
 }
 
 

@@ -83,6 +83,9 @@ def _add_model_arguments(parser):
     engine.add_argument("--cache-mla-latents", action="store_true",
                         help="Multi-latent attention models: cache each token's latent instead of per-head keys and "
                              "values, attending with the up projections absorbed.")
+    engine.add_argument("--batch-invariant-mode", action="store_true",
+                        help="A request's tokens and log-probabilities do not depend on the requests batched with "
+                             "it (GEMMs in fixed-shape row tiles; slower).")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-load", default=None,
                              help="Checkpoint of a draft model with the same tokenizer, loaded as --load is.")
@@ -165,10 +168,12 @@ def _engine(args):
     config = InferenceConfig(**_set_flags(args, ENGINE_FLAGS))  # before loading: bad flags fail fast
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     tp = args.tensor_model_parallel_size
-    model, tokenizer = load_for_inference(args.load, tp, dtype=dtype, cache_mla_latents=args.cache_mla_latents)
+    model, tokenizer = load_for_inference(args.load, tp, dtype=dtype, cache_mla_latents=args.cache_mla_latents,
+                                          batch_invariant_mode=args.batch_invariant_mode)
     draft = None
     if args.draft_load is not None:
-        draft, draft_tokenizer = load_for_inference(args.draft_load, tp, dtype=dtype, flag="--draft-load")
+        draft, draft_tokenizer = load_for_inference(args.draft_load, tp, dtype=dtype, flag="--draft-load",
+                                                    batch_invariant_mode=args.batch_invariant_mode)
         if not same_vocabulary(draft_tokenizer.fingerprint(), tokenizer.fingerprint()):
             raise ValueError(f"--draft-load {args.draft_load}: its tokenizer differs from --load's; a draft model "
                              "must use the target's tokenizer")

@@ -38,12 +38,14 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1, dtype: torch.dtype | None = None,
-                       device=None, flag: str = "--load", cache_mla_latents: bool = False):
+                       device=None, flag: str = "--load", cache_mla_latents: bool = False,
+                       batch_invariant_mode: bool = False):
     """(GPTModel in eval mode, tokenizer) of the checkpoint in `checkpoint_dir` (a save directory,
     whose latest iteration loads, or an iteration folder). `dtype`: the parameters' (default: the
     saved weights'); `device`: where they live (default: CUDA when available, else the CPU);
     `flag`: the option the path came from, for error messages; `cache_mla_latents`: a
-    multi-latent-attention model caches its latents (MLATransformerConfig.cache_mla_latents).
+    multi-latent-attention model caches its latents (MLATransformerConfig.cache_mla_latents);
+    `batch_invariant_mode`: a request's results do not depend on the others in its batch.
     Tensor parallelism needs torch.distributed initialised with that many ranks per group."""
     folder = storage.resolve_checkpoint_dir(checkpoint_dir, flag)
     metadata = storage.read_metadata(folder)
@@ -57,6 +59,8 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
         raise ValueError(f"--cache-mla-latents: the model of {flag} {folder} has no multi-latent attention; "
                          "drop the flag")
     overrides = dict(cache_mla_latents=True) if cache_mla_latents else {}
+    if batch_invariant_mode:
+        overrides["batch_invariant_mode"] = True
     model = _build_model(model_args, tensor_model_parallel_size, dtype, device, folder, flag, **overrides)
     _, common = load_checkpoint(folder, [model], optimizer=None, load_optimizer=False, load_rng=False)
     return model.to(device).eval(), _load_tokenizer(folder, metadata, common, flag)

@@ -37,6 +37,7 @@ from torch import nn
 
 from teratron.fp8.linear import Fp8Gemm
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.tensor_parallel.batch_invariant import batch_invariant_linear
 from teratron.tensor_parallel.grad_accumulation_fusion import fuses_grad_accumulation, linear_with_grad_accumulation
 from teratron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -131,15 +132,21 @@ def _fuse_grad_accumulation(weight, config) -> None:
         weight.fuse_wgrad_accumulation = True
 
 
-def _matmul(fp8, input_, weight, bias=None):
+def _matmul(fp8, input_, weight, bias=None, batch_invariant=False):
     """input_ @ weight^T (+ bias): F.linear; the layer's FP8 GEMM once enabled; with
     gradient-accumulation fusion, once DDP gave the weight a main_grad, the GEMM whose weight
-    gradient adds into it."""
+    gradient adds into it; with `batch_invariant` that GEMM in fixed-shape row tiles."""
     if fp8 is not None:
         return fp8(input_, weight, bias)
-    if fuses_grad_accumulation(weight):
-        return linear_with_grad_accumulation(input_, weight, bias)
-    return F.linear(input_, weight, bias)
+    gemm = linear_with_grad_accumulation if fuses_grad_accumulation(weight) else F.linear
+    if batch_invariant:
+        return batch_invariant_linear(gemm, input_, weight, bias)
+    return gemm(input_, weight, bias)
+
+
+def _batch_invariant(config) -> bool:
+    """TransformerConfig.batch_invariant_mode; a layer built from a ModelParallelConfig has none."""
+    return getattr(config, "batch_invariant_mode", False)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -215,7 +222,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = _matmul(self.fp8, input_parallel, weight, bias)
+        output = _matmul(self.fp8, input_parallel, weight, bias, batch_invariant=_batch_invariant(self.config))
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and not self.is_expert and self.tp_size > 1:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -283,7 +290,8 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output_parallel = _matmul(self.fp8, input_parallel, self.weight)
+        output_parallel = _matmul(self.fp8, input_parallel, self.weight,
+                                  batch_invariant=_batch_invariant(self.config))
         if self.is_expert or self.tp_size == 1:
             output = output_parallel
         elif self.sequence_parallel:
@@ -338,7 +346,8 @@ class DuplicatedLinear(nn.Module):
 
     def forward(self, input_):
         bias = None if self.skip_bias_add else self.bias
-        return _matmul(self.fp8, input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        output = _matmul(self.fp8, input_, self.weight, bias, batch_invariant=_batch_invariant(self.config))
+        return output, (self.bias if self.skip_bias_add else None)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -463,6 +463,9 @@ def _add_training_args(parser):
     g.add_argument("--seed", type=int, default=1234, help="Random seed (init, dropout, data order).")
     g.add_argument("--deterministic-mode", "--deterministic", action="store_true", dest="deterministic_mode",
                    help="Deterministic algorithms only (bit-reproducible CPU runs).")
+    g.add_argument("--batch-invariant-mode", action="store_true",
+                   help="A token's forward result does not depend on the rest of the batch (GEMMs in fixed-shape "
+                        "row tiles; slower).")
     g.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 master weights.")
     g.add_argument("--fp16", action="store_true", help="fp16 params and compute with loss scaling.")
     g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
@@ -676,6 +679,16 @@ def _add_logging_args(parser):
                         "name the slowest and fastest ranks.")
     g.add_argument("--straggler-minmax-count", type=int, default=1,
                    help="With --log-straggler: how many slowest and fastest ranks to name.")
+    g.add_argument("--config-logger-dir", default="",
+                   help="Write the run's whole configuration as JSON into this folder, one file per run.")
+    g = parser.add_argument_group("OpenTelemetry (teratron.training.telemetry; pip install teratron[otel])")
+    g.add_argument("--otel-enabled", action="store_true",
+                   help="Export traces and metrics over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT; default localhost).")
+    g.add_argument("--otel-service-name", default=None,
+                   help="The service name (default OTEL_SERVICE_NAME, else teratron).")
+    g.add_argument("--otel-span-groups", default=None,
+                   help="Comma list of span groups or presets: default (job, checkpoint, evaluate), per_step "
+                        "(+ model_init, load_checkpoint, step, forward_backward, optimizer), all (+ microbatch).")
 
 
 def _add_profiling_args(parser):

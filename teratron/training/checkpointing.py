@@ -38,6 +38,7 @@ from teratron.dist_checkpointing.megatron_format import (TERATRON_RECORD, is_meg
 from teratron.dist_checkpointing.megatron_format import read_common_state as read_megatron_common_state
 from teratron.dist_checkpointing.model_args import model_args_from_config
 from teratron.training.arguments import flag_values
+from teratron.training.telemetry import NO_TELEMETRY
 
 # Model args that may differ between the saving and the loading run: the padded vocabulary follows
 # the TP size (the loader pads or trims the padding rows), and only a learned position table has a
@@ -97,8 +98,9 @@ class Checkpointer:
     flight (published by `finalize_async_save`: every iteration, before the next save and at the
     end)."""
 
-    def __init__(self, run, tokenizer=None, log=None):
+    def __init__(self, run, tokenizer=None, log=None, telemetry=NO_TELEMETRY):
         self.run = run
+        self.telemetry = telemetry  # a "checkpoint" span per save
         self.config = run.checkpoint
         self.tokenizer = tokenizer  # recorded with every save, checked at load
         self.log = log or _print_on_rank_0  # the "saved checkpoint at iteration N" lines
@@ -115,23 +117,24 @@ class Checkpointer:
              consumed_valid_samples=0) -> str:
         """Write iteration `iteration`'s checkpoint under --save (a collective); returns its folder
         (published now, or by finalize_async_save with --async-save)."""
-        c = self.config
-        self.finalize_async_save(blocking=True)
-        common = {"args": self.run.to_dict(), "iteration": iteration, "consumed_train_samples": consumed_samples,
-                  "consumed_valid_samples": consumed_valid_samples}
-        if not c.no_save_optim:
-            common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        save = dict(root=c.save, iteration=iteration, model_chunks=model,
-                    optimizer=None if c.no_save_optim else optimizer, common=common,
-                    metadata=self._model_record(), with_rng=not c.no_save_rng, ckpt_format=c.ckpt_format)
-        self._copy_hf_files()
-        if c.async_save:
-            timeout = timedelta(minutes=self.run.distributed.distributed_timeout_minutes)
-            self._pending_save = dist_checkpointing.start_async_save(**save, timeout=timeout)
-            return storage.iteration_dir(c.save, iteration)
-        folder = dist_checkpointing.save_checkpoint(**save)
-        self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
-        return folder
+        with self.telemetry.span("checkpoint", iteration=iteration):
+            c = self.config
+            self.finalize_async_save(blocking=True)
+            common = {"args": self.run.to_dict(), "iteration": iteration,
+                      "consumed_train_samples": consumed_samples, "consumed_valid_samples": consumed_valid_samples}
+            if not c.no_save_optim:
+                common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+            save = dict(root=c.save, iteration=iteration, model_chunks=model,
+                        optimizer=None if c.no_save_optim else optimizer, common=common,
+                        metadata=self._model_record(), with_rng=not c.no_save_rng, ckpt_format=c.ckpt_format)
+            self._copy_hf_files()
+            if c.async_save:
+                timeout = timedelta(minutes=self.run.distributed.distributed_timeout_minutes)
+                self._pending_save = dist_checkpointing.start_async_save(**save, timeout=timeout)
+                return storage.iteration_dir(c.save, iteration)
+            folder = dist_checkpointing.save_checkpoint(**save)
+            self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
+            return folder
 
     def _copy_hf_files(self) -> None:
         """Keep the Hugging Face config/tokenizer files of an imported checkpoint with its descendants."""

@@ -37,6 +37,7 @@ from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
 from teratron.transformer.mlp import openai_gelu, quick_gelu
+from teratron.training.telemetry import span_groups
 from teratron.transformer.transformer_config import YARN_FIELDS, MLATransformerConfig, TransformerConfig
 
 
@@ -228,9 +229,14 @@ class LoggingConfig:
     progress_bar: bool = True
     log_straggler: bool = False
     straggler_minmax_count: int = 1
+    otel_enabled: bool = False
+    """OpenTelemetry traces and metrics (training/telemetry.py)."""
+    otel_service_name: Optional[str] = None
+    otel_span_groups: Optional[str] = None
 
     def __post_init__(self):
         _at_least(self, 1, ("log_interval", "straggler_minmax_count"))
+        span_groups(self.otel_span_groups)  # a bad spec fails at start-up, not at the first span
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 from teratron.packed_seq_params import packed_rows
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
+from teratron.training.telemetry import NO_TELEMETRY
 from teratron.transformer.context_parallel import cp_token_index
 from teratron.transformer.multi_token_prediction import pop_mtp_losses
 from teratron.utils import HostCopy
@@ -65,14 +66,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, mtp_losses=(
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator, model, device, pg_collection=None):
+def forward_step(data_iterator, model, device, pg_collection=None, telemetry=NO_TELEMETRY):
     """Megatron's forward_step_func: (output_tensor, loss_func bound to this batch's mask and,
-    on the stage holding them, its multi-token-prediction losses)."""
-    batch = get_batch(data_iterator, device, pg_collection)
+    on the stage holding them, its multi-token-prediction losses). `telemetry` spans the batch's
+    fetch ("data") and the forward ("forward")."""
+    with telemetry.span("data"):
+        batch = get_batch(data_iterator, device, pg_collection)
     pop_mtp_losses()  # none left by a forward outside this schedule
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], loss_mask=batch["loss_mask"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+    with telemetry.span("forward"):
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"], loss_mask=batch["loss_mask"],
+                       packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"], mtp_losses=pop_mtp_losses())
 
 

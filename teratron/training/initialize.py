@@ -29,15 +29,32 @@ def initialize_model_parallel(config, distributed, ddp=None) -> None:
     )
 
 
+# --deterministic-mode's environment (Megatron's values): NCCL's ring all-reduce (a fixed reduction
+# order; its tree and NVLS algorithms may change the order between runs) and cuBLAS's fixed
+# workspaces. Read by NCCL and cuBLAS when they start, so set before torch.distributed starts.
+DETERMINISTIC_ENV = {"NCCL_ALGO": ("Ring",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+
+
+def apply_deterministic_env(env=os.environ) -> None:
+    """Refuse a non-deterministic value a launcher set; fill in the unset ones."""
+    for name, accepted in DETERMINISTIC_ENV.items():
+        if name in env and env[name] not in accepted:
+            raise ValueError(f"--deterministic-mode with {name}={env[name]}: not a deterministic setting; unset it "
+                             f"or use {' or '.join(accepted)}")
+    for name, accepted in DETERMINISTIC_ENV.items():
+        env.setdefault(name, accepted[0])
+
+
 def set_random_seed(seed: int, deterministic: bool) -> None:
     """Python, numpy and torch generators; every rank uses the same seed (Megatron's default
-    without --data-parallel-random-init)."""
+    without --data-parallel-random-init). `deterministic`: deterministic kernels only (an op
+    without one raises)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
+        apply_deterministic_env()  # again, for a Trainer built without pretrain
         torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def get_device() -> torch.device:

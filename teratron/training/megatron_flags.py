@@ -79,9 +79,9 @@ ACCEPTED = {
     "teratron's MLA down-projections are plain linear layers (no fused kernel to choose)": "--mla-down-proj-fusion",
     "teratron's embedding does not clone the sequence-parallel scattered output (what this flag asks)":
         "--no-clone-scatter-output-in-embedding|--disable-clone-scatter-output-in-embedding",
-    "teratron dumps no per-module configs; the whole run description is saved with every checkpoint (args)":
-        "--config-logger-dir=",
     "a workaround of Megatron's legacy ONNX export; teratron's layers need none": "--onnx-safe=",
+    "teratron's --batch-invariant-mode runs every GEMM in fixed-shape row tiles of the device's own GEMM (no "
+    "separate kernel library to choose)": "--batch-invariant-backend=",
     "teratron's Newton-Schulz iterations use plain matmuls": "--muon-use-syrk",
     _INFERENCE: "--cache-mla-latents --moe-pad-experts-for-cuda-graph-inference --inference-cuda-graph-scope= "
                 "--flash-decode --symmetric-ar-type= --nccl-all-reduce-for-prefill --inference-fuse-tp-communication "
@@ -287,7 +287,6 @@ REFUSED = {
     Refused("mHC (manifold hyper-connections)"): "--enable-mhc-connections --mhc-num-residual-streams= "
                                                  "--mhc-sinkhorn-iterations= --mhc-init-gating-factor= "
                                                  "--mhc-recompute-layer-num=",
-    Refused("the batch-invariant mode"): "--batch-invariant-mode --batch-invariant-backend=",
     Refused("multimodal RoPE"): "--mrope-section=+",
     Refused("a hybrid Mamba / gated-delta model"):
         "--is-hybrid-model --mamba-state-dim= --mamba-head-dim= --mamba-num-groups= --mamba-num-heads= "
@@ -427,7 +426,6 @@ REFUSED = {
         "--adlr-autoresume --adlr-autoresume-interval=",
     Refused("Weights & Biases logging", "use --tensorboard-dir or --metrics-file"):
         "--wandb-project= --wandb-exp-name= --wandb-save-dir= --wandb-entity=",
-    Refused("OpenTelemetry tracing"): "--otel-enabled --otel-service-name= --otel-span-groups=",
     Refused("the workload inspector server"): "--run-workload-inspector-server",
     Refused("in-process restart (nvidia-resiliency-ext)"):
         "--inprocess-restart --inprocess-max-iterations= --inprocess-monitor-thread-interval= "

@@ -29,6 +29,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import current_topology
 from teratron.training.build import attach_model_hooks, build_model, build_optimizer, build_qk_clip, build_scheduler
 from teratron.training.checkpointing import Checkpointer, ExitSignalHandler, check_save_dir_writable
+from teratron.training.config_logger import write_run_config
 from teratron.training.config import RunConfig, check_interleaved_schedule
 from teratron.training.data import build_data_loader, build_datasets, build_packed_batches
 from teratron.training.full_iteration_graph import training_forward_backward_func
@@ -38,6 +39,7 @@ from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
 from teratron.training.straggler import StragglerReport
+from teratron.training.telemetry import build_telemetry
 from teratron.training.watchdog import Watchdog, peer_store
 from teratron.transformer.moe import clear_aux_losses_tracker
 from teratron.utils import HostCopy
@@ -126,26 +128,33 @@ class Trainer:
         self.device = get_device()
         self.pg_collection = current_topology().pg_collection()  # passed to everything built below
         set_random_seed(run.training.seed, run.training.deterministic_mode)
+        self.telemetry = build_telemetry(run.logging, dist.get_rank() if dist.is_initialized() else 0)
 
-        self.model = build_model(run, self.device, self.pg_collection)
-        clear_aux_losses_tracker()  # no routing statistics of an earlier model in this process
-        self.optimizer = build_optimizer(run, self.model, self.pg_collection)
-        self.scheduler = build_scheduler(run, self.optimizer)
-        attach_model_hooks(self.model, self.optimizer, self.pg_collection)
-        self.qk_clip = build_qk_clip(self.model, self.optimizer, self.pg_collection)
+        with self.telemetry.span("model_init"):
+            self.model = build_model(run, self.device, self.pg_collection)
+            clear_aux_losses_tracker()  # no routing statistics of an earlier model in this process
+            self.optimizer = build_optimizer(run, self.model, self.pg_collection)
+            self.scheduler = build_scheduler(run, self.optimizer)
+            attach_model_hooks(self.model, self.optimizer, self.pg_collection)
+            self.qk_clip = build_qk_clip(self.model, self.optimizer, self.pg_collection)
         self.config = self.model[0].config  # the model's TransformerConfig, with the schedule's callbacks
         if is_logging_rank():
             self._print_model_summary()
 
-        self.checkpointer = Checkpointer(run, tokenizer, log=self._print)
+        self.checkpointer = Checkpointer(run, tokenizer, log=self._print, telemetry=self.telemetry)
         self.state = TrainState()
         if run.checkpoint.load:
-            (self.state.iteration, self.state.consumed_train_samples,
-             self.state.consumed_valid_samples) = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
+            with self.telemetry.span("load_checkpoint"):
+                (self.state.iteration, self.state.consumed_train_samples,
+                 self.state.consumed_valid_samples) = self.checkpointer.load(self.model, self.optimizer,
+                                                                             self.scheduler)
             if self.state.iteration:
                 self._print(f"resumed from iteration {self.state.iteration} of --load {run.checkpoint.load}")
+        if run.transformer.config_logger_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+            write_run_config(run, run.transformer.config_logger_dir, self.state.iteration)
         self.train_iters, self.valid_iters, self.test_iters = self._data_iterators()
-        self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection)
+        self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection,
+                                 telemetry=self.telemetry)
         self.microbatches = run.microbatches()
 
     def _print(self, line: str) -> None:
@@ -199,8 +208,10 @@ class Trainer:
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             self.watchdog = Watchdog(run.training.watchdog_timeout, rank, world, peer_store())
         try:
-            self._train_loop(exit_handler, profiler)
+            with self.telemetry.span("job"):
+                self._train_loop(exit_handler, profiler)
         finally:
+            self.telemetry.close()
             if self.watchdog is not None:
                 self.watchdog.close()
             if profiler is not None:  # training ended inside the profiled range
@@ -212,7 +223,8 @@ class Trainer:
 
     def _train_loop(self, exit_handler, profiler):
         run, state, training = self.run, self.state, self.run.training
-        forward_backward_func = training_forward_backward_func(self.model)  # the schedule, or its CUDA graphs
+        # the schedule, or its CUDA graphs
+        forward_backward_func = self.telemetry.wrap("forward_backward", training_forward_backward_func(self.model))
         for chunk in self.model:
             chunk.train()
         if profiler is not None:
@@ -271,7 +283,8 @@ class Trainer:
             self.watchdog.step_started(self.state.iteration + 1)
         if self.straggler is not None:
             self.straggler.step_started()
-        result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+        with self.telemetry.span("step", iteration=self.state.iteration + 1):
+            result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
         if self.straggler is not None:
             self.straggler.step_ended()
         if self.watchdog is not None:
@@ -288,13 +301,15 @@ class Trainer:
         # No device sync: each step's host already waited for its losses (the end of its backward),
         # and a sync here would idle the GPU while the host logs and launches the next step.
         losses, moe_metrics = window.means()
-        self.logger.log_iteration(
+        record = self.logger.log_iteration(
             self.state.iteration, losses, grad_norm, self.optimizer.param_groups[0]["lr"],
             time.perf_counter() - window.start, window.iters, window.samples, global_batch,
             self.state.consumed_train_samples, window.skipped,
             loss_scale=self.optimizer.get_loss_scale().item() if self.run.optimizer.fp16 else None,
             moe_metrics=moe_metrics, max_attention_logit=window.max_attention_logit,
         )
+        if is_logging_rank():  # where the loss is known
+            self.telemetry.record_iteration(record)
         if self.straggler is not None:  # a collective: every rank logs at the same iterations
             self.logger.print(self.straggler.line(self.straggler.gather()))
         return LogWindow()
@@ -333,7 +348,8 @@ class Trainer:
             losses = in_flight.get()
             if in_flight.flag:
                 return losses, None, 1, max_logit
-        update_successful, grad_norm, _ = self.optimizer.step()  # ends by launching the param gathers
+        with self.telemetry.span("optimizer"):
+            update_successful, grad_norm, _ = self.optimizer.step()  # ends by launching the param gathers
         if update_successful:
             self.scheduler.step(increment=global_batch)
         if not training.skip_nan_steps:
@@ -369,12 +385,13 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         log_dicts = []
-        for _ in range(training.eval_iters):
-            log_dicts += get_forward_backward_func()(
-                forward_step_func=self.step_func, data_iterator=_iterators(data_iters), model=self.model,
-                num_microbatches=self._num_microbatches(data_iters), seq_length=training.seq_length,
-                micro_batch_size=training.micro_batch_size, forward_only=True, pg_collection=self.pg_collection,
-            )
+        with self.telemetry.span("evaluate", iteration=self.state.iteration):
+            for _ in range(training.eval_iters):
+                log_dicts += get_forward_backward_func()(
+                    forward_step_func=self.step_func, data_iterator=_iterators(data_iters), model=self.model,
+                    num_microbatches=self._num_microbatches(data_iters), seq_length=training.seq_length,
+                    micro_batch_size=training.micro_batch_size, forward_only=True,
+                    pg_collection=self.pg_collection)
         for chunk in self.model:
             chunk.train()
         return reduce_log_dicts(log_dicts, self.device, pg_collection=self.pg_collection)

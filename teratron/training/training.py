@@ -13,7 +13,7 @@ from teratron.dist_checkpointing import release_save_dir
 from teratron.tokenizers import build_tokenizer
 from teratron.training.config import RunConfig
 from teratron.parallel_state import initialize_distributed
-from teratron.training.initialize import initialize_model_parallel, shutdown
+from teratron.training.initialize import apply_deterministic_env, initialize_model_parallel, shutdown
 from teratron.training.megatron_flags import startup_notes
 from teratron.training.trainer import NonFiniteLossError, Trainer, TrainState
 
@@ -24,6 +24,8 @@ def pretrain(run: RunConfig, tokenizer=None,
              after_training: Optional[Callable[[Trainer], None]] = None) -> TrainState:
     """Train `run` (its tokenizer built from run.tokenizer unless given); `after_training` gets
     the finished Trainer (the demo samples from it)."""
+    if run.training.deterministic_mode:
+        apply_deterministic_env()
     world_size = initialize_distributed(run.distributed.distributed_backend,
                                         run.distributed.distributed_timeout_minutes)
     try:

@@ -61,9 +61,7 @@ UNSUPPORTED = {
     "moe_router_fusion": "fused MoE routing",
     "clone_scatter_output_in_embedding": "not cloning the SP-scattered embedding output",
     "disable_parameter_transpose_cache": "Transformer Engine's parameter transpose cache",
-    "config_logger_dir": "config dumping",
     "flash_decode": "the flash-decoding inference kernel",
-    "batch_invariant_mode": "batch-invariant kernels",
     "use_te_activation_func": "Transformer Engine activation functions",
     "inference_rng_tracker": "the inference engine",
     "inference_sampling_seed": "the inference engine",
@@ -593,13 +591,14 @@ class TransformerConfig(ModelParallelConfig):
     """Do not cache parameter transposes between iterations."""
 
     config_logger_dir: str = ""
-    """When non-empty, dump entry-point configs to this directory."""
+    """When non-empty, `teratron train` writes the run's configuration there (training/config_logger.py)."""
 
     flash_decode: bool = False
     """Flash-decoding kernel at inference."""
 
     batch_invariant_mode: bool = False
-    """Batch-invariant (deterministic across batch sizes) kernels."""
+    """A token's forward result does not depend on the rest of the batch: every linear layer's and
+    expert's GEMM runs in fixed-shape row tiles (tensor_parallel/batch_invariant.py)."""
 
     use_te_activation_func: bool = False
     """Transformer Engine activation functions."""
@@ -666,6 +665,9 @@ class TransformerConfig(ModelParallelConfig):
         self._set_init_methods()
         self._check_moe()
         check_fp8_config(self)
+        if self.batch_invariant_mode and self.fp8:
+            raise NotImplementedError("batch_invariant_mode with fp8: FP8 scales come from the whole batch's "
+                                      "amax; drop one")
         check_cuda_graph_config(self)
         validate_pipeline_config(self)
         self._check_mtp()

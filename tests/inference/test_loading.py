@@ -80,6 +80,12 @@ def test_trained_checkpoint_loads_with_its_tokenizer(trained):
         assert torch.equal(p, q.to(torch.bfloat16)), name
 
 
+def test_batch_invariant_mode_is_set_on_the_loaded_model(trained):
+    save, _ = trained
+    assert not load_for_inference(save)[0].config.batch_invariant_mode
+    assert load_for_inference(save, batch_invariant_mode=True)[0].config.batch_invariant_mode
+
+
 def test_trained_checkpoint_loads_under_tensor_parallelism(trained):
     save, reference = trained
     for logits, tokenizer in run_distributed(_load_tp2, 2, save):

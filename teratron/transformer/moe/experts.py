@@ -16,8 +16,10 @@ the input scaled instead.
 """
 
 import torch
+import torch.nn.functional as F
 
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.tensor_parallel.batch_invariant import batch_invariant_linear
 from teratron.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import divide, shard_tensor
 from teratron import fusions
@@ -74,8 +76,12 @@ def _grouped_mm_usable(x, weight) -> bool:
             and x.shape[0] > 0 and x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0)
 
 
-def grouped_gemm(x, weight, tokens_per_expert):
-    """Rows of expert e times weight[e]: x [N, k] (grouped by expert), weight [L, k, n] -> [N, n]."""
+def grouped_gemm(x, weight, tokens_per_expert, batch_invariant=False):
+    """Rows of expert e times weight[e]: x [N, k] (grouped by expert), weight [L, k, n] -> [N, n];
+    with `batch_invariant`, each expert's GEMM in fixed-shape row tiles (tensor_parallel/batch_invariant)."""
+    if batch_invariant:
+        return torch.cat([batch_invariant_linear(F.linear, chunk, w.t())
+                          for chunk, w in zip(x.split(tokens_per_expert), weight)])
     if _grouped_mm_usable(x, weight):
         offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight, offs=offsets)
@@ -135,12 +141,12 @@ class GroupedMLP(torch.nn.Module):
         counts = torch.tensor(tokens_per_expert, device=tokens.device)
         tokens = _scale_input(tokens, probs, self.config)
         with activation_offload.offload("expert_fc1"):
-            x = grouped_gemm(tokens, self.weight1, tokens_per_expert)
+            x = grouped_gemm(tokens, self.weight1, tokens_per_expert, self.config.batch_invariant_mode)
         if self.bias1 is not None:
             x = x + self.bias1.repeat_interleave(counts, dim=0)
         with activation_offload.offload("moe_act"):
             x = _activation(self.config, x)
-        x = grouped_gemm(x, self.weight2, tokens_per_expert)
+        x = grouped_gemm(x, self.weight2, tokens_per_expert, self.config.batch_invariant_mode)
         if self.bias2 is not None:
             x = x + self.bias2.repeat_interleave(counts, dim=0)
         return _scale_output(x, probs, self.config)

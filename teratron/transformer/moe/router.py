@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from teratron.process_groups import get_pg_size
+from teratron.tensor_parallel.batch_invariant import batch_invariant_linear
 from teratron.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                reduce_from_tensor_model_parallel_region)
 from teratron.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
@@ -179,6 +180,8 @@ class TopKRouter(torch.nn.Module):
     def gating(self, hidden_states):
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, hidden_states.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
+        if self.config.batch_invariant_mode:
+            return batch_invariant_linear(F.linear, hidden_states.to(dtype), self.weight.to(dtype), bias)
         return F.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
     def apply_input_jitter(self, hidden_states):
