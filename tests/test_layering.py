@@ -23,7 +23,7 @@ LAYERS = [
     ("comm",),
     ("fp8", "pipeline_parallel"),
     ("tensor_parallel",),
-    ("transformer",),
+    ("transformer", "ssm"),
     ("models",),
     ("distributed", "optimizer", "optimizer_param_scheduler"),
     ("dist_checkpointing", "tokenizers"),
