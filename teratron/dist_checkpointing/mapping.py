@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from teratron.tensor_parallel.utils import partition_parts
+
 
 @dataclass
 class ShardedTensor:
@@ -70,19 +72,22 @@ def _in_row(shape, row, start, stop, inner):
 
 
 def _to_global(key, data, offsets, global_shape, dim, stride, rank, world, flags):
-    """Split a local box at the stride blocks of `dim` and place each piece globally."""
+    """Split a local box at the parts of `dim` (`partition_parts`: each split over the ranks
+    separately) and place each piece globally."""
     if dim is None or world == 1:
         return [ShardedTensor(key, data, global_shape, tuple(offsets), **flags)]
-    block = global_shape[dim] // (stride * world)
+    parts = partition_parts(global_shape[dim], stride)
     out, lo, hi = [], offsets[dim], offsets[dim] + data.shape[dim]
-    while lo < hi:
-        j, within = divmod(lo, block)
-        piece = min(hi, (j + 1) * block) - lo
-        global_offset = list(offsets)
-        global_offset[dim] = (j * world + rank) * block + within
-        out.append(ShardedTensor(key, data.narrow(dim, lo - offsets[dim], piece), global_shape,
-                                 tuple(global_offset), **flags))
-        lo += piece
+    local_start = global_start = 0
+    for size in parts:
+        local = size // world  # this part's rows on every rank
+        begin, end = max(lo, local_start), min(hi, local_start + local)
+        if begin < end:
+            global_offset = list(offsets)
+            global_offset[dim] = global_start + rank * local + begin - local_start
+            out.append(ShardedTensor(key, data.narrow(dim, begin - offsets[dim], end - begin), global_shape,
+                                     tuple(global_offset), **flags))
+        local_start, global_start = local_start + local, global_start + size
     return out
 
 

@@ -9,7 +9,9 @@ the same seed gives the same full model under any TP size, and a TP=2 run equals
 without copying weights. Biases start at zero.
 
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim` and
-`partition_stride`; the bias of a row layer under sequence parallelism carries
+`partition_stride`: the parts of the partitioned dim, each split over TP separately (an int for
+equal parts, SwiGLU's [gate; up] is 2; a tuple of global part sizes for unequal ones, Mamba's
+in_proj [z; x; B; C; dt]; `utils.partition_parts`); the bias of a row layer under sequence parallelism carries
 `sequence_parallel=True` (its gradient is summed over TP by finalize_model_grads); expert
 parameters carry `allreduce=False` (they are reduced over the expert-data-parallel group
 instead, also with EP = 1: when expert-TP differs from TP the dense data-parallel group would
@@ -47,7 +49,7 @@ from teratron.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from teratron.tensor_parallel.utils import VocabUtility, gather_shards, resolve_tp_group, shard_tensor
+from teratron.tensor_parallel.utils import VocabUtility, gather_shards, is_strided, resolve_tp_group, shard_tensor
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -62,7 +64,7 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None) -> bool:
     return getattr(param, "tensor_model_parallel", False) or get_pg_rank(resolve_tp_group(tp_group)) == 0
 
 
-def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
+def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride) -> None:
     tensor.tensor_model_parallel = is_parallel
     tensor.partition_dim = dim
     tensor.partition_stride = stride
@@ -154,11 +156,12 @@ class ColumnParallelLinear(nn.Module):
 
     Input [s, b, in] (or [s/tp, b, in] under sequence parallelism, all-gathered along dim 0);
     output [s, b, out/tp], or [s, b, out] with gather_output. forward returns
-    (output, bias) where bias is None unless skip_bias_add (then the caller adds it).
+    (output, bias) where bias is None unless skip_bias_add (then the caller adds it). `stride`:
+    the output's parts, each split over TP (an int of equal parts, or a tuple of their sizes).
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = True,
-                 gather_output: bool = False, stride: int = 1, keep_master_weight_for_test: bool = False,
+                 gather_output: bool = False, stride=1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
                  is_expert: bool = False, tp_group=None):
         super().__init__()
@@ -226,7 +229,7 @@ class ColumnParallelLinear(nn.Module):
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and not self.is_expert and self.tp_size > 1:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
-            if self.stride > 1:  # rank blocks [r0: a0 b0 | r1: a1 b1] -> full order [a0 a1 b0 b1]
+            if is_strided(self.stride):  # rank blocks [r0: a0 b0 | r1: a1 b1] -> full order [a0 a1 b0 b1]
                 output = gather_shards(output.chunk(self.tp_size, dim=-1), -1, self.stride)
         return output, (self.bias if self.skip_bias_add else None)
 

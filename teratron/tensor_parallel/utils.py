@@ -14,20 +14,40 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
+def partition_parts(size: int, stride) -> list[int]:
+    """The parts, each split over TP separately, that a partitioned dim of (global) `size` is made
+    of: `stride` equal parts (an int: SwiGLU's [gate; up] is 2), or parts of the given global sizes
+    (a tuple: Mamba's in_proj is [z; x; B; C; dt])."""
+    if isinstance(stride, int):
+        return [divide(size, stride)] * stride
+    if sum(stride) != size:
+        raise ValueError(f"partition sizes {tuple(stride)} do not add up to the dim's {size}")
+    return list(stride)
+
+
+def is_strided(stride) -> bool:
+    """Whether a partition stride has more than one part."""
+    return len(stride) > 1 if isinstance(stride, (tuple, list)) else stride > 1
+
+
+def shard_tensor(full: torch.Tensor, dim: int, stride, rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s shard of `full` split along `dim` over `world_size` ranks.
 
-    With stride > 1, `full` is `stride` equal sub-blocks along `dim` (e.g. SwiGLU's [gate; up])
-    and each is split separately: rank r holds [block0_r; block1_r; ...].
+    With several parts (`partition_parts(stride)`), each part is split separately and rank r holds
+    [part0_r; part1_r; ...] (e.g. SwiGLU's [gate_r; up_r] with stride 2).
     """
-    pieces = full.split(divide(full.shape[dim], stride * world_size), dim=dim)
-    return torch.cat(pieces[rank::world_size], dim=dim).contiguous()
+    sizes = partition_parts(full.shape[dim], stride)
+    parts = full.split(sizes, dim=dim)
+    local = [divide(size, world_size) for size in sizes]  # every part splits evenly
+    return torch.cat([part.narrow(dim, rank * n, n) for part, n in zip(parts, local)], dim=dim).contiguous()
 
 
-def gather_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def gather_shards(shards: list[torch.Tensor], dim: int, stride) -> torch.Tensor:
     """The full tensor from every rank's shard (inverse of shard_tensor)."""
-    per_rank = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[block] for block in range(stride) for pieces in per_rank], dim=dim)
+    world = len(shards)
+    local_parts = [p // world for p in partition_parts(shards[0].shape[dim] * world, stride)]
+    per_rank = [shard.split(local_parts, dim=dim) for shard in shards]
+    return torch.cat([pieces[part] for part in range(len(local_parts)) for pieces in per_rank], dim=dim)
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,

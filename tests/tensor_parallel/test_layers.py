@@ -25,6 +25,7 @@ from teratron.tensor_parallel.utils import shard_tensor
 
 S, B, H, F_, V = 8, 2, 16, 24, 32
 SEED = 1234
+STRIDES = (1, 2, (8, 8, 4, 4))  # one part; two equal parts (SwiGLU); unequal parts (Mamba's in_proj)
 
 
 def _init(w):
@@ -64,7 +65,7 @@ def _seq(t, r, n):
 
 def _check_column(refs, group, r, n, sp):
     x, g = _t(1, (S, B, H)), _t(2, (S, B, F_))
-    for stride in (1, 2):
+    for stride in STRIDES:
         for gather in (False, True):
             if sp and gather:
                 continue
@@ -152,7 +153,7 @@ def _check_mlp_chain(refs, group, r, n):
 def _build_refs():
     """TP=1 references; build them before model parallel exists (a group of one)."""
     refs = {("column", s, g): _build(ColumnParallelLinear, H, F_, config=_config(1, False), stride=s,
-                                     gather_output=g) for s in (1, 2) for g in (False, True)}
+                                     gather_output=g) for s in STRIDES for g in (False, True)}
     refs["row"] = _build(RowParallelLinear, F_, H, config=_config(1, False), bias=True,
                          input_is_parallel=True, skip_bias_add=False)
     refs["embedding"] = _build(VocabParallelEmbedding, V, H, config=_config(1, False))
