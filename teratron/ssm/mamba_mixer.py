@@ -1,0 +1,107 @@
+"""Mamba-2's mixer (Megatron Core's `MambaMixer`): [s, b, h] -> [s, b, h].
+
+    z, xBC, dt = in_proj(hidden)                z, x [d_inner], B, C [groups * d_state], dt [heads]
+    x, B, C    = silu(causal_conv1d(xBC))       a short depthwise convolution over the sequence
+    y          = SSD(x, softplus(dt + dt_bias), -exp(A_log), B, C, D)   (teratron.ssm.ssd)
+    out        = out_proj(rmsnorm_per_group(y * silu(z)))
+
+d_inner = expand * hidden = heads * head_dim; heads share B and C within each of `ngroups` groups.
+Tensor parallelism splits heads and groups: in_proj is column-parallel with the five parts
+[z; x; B; C; dt] each split over TP (a tuple partition stride), the convolution, dt_bias, A_log,
+D and the norm's weight are split alike, out_proj is row-parallel; so each rank runs whole heads
+and groups and nothing is exchanged inside the mixer. With sequence parallelism in_proj gathers the
+sequence and out_proj reduce-scatters it, as attention's projections do.
+
+Initialisation follows Mamba-2 and is layout-invariant (each parameter is drawn whole, then
+sharded): dt_bias is the inverse softplus of dt ~ exp(U(log dt_min, log dt_max)) (at least
+dt_init_floor), A_log = log(U(1, 16)), D = 1, the convolution Kaiming-uniform as torch's Conv1d.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.ssd import ssd_chunked
+from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
+from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, config, d_state: int = 128, head_dim: int = 64, ngroups: int = 8, nheads: int | None = None,
+                 expand: int = 2, d_conv: int = 4, chunk_size: int = 128, dt_min: float = 0.001,
+                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_init_range=(1.0, 16.0), tp_group=None):
+        super().__init__()
+        self.config, self.d_state, self.head_dim, self.chunk_size = config, d_state, head_dim, chunk_size
+        self.nheads = nheads if nheads is not None else expand * config.hidden_size // head_dim
+        self.d_inner = self.nheads * head_dim
+        self.ngroups = ngroups
+        self.tp_group = resolve_tp_group(tp_group)
+        tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        for what, size in (("heads", self.nheads), ("groups", ngroups)):
+            if size % tp:
+                raise ValueError(f"Mamba's {size} {what} do not split over tensor-parallel size {tp}; choose "
+                                 f"--mamba-num-{what} divisible by it")
+        if self.nheads % ngroups:
+            raise ValueError(f"Mamba's {self.nheads} heads do not split into {ngroups} groups; choose "
+                             "--mamba-num-groups dividing the heads")
+        self.nheads_local, self.ngroups_local = self.nheads // tp, ngroups // tp
+        self.d_inner_local = self.d_inner // tp
+        bc = ngroups * d_state
+        parts = (self.d_inner, self.d_inner, bc, bc, self.nheads)  # z x B C dt
+        self.in_proj = ColumnParallelLinear(config.hidden_size, sum(parts), config=config,
+                                            init_method=config.init_method, bias=config.add_bias_linear,
+                                            stride=parts, tp_group=self.tp_group)
+        self.out_proj = RowParallelLinear(self.d_inner, config.hidden_size, config=config,
+                                          init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+                                          input_is_parallel=True, skip_bias_add=False, tp_group=self.tp_group)
+
+        device = param_device(config)
+        conv_parts = (self.d_inner, bc, bc)  # x B C
+        bound = 1.0 / math.sqrt(d_conv)  # torch's Conv1d default for a depthwise kernel of d_conv taps
+        conv_weight = torch.empty(sum(conv_parts), d_conv).uniform_(-bound, bound)
+        conv_bias = torch.empty(sum(conv_parts)).uniform_(-bound, bound)
+        dt = torch.exp(torch.rand(self.nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_init_floor)
+        A = torch.empty(self.nheads).uniform_(*A_init_range)
+
+        def shard(full, parts_=1):
+            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device))
+
+        self.conv_weight, self.conv_bias = shard(conv_weight, conv_parts), shard(conv_bias, conv_parts)
+        self.dt_bias = shard(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.A_log = shard(torch.log(A))
+        self.D = shard(torch.ones(self.nheads))
+        self.norm_weight = shard(torch.ones(self.d_inner))
+        for param, stride in ((self.conv_weight, conv_parts), (self.conv_bias, conv_parts), (self.dt_bias, 1),
+                              (self.A_log, 1), (self.D, 1), (self.norm_weight, 1)):
+            set_tensor_model_parallel_attributes(param, True, 0, stride)
+        for param in (self.conv_weight, self.conv_bias, self.norm_weight):
+            param.data = param.data.to(config.params_dtype)
+
+    def forward(self, hidden_states):
+        """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None)."""
+        projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
+        bc = self.ngroups_local * self.d_state
+        z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)
+        xbc, _ = causal_conv1d(xbc.transpose(0, 1), self.conv_weight, self.conv_bias)  # [b, s, c]
+        x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
+        b, s = x.shape[:2]
+        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
+        y, _ = ssd_chunked(x.reshape(b, s, self.nheads_local, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                           B.reshape(b, s, self.ngroups_local, self.d_state),
+                           C.reshape(b, s, self.ngroups_local, self.d_state), self.D, chunk_size=self.chunk_size)
+        y = self._gated_norm(y.reshape(b, s, self.d_inner_local).transpose(0, 1), z)  # [s, b, d_inner / tp]
+        out, _ = self.out_proj(y)
+        return out, None
+
+    def _gated_norm(self, y, z):
+        """RMSNorm of y * silu(z) over each group's channels (so TP, which splits whole groups,
+        normalises exactly as one process), times the norm weight; in fp32."""
+        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.ngroups_local, -1))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.config.layernorm_epsilon)
+        return (normed.flatten(-2) * self.norm_weight.float()).to(y.dtype)
