@@ -1,0 +1,132 @@
+"""The rerun state machine through `teratron train` (training/rerun.py): injected faults, the
+determinism report, and the flags' errors.
+
+An injected transient fault makes the first try's gradients NaN; the re-run must replay the same
+micro-batches with the same random state (dropout is on) and the optimizer must never see the bad
+try, so the run's per-iteration losses and grad norms equal the clean run's exactly (and at DP 2
+under torchrun those of the clean run at DP 2). An injected persistent fault
+ends the run with Megatron's exit code 16, one line, and a checkpoint of the iteration before.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.training.test_context_parallel_training import MOCK, TINY
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4"]
+TRANSIENT = ["--error-injection-rate", "1", "--error-injection-type", "transient_error"]
+
+
+def _train(tmp_path, name, args, nproc=None):
+    """(returncode, training records, stdout, stderr)."""
+    launcher = [sys.executable, "-m", "teratron"]
+    if nproc:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                    "-m", "teratron"]
+    path = tmp_path / f"{name}.jsonl"
+    cmd = launcher + ["train"] + TINY + MOCK + DROPOUT + args + ["--metrics-file", str(path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc.returncode, [r for r in records if "lr" in r], proc.stdout, proc.stderr
+
+
+def _curve(records):
+    return [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    rc, records, out, err = _train(tmp_path_factory.mktemp("clean"), "clean", [])
+    assert rc == 0, out + err
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4] and "re-run" not in out
+    return records
+
+
+def test_transient_fault_continues_with_the_clean_runs_results(clean, tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    rc, records, out, err = _train(tmp_path, "transient", TRANSIENT + ["--result-rejected-tracker-filename",
+                                                                       str(tracker)])
+    assert rc == 0, out + err
+    assert _curve(records) == _curve(clean)  # exactly: same data, same dropout masks, no bad update
+    for iteration in (2, 3, 4):  # the first step of a process is not validated (Megatron's rule)
+        assert f"iteration {iteration}: found an injected fault" not in out
+        assert (f"iteration {iteration}: found a NaN/Inf gradient norm; re-running the step on the same data and "
+                f"random state") in out
+        assert f"iteration {iteration}: the re-run differs and passes the checks (a transient fault)" in out
+    assert "iteration 1:" not in out
+    lines = tracker.read_text().splitlines()
+    assert [(line.split(" iteration=")[1].split()[0], line.split(" status=")[1].split()[0]) for line in lines] == [
+        (str(i), status) for i in (2, 3, 4) for status in ("initial_run", "first_rerun_not_reproducible")]
+
+
+def test_transient_fault_at_data_parallel_2(tmp_path):
+    """Each DP rank draws its own dropout masks, so the reference is the clean run at DP 2."""
+    rc, reference, out, err = _train(tmp_path, "dp2_clean", [], nproc=2)
+    assert rc == 0 and "re-run" not in out, out + err
+    rc, records, out, err = _train(tmp_path, "dp2", TRANSIENT, nproc=2)
+    assert rc == 0, out + err
+    assert out.count("(a transient fault)") == 3
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert _curve(records) == _curve(reference)
+
+
+def test_persistent_fault_saves_and_exits_16(tmp_path):
+    save = tmp_path / "ckpt"
+    rc, records, out, err = _train(tmp_path, "persistent", ["--error-injection-rate", "1", "--error-injection-type",
+                                                            "persistent_error", "--save", str(save),
+                                                            "--save-interval", "100"])
+    assert rc == 16, out + err
+    errors = [line for line in err.splitlines() if line.startswith("teratron: error:")]
+    assert errors == [
+        "teratron: error: iteration 2: found a NaN/Inf gradient norm, and the re-run on the same data reproduced it "
+        "(a persistent fault, or the data and weights really give it); if training diverged, lower --lr, check the "
+        "data, or pass --skip-nan-steps; checkpoint of iteration 1 in "
+        f"{save}: resume from it on other hardware to tell which; exiting with code 16"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert [r["iteration"] for r in records] == [1]  # the failed step is not logged
+
+
+def test_correct_result_injection_is_reproduced(tmp_path):
+    """Rejected although sound: the re-run agrees, so the run cannot tell it from a persistent fault."""
+    rc, _, out, err = _train(tmp_path, "correct", ["--error-injection-rate", "1", "--error-injection-type",
+                                                   "correct_result"])
+    assert rc == 16, out + err
+    assert ("iteration 2: found an injected fault (correct_result, --error-injection-type), and the re-run on the "
+            "same data reproduced it") in err
+    assert "no --save, nothing saved; exiting with code 16" in err
+
+
+def test_determinism_report_on_cpu(clean, tmp_path):
+    rc, records, out, err = _train(tmp_path, "stats", ["--rerun-mode", "report_stats"])
+    assert rc == 0, out + err
+    assert _curve(records) == _curve(clean)
+    for iteration in (2, 4):
+        assert (f"determinism stats after iteration {iteration} (all ranks): loss: 2 re-runs, 2 identical, relative "
+                "spread mean 0.000e+00 max 0.000e+00; grad norm: 2 re-runs, 2 identical, relative spread mean "
+                "0.000e+00 max 0.000e+00") in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rerun-mode", "disabled", "--error-injection-rate", "1"],
+     "teratron: error: --error-injection-rate injects faults for the result checks of --rerun-mode validate_results; "
+     "use that mode with a check (the NaN check is on by default)"),
+    (["--error-injection-rate", "-1"],
+     "teratron: error: --error-injection-rate must be 0 (off) or a positive number of steps, got -1"),
+    (["--result-rejected-tracker-filename", "no/such/folder/file.txt"],
+     "teratron: error: --result-rejected-tracker-filename no/such/folder/file.txt: cannot be appended to (No such "
+     "file or directory); choose a writable file"),
+])
+def test_flag_errors_are_one_line(tmp_path, args, message):
+    rc, _, out, err = _train(tmp_path, "bad", args)
+    assert rc == 2 and err.strip().splitlines()[-1] == message, out + err
+    assert len([line for line in err.splitlines() if line.startswith("teratron")]) == 1
+
+
+def test_rerun_mode_values_are_megatrons(tmp_path):
+    rc, _, out, err = _train(tmp_path, "bad", ["--rerun-mode", "sometimes"])
+    assert rc == 2 and "--rerun-mode: invalid choice: 'sometimes'" in err
