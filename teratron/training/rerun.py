@@ -21,6 +21,7 @@ import datetime
 import math
 import os
 import random
+import signal
 import socket
 from dataclasses import dataclass
 from enum import Enum
@@ -281,6 +282,17 @@ class RerunStateMachine:
             f.write(f"ts={datetime.datetime.now()} node={socket.gethostname()} device={device} "
                     f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={rank} iteration={iteration} status={status} "
                     f"result=(loss {m.loss}, grad norm {m.grad_norm}) message='{message}'\n")
+
+
+def kill_rank_for_test(iteration: int) -> None:
+    """Tests of restarts: TERATRON_TEST_KILL_RANK_AT=RANK:ITERATION SIGKILLs that rank once that
+    iteration's step is logged, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0)."""
+    target = os.environ.get("TERATRON_TEST_KILL_RANK_AT")
+    if not target or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    rank, at = (int(x) for x in target.split(":"))
+    if iteration == at and (dist.get_rank() if dist.is_initialized() else 0) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _module_buffers(chunk):

@@ -37,7 +37,7 @@ from teratron.training.initialize import get_device, set_random_seed
 from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
-from teratron.training.rerun import RerunStateMachine, ReproducibleFaultError
+from teratron.training.rerun import RerunStateMachine, ReproducibleFaultError, kill_rank_for_test
 from teratron.training.straggler import StragglerReport
 from teratron.training.watchdog import Watchdog, peer_store
 from teratron.transformer.moe import clear_aux_losses_tracker
@@ -238,6 +238,7 @@ class Trainer:
 
             if state.iteration % run.logging.log_interval == 0 or state.iteration == training.train_iters:
                 window = self.log(window, result.grad_norm, global_batch)
+            kill_rank_for_test(state.iteration)
             paused = time.perf_counter()  # evaluation and saving do not count as training time
             signalled = exit_handler is not None and exit_handler.any_rank_received()
             if self.valid_iters and state.iteration % training.eval_interval == 0 and not signalled:

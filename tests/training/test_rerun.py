@@ -130,3 +130,57 @@ def test_flag_errors_are_one_line(tmp_path, args, message):
 def test_rerun_mode_values_are_megatrons(tmp_path):
     rc, _, out, err = _train(tmp_path, "bad", ["--rerun-mode", "sometimes"])
     assert rc == 2 and "--rerun-mode: invalid choice: 'sometimes'" in err
+
+
+RESTARTS = ["--train-iters", "5", "--save-interval", "1"]
+
+
+def _killed_once(tmp_path, killed_rank):
+    """torchrun --max-restarts 1 with --save = --load, rank `killed_rank` SIGKILLed after iteration
+    3's step is logged (before its save): (process, training records)."""
+    save, path = str(tmp_path / "restarted"), tmp_path / "restarted.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "--max-restarts",
+           "1", "-m", "teratron", "train"] + TINY + MOCK + DROPOUT + RESTARTS + [
+        "--save", save, "--load", save, "--metrics-file", str(path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TERATRON_TEST_KILL_RANK_AT=f"{killed_rank}:3",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # see the test below
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return proc, [r for r in records if "lr" in r]
+
+
+@pytest.mark.parametrize("killed_rank", [0, 1])
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, killed_rank):
+    """torchrun stops the other rank and starts both again; they resume from iteration 2 of --save
+    (a lock the dead attempt left is taken over: its process is gone) and end with the
+    uninterrupted run's metrics, one record per iteration."""
+    rc, reference, out, err = _train(tmp_path, "whole", RESTARTS + ["--save", str(tmp_path / "whole")], nproc=2)
+    assert rc == 0, out + err
+    proc, records = _killed_once(tmp_path, killed_rank)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from iteration 2 of --load" in proc.stdout
+    # Rank 0 holds the lock: killed, it leaves it behind; stopped by torchrun, it gives it back.
+    assert ("is no longer running; taking its lock over" in proc.stdout) == (killed_rank == 0)
+    assert _curve(records) == _curve(reference)
+    assert (tmp_path / "restarted" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+
+
+@pytest.mark.parametrize("restart_count, fails_with_hint", [("1", True), ("0", False)])
+def test_a_restart_that_cannot_connect_names_the_fix(monkeypatch, restart_count, fails_with_hint):
+    """torchrun's shared store may hand a restarted rank the failed attempt's addresses (a race,
+    so simulated here): the error names torchrun's switch; a first attempt's error is torch's own."""
+    import teratron.parallel_state as parallel_state
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed: Connection refused")
+
+    monkeypatch.setattr(parallel_state, "exit_with_parent", lambda: None)
+    monkeypatch.setattr(parallel_state.dist, "init_process_group", refused)
+    for name, value in [("WORLD_SIZE", "2"), ("RANK", "1"), ("TORCHELASTIC_RESTART_COUNT", restart_count),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")]:
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError) as error:
+        parallel_state.initialize_distributed("gloo")
+    hint = ("the ranks of this torchrun restart could not connect: torchrun's shared store still holds the failed "
+            "attempt's addresses (pytorch/pytorch#135712); run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    assert str(error.value) == (hint if fails_with_hint else "Gloo connectFullMesh failed: Connection refused")
