@@ -473,7 +473,7 @@ def _add_training_args(parser):
     g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before lowering the scale.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
-                   help="Do not stop on a NaN/Inf loss or grad norm.")
+                   help="Do not check the loss and grad norm for NaN/Inf (no re-run, no stop).")
     g.add_argument("--skip-nan-steps", action="store_true",
                    help="On a NaN/Inf loss skip the optimizer step instead of stopping.")
     g.add_argument("--rerun-mode", choices=RERUN_MODES, default="validate_results",

@@ -6,8 +6,9 @@ profiler and exit handling; `train()` runs it.
 
 One iteration (`step`): zero the grad buffers, run the pipeline schedule over this step's
 micro-batches (gradient accumulation; with --cuda-graph-impl local as CUDA graphs,
-`full_iteration_graph`), reduce the max attention logits (QK-clip, which clips inside the
-optimizer step), stop (or skip the step) on a non-finite loss, step the optimizer and
+`full_iteration_graph`), again if the rerun state machine rejects the results (`rerun`), reduce
+the max attention logits (QK-clip, which clips inside the optimizer step), stop (or skip the
+step) on a non-finite loss, step the optimizer and
 the LR schedule, update the MoE routers and collect their metrics. `train` then logs, evaluates
 and saves on their intervals. At the end (also when --exit-interval stops the run) it logs the
 last partial log window, evaluates the validation set unless that iteration just did, and the
