@@ -51,6 +51,7 @@ class RerunMode(str, Enum):
 
 RERUN_MODES = [mode.value for mode in RerunMode] + ["report_stats"]  # Megatron's parser spells the last this way
 ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+INJECTED_FAULTS = ("transient_error", "persistent_error")  # these make the try's gradients NaN
 
 
 def rerun_mode(value: str) -> RerunMode:
@@ -111,6 +112,7 @@ class RerunStateMachine:
         self.iterators = [ReplayIterator(it) for it in data_iterators] if self.enabled else data_iterators
         self.tracker_file = training.result_rejected_tracker_filename
         self.injection_rate, self.injection_type = training.error_injection_rate, training.error_injection_type
+        self.injection_draws = random.Random(training.seed)  # its own: the run's streams stay as without it
         self.largest = {}       # "loss" / "grads" -> (samples seen, largest value)
         self.spreads = {"loss": [], "grad norm": []}  # report_determinism_stats: relative differences
         self.first_step_done = False
@@ -134,29 +136,26 @@ class RerunStateMachine:
         for iterator in self.iterators:
             iterator.advance()
         saved = self._save_state()
-        losses = forward_backward()
         validating = self.mode is RerunMode.VALIDATE_RESULTS and self.first_step_done
         self.first_step_done = True
-        injected = validating and self._inject()
-        if injected in ("transient_error", "persistent_error"):
-            _corrupt_grads(self.model)
-        first = self._measure(losses)
+        injected = self._inject() if validating else None
+        losses, first = self._try(forward_backward, corrupt=injected in INJECTED_FAULTS)
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            second, losses = self._rerun(saved, forward_backward)
+            losses, second = self._rerun(saved, forward_backward)
             self._record_spread(iteration, first, second, log)
             return losses
-        if not validating:
-            return losses
-        fatal, soft = self._rejections(first, injected)
-        if not (fatal or soft):
-            return losses
+        if validating:
+            fatal, soft = self._rejections(first, injected)
+            if fatal or soft:
+                return self._rerun_rejected(iteration, saved, forward_backward, first, fatal, soft, injected, log)
+        return losses
+
+    def _rerun_rejected(self, iteration, saved, forward_backward, first, fatal, soft, injected, log) -> dict:
+        """Run the rejected step again and judge: continue with the re-run, or raise."""
         what = _what(fatal, soft, injected)
         self._track(iteration, "initial_run", first, what)
         log(f"iteration {iteration}: {what}; re-running the step on the same data and random state")
-        second, losses = self._rerun(saved, forward_backward)
-        if injected == "persistent_error":
-            _corrupt_grads(self.model)
-            second = self._measure(losses)
+        losses, second = self._rerun(saved, forward_backward, corrupt=injected == "persistent_error")
         if self._differs(first, second) and not self._rejections(second, None, sample=False)[0]:
             self._track(iteration, "first_rerun_not_reproducible", second, what)
             log(f"iteration {iteration}: the re-run differs and passes the checks (a transient fault); "
@@ -184,7 +183,14 @@ class RerunStateMachine:
             "buffers": [[b.detach().clone() for b in _module_buffers(chunk)] for chunk in self.model],
         }
 
-    def _rerun(self, saved: dict, forward_backward):
+    def _try(self, forward_backward, corrupt: bool = False):
+        """(losses, Measurement) of one run of the step; `corrupt`: the injected fault."""
+        losses = forward_backward()
+        if corrupt:
+            _corrupt_grads(self.model)
+        return losses, self._measure(losses)
+
+    def _rerun(self, saved: dict, forward_backward, corrupt: bool = False):
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy"])
         torch.set_rng_state(saved["torch"])
@@ -198,8 +204,7 @@ class RerunStateMachine:
         clear_aux_losses_tracker()  # the first try's MoE metrics
         for iterator in self.iterators:
             iterator.rewind()
-        losses = forward_backward()
-        return self._measure(losses), losses
+        return self._try(forward_backward, corrupt)
 
     def _measure(self, losses: dict) -> Measurement:
         zero = torch.zeros((), device=self.device)
@@ -245,12 +250,13 @@ class RerunStateMachine:
         return bool(self._any_rank([differs])[0])
 
     def _inject(self):
-        """Megatron's injection: one rank in `rate` draws it on each validated step."""
+        """The injected fault's type, or None: Megatron's draw, on average one validated step in
+        `rate` and one rank (every rank draws the same number, offset by its rank)."""
         if self.injection_rate <= 0:
-            return False
+            return None
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if (random.randint(0, self.injection_rate - 1) + rank) % self.injection_rate != 0:
-            return False
+        if (self.injection_draws.randint(0, self.injection_rate - 1) + rank) % self.injection_rate != 0:
+            return None
         return self.injection_type
 
     # ----- reports -----

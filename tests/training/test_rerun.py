@@ -64,6 +64,21 @@ def test_transient_fault_continues_with_the_clean_runs_results(clean, tmp_path):
         (str(i), status) for i in (2, 3, 4) for status in ("initial_run", "first_rerun_not_reproducible")]
 
 
+def test_injection_rate_draws_its_own_numbers(clean, tmp_path):
+    """--error-injection-rate 2: Megatron's draw (randint(0, rate - 1) + rank) % rate == 0 on each
+    validated step, from a generator of its own seeded with --seed (7): the steps it hits, and
+    the run's results unchanged."""
+    import random
+
+    draws = random.Random(7)
+    hit = [i for i in (2, 3, 4) if draws.randint(0, 1) == 0]
+    assert 0 < len(hit) < 3  # the test shows both outcomes
+    rc, records, out, err = _train(tmp_path, "rate2", ["--error-injection-rate", "2"])
+    assert rc == 0, out + err
+    assert [i for i in (2, 3, 4) if f"iteration {i}: the re-run differs" in out] == hit
+    assert _curve(records) == _curve(clean)
+
+
 def test_transient_fault_at_data_parallel_2(tmp_path):
     """Each DP rank draws its own dropout masks, so the reference is the clean run at DP 2."""
     rc, reference, out, err = _train(tmp_path, "dp2_clean", [], nproc=2)
