@@ -14,8 +14,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.training.test_context_parallel_training import MOCK, TINY
+from tests.training.test_context_parallel_training import MOCK, MOE, MOE_KEYS, TINY
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4"]
 TRANSIENT = ["--error-injection-rate", "1", "--error-injection-type", "transient_error"]
@@ -77,6 +78,68 @@ def test_injection_rate_draws_its_own_numbers(clean, tmp_path):
     assert rc == 0, out + err
     assert [i for i in (2, 3, 4) if f"iteration {i}: the re-run differs" in out] == hit
     assert _curve(records) == _curve(clean)
+
+
+def test_transient_fault_in_a_moe_model(tmp_path):
+    """The MoE metrics of the bad try are dropped: the run equals the clean one, MoE metrics
+    (aux losses, load imbalance) included, with the routers' expert bias on."""
+    moe = MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-bias-update-rate", "0.1"]
+    runs = [_train(tmp_path, name, moe + args) for name, args in [("moe_clean", []), ("moe_transient", TRANSIENT)]]
+    (rc, reference, out, err), (rc2, records, out2, err2) = runs
+    assert rc == rc2 == 0, out + err + out2 + err2
+    assert out2.count("(a transient fault)") == 3
+    keys = sorted(k for k in reference[0] if k.startswith(tuple(MOE_KEYS)))
+    assert keys
+    assert [[r[k] for k in ["lm_loss", "grad_norm"] + keys] for r in records] == \
+        [[r[k] for k in ["lm_loss", "grad_norm"] + keys] for r in reference]
+
+
+class _Counting(torch.nn.Module):
+    """A weight, and a buffer that each forward adds its input's sum to (like a router's token
+    counts); draws from torch's generator (like dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.sum()
+        return (self.weight * x * torch.rand(3)).sum()
+
+
+def test_a_rerun_replays_the_batches_random_state_and_buffers():
+    """The machine on its own: the step's second try sees the same two micro-batches, the same
+    random numbers, and the module's buffer as before the step; the next step reads on."""
+    from teratron.training.config import TrainingConfig
+    from teratron.training.rerun import RerunStateMachine
+
+    torch.manual_seed(0)
+    model = _Counting()
+    data = iter([torch.full((3,), float(i)) for i in range(1, 7)])
+    training = TrainingConfig(micro_batch_size=1, global_batch_size=2, train_iters=3, seq_length=4,
+                              error_injection_rate=1, error_injection_type="transient_error")
+    machine = RerunStateMachine(training, [model], [data], torch.device("cpu"))
+    tries = []
+
+    def forward_backward():
+        model.weight.grad = None
+        batches = [next(machine.iterators[0]) for _ in range(2)]
+        loss = sum(model(x) for x in batches)
+        loss.backward()
+        tries.append(([b[0].item() for b in batches], loss.item(), model.seen.item()))
+        return {"lm loss": loss.detach()}
+
+    lines = []
+    for iteration in (1, 2, 3):
+        machine.run_step(iteration, forward_backward, log=lines.append)
+    # step 1 is not validated; steps 2 and 3 are injected, tried twice on the same batches
+    assert [t[0] for t in tries] == [[1, 2], [3, 4], [3, 4], [5, 6], [5, 6]]
+    assert tries[1][1] == tries[2][1] and tries[3][1] == tries[4][1]  # same random numbers
+    assert [t[2] for t in tries] == [9, 30, 30, 63, 63]  # the buffer as if each step ran once (3 x each x)
+    assert model.seen.item() == 63 and torch.isfinite(model.weight.grad).all()
+    assert sum("(a transient fault)" in line for line in lines) == 2
 
 
 def test_transient_fault_at_data_parallel_2(tmp_path):
