@@ -337,8 +337,9 @@ class Trainer:
         max_logit = HostCopy(self.qk_clip.reduce()) if self.qk_clip is not None else None
         # The losses, and whether any rank's is NaN/Inf, leave for the host now and are waited for
         # after the optimizer step is queued: the GPU goes from the backward to the optimizer, and on
-        # to the next step, without idling while the host checks and logs. With --skip-nan-steps the
-        # loss decides whether to step, so the host waits for it first.
+        # to the next step, without idling while the host checks and logs (with the rerun state
+        # machine's checks on, it has waited for them already). With --skip-nan-steps the loss
+        # decides whether to step, so the host waits for it first.
         check = training.check_for_nan_in_loss_and_grad or training.skip_nan_steps
         in_flight = LossesInFlight(losses, _any_rank_non_finite(losses, self.device) if check else None)
         if training.skip_nan_steps:
