@@ -150,6 +150,7 @@ def _top_parser():
 
 
 def main(argv=None) -> int:
+    from teratron.training.rerun import ReproducibleFaultError
     from teratron.training.trainer import NonFiniteLossError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -160,6 +161,9 @@ def main(argv=None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"teratron: error: {message}", file=sys.stderr, flush=True)
         return 2
+    except ReproducibleFaultError as e:  # Megatron's exit code: resume elsewhere to tell a fault from the data
+        print(f"teratron: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("teratron: interrupted", file=sys.stderr)
         return 130

@@ -51,8 +51,17 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
-                                timeout=timedelta(minutes=timeout_minutes))
+        try:
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                                    timeout=timedelta(minutes=timeout_minutes))
+        except RuntimeError as e:
+            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and \
+                    os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                raise RuntimeError(
+                    "the ranks of this torchrun restart could not connect: torchrun's shared store still holds the "
+                    "failed attempt's addresses (pytorch/pytorch#135712); run torchrun with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") from e
+            raise
     return dist.get_world_size()
 
 

@@ -273,10 +273,16 @@ def test_bad_input_subprocess_unwritable_save(tmp_path):
 
 
 def test_non_finite_loss_stops_or_skips(tmp_path, capsys):
-    """A huge learning rate blows the weights up: the run stops with one line, or with
-    --skip-nan-steps skips those steps and finishes."""
+    """A huge learning rate blows the weights up: the re-run reproduces the NaN and the run stops
+    with one line and Megatron's exit code 16 (rerun state machine), or with --rerun-mode disabled
+    with exit status 2; with --skip-nan-steps it skips those steps and finishes."""
     blow_up = TINY + ["--train-iters", "6", "--lr", "1e30", "--min-lr", "1e30", "--clip-grad", "0"]
-    assert cli.main(["train"] + blow_up) == 2
+    assert cli.main(["train"] + blow_up) == 16
+    out, err = capsys.readouterr()
+    assert err.startswith("teratron: error: iteration ") and "NaN/Inf" in err and "reproduced it" in err
+    assert "--skip-nan-steps" in err and "no --save, nothing saved" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err
+    assert cli.main(["train"] + blow_up + ["--rerun-mode", "disabled"]) == 2
     out, err = capsys.readouterr()
     assert err.startswith("teratron: error: iteration ") and "NaN/Inf" in err and "--skip-nan-steps" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err

@@ -20,6 +20,7 @@ import os
 import yaml
 
 from teratron.training import megatron_flags
+from teratron.training.rerun import ERROR_INJECTION_TYPES, RERUN_MODES
 from teratron.transformer.activation_offload import OFFLOAD_MODULES
 from teratron.transformer.transformer_config import RECOMPUTE_MODULES
 
@@ -475,9 +476,24 @@ def _add_training_args(parser):
     g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before lowering the scale.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
-                   help="Do not stop on a NaN/Inf loss or grad norm.")
+                   help="Do not check the loss and grad norm for NaN/Inf (no re-run, no stop).")
     g.add_argument("--skip-nan-steps", action="store_true",
                    help="On a NaN/Inf loss skip the optimizer step instead of stopping.")
+    g.add_argument("--rerun-mode", choices=RERUN_MODES, default="validate_results",
+                   help="validate_results: re-run a step the checks reject, on the same data; continue if the "
+                        "re-run differs and passes, else save and exit 16. report_determinism_stats (Megatron's "
+                        "parser: report_stats): re-run every step and report the spread. disabled: no re-runs.")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="Re-run a step whose loss is 10x the largest of the first 100 (not fatal).")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="Re-run a step whose local gradient norm is 10x the largest of the first 100 (not fatal).")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="Append a line per rejected result and re-run verdict to this file (Megatron's format).")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="Tests: inject a fault into one validated step in this many (0: never).")
+    g.add_argument("--error-injection-type", choices=ERROR_INJECTION_TYPES, default="transient_error",
+                   help="The injected fault: transient_error (the re-run is clean), persistent_error (the re-run "
+                        "fails too), correct_result (rejected, the re-run agrees).")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="Divide the step's summed loss by its tokens over all micro-batches and data-parallel "
                         "ranks (not the mean of micro-batch means).")

@@ -62,6 +62,14 @@ class TrainingConfig:
     deterministic_mode: bool = False
     check_for_nan_in_loss_and_grad: bool = True
     skip_nan_steps: bool = False
+    rerun_mode: str = "validate_results"
+    """The rerun state machine (training/rerun.py): disabled, validate_results, report_determinism_stats."""
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
+    result_rejected_tracker_filename: Optional[str] = None
+    error_injection_rate: int = 0
+    """Tests: inject a fault into one step in this many (0: none); --error-injection-type says which."""
+    error_injection_type: str = "transient_error"
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_interval: Optional[int] = None
@@ -81,6 +89,23 @@ class TrainingConfig:
             raise ValueError(f"--watchdog-timeout must be a positive number of seconds, got {self.watchdog_timeout}")
         if self.skip_nan_steps and not self.check_for_nan_in_loss_and_grad:
             raise ValueError("--skip-nan-steps needs the NaN check; drop --no-check-for-nan-in-loss-and-grad")
+        self._check_rerun()
+
+    def _check_rerun(self):
+        from teratron.training.rerun import ERROR_INJECTION_TYPES, RERUN_MODES
+
+        if self.rerun_mode not in RERUN_MODES:
+            raise ValueError(f"--rerun-mode must be one of {', '.join(RERUN_MODES)}, got {self.rerun_mode!r}")
+        if self.error_injection_type not in ERROR_INJECTION_TYPES:
+            raise ValueError(f"--error-injection-type must be one of {', '.join(ERROR_INJECTION_TYPES)}, "
+                             f"got {self.error_injection_type!r}")
+        if self.error_injection_rate < 0:
+            raise ValueError(f"--error-injection-rate must be 0 (off) or a positive number of steps, "
+                             f"got {self.error_injection_rate}")
+        checks = self.check_for_nan_in_loss_and_grad or self.check_for_spiky_loss or self.check_for_large_grads
+        if self.error_injection_rate and not (self.rerun_mode == "validate_results" and checks):
+            raise ValueError("--error-injection-rate injects faults for the result checks of --rerun-mode "
+                             "validate_results; use that mode with a check (the NaN check is on by default)")
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,6 @@ ACCEPTED = {
                                                             "--no-manual-gc-eval|--disable-manual-gc-eval",
     "teratron's data loader workers need no signal handler; the main process handles SIGTERM "
     "(--exit-signal-handler saves first)": "--exit-signal-handler-for-dataloader --exit-signal-handler-for-training",
-    "teratron has no rerun state machine: a NaN/Inf loss stops the run, or is skipped with --skip-nan-steps":
-        "--rerun-mode=",
     "teratron's --optimizer-cpu-offload steps torch's own optimizer on the host":
         "--use-torch-optimizer-for-cpu-offload",
     "teratron's CPU offload always copies gradients through a pinned host buffer": "--no-pin-cpu-grads",
@@ -371,9 +369,6 @@ REFUSED = {
     Refused("a wall-clock limit on training", "use --exit-interval, or --exit-signal-handler with your "
                                               "scheduler's SIGTERM"): "--exit-duration-in-mins=",
     Refused("skipping chosen iterations"): "--iterations-to-skip=+",
-    Refused("stopping on unexpectedly large gradients"): "--check-for-large-grads",
-    Refused("the rerun state machine's fault injection and spiky-loss check"):
-        "--result-rejected-tracker-filename= --error-injection-rate= --error-injection-type= --check-for-spiky-loss",
     Refused("capturing the optimizer step in a CUDA graph"): "--optimizer-cuda-graph",
     Refused("a per-module CUDA graph scope", "use --cuda-graph-scope full, attn or full_iteration"):
         "--cuda-graph-modules=+",

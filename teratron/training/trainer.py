@@ -6,8 +6,9 @@ profiler and exit handling; `train()` runs it.
 
 One iteration (`step`): zero the grad buffers, run the pipeline schedule over this step's
 micro-batches (gradient accumulation; with --cuda-graph-impl local as CUDA graphs,
-`full_iteration_graph`), reduce the max attention logits (QK-clip, which clips inside the
-optimizer step), stop (or skip the step) on a non-finite loss, step the optimizer and
+`full_iteration_graph`), again if the rerun state machine rejects the results (`rerun`), reduce
+the max attention logits (QK-clip, which clips inside the optimizer step), stop (or skip the
+step) on a non-finite loss, step the optimizer and
 the LR schedule, update the MoE routers and collect their metrics. `train` then logs, evaluates
 and saves on their intervals. At the end (also when --exit-interval stops the run) it logs the
 last partial log window, evaluates the validation set unless that iteration just did, and the
@@ -38,6 +39,7 @@ from teratron.training.initialize import get_device, set_random_seed
 from teratron.training.metrics import TrainingLogger
 from teratron.training.moe_step import finish_moe_step, set_moe_aux_loss_scale
 from teratron.training.profiling import build_profiler
+from teratron.training.rerun import RerunStateMachine, ReproducibleFaultError, kill_rank_for_test
 from teratron.training.straggler import StragglerReport
 from teratron.training.telemetry import build_telemetry
 from teratron.training.watchdog import Watchdog, peer_store
@@ -124,6 +126,7 @@ class Trainer:
         self.run = run
         self.tokenizer = tokenizer
         self.logger = None  # the TrainingLogger, made by train()
+        self.last_saved = None  # the iteration last saved (or loaded), set by train()
         self.watchdog = self.straggler = None  # --watchdog-timeout, --log-straggler: made by train()
         self.device = get_device()
         self.pg_collection = current_topology().pg_collection()  # passed to everything built below
@@ -153,6 +156,8 @@ class Trainer:
         if run.transformer.config_logger_dir and (not dist.is_initialized() or dist.get_rank() == 0):
             write_run_config(run, run.transformer.config_logger_dir, self.state.iteration)
         self.train_iters, self.valid_iters, self.test_iters = self._data_iterators()
+        self.rerun = RerunStateMachine(run.training, self.model, self.train_iters, self.device)
+        self.train_iters = self.rerun.iterators  # they keep each step's micro-batches for a re-run
         self.step_func = partial(forward_step, device=self.device, pg_collection=self.pg_collection,
                                  telemetry=self.telemetry)
         self.microbatches = run.microbatches()
@@ -230,7 +235,7 @@ class Trainer:
         if profiler is not None:
             profiler.step(state.iteration + 1)
         window = LogWindow()
-        last_saved = last_evaluated = state.iteration
+        self.last_saved = last_evaluated = state.iteration  # at start: loaded, or nothing worth saving
         stop = signalled = False
         result, global_batch = None, training.global_batch_size
         while state.iteration < training.train_iters and not stop:
@@ -246,6 +251,7 @@ class Trainer:
 
             if state.iteration % run.logging.log_interval == 0 or state.iteration == training.train_iters:
                 window = self.log(window, result.grad_norm, global_batch)
+            kill_rank_for_test(state.iteration)
             paused = time.perf_counter()  # evaluation and saving do not count as training time
             signalled = exit_handler is not None and exit_handler.any_rank_received()
             if self.valid_iters and state.iteration % training.eval_interval == 0 and not signalled:
@@ -255,7 +261,7 @@ class Trainer:
                 state.iteration, self.model, self.optimizer, self.scheduler, state.consumed_train_samples,
                 state.consumed_valid_samples, signalled)
             if saved:
-                last_saved = state.iteration
+                self.last_saved = state.iteration
             if profiler is not None:  # nor does starting, stopping and writing the profile
                 profiler.step(state.iteration + 1)
             window.start += time.perf_counter() - paused
@@ -272,7 +278,7 @@ class Trainer:
         if self.test_iters and not signalled:
             losses = self.evaluate(self.test_iters)
             self.logger.log_eval(state.iteration, losses, split="test", prefix="the end of training for test data")
-        if run.checkpoint.save and last_saved != state.iteration:
+        if run.checkpoint.save and self.last_saved != state.iteration:
             self.save()
         self.checkpointer.finalize_async_save(blocking=True)
 
@@ -283,13 +289,26 @@ class Trainer:
             self.watchdog.step_started(self.state.iteration + 1)
         if self.straggler is not None:
             self.straggler.step_started()
-        with self.telemetry.span("step", iteration=self.state.iteration + 1):
-            result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+        try:
+            with self.telemetry.span("step", iteration=self.state.iteration + 1):
+                result = self.step(self._num_microbatches(self.train_iters), global_batch, forward_backward_func)
+        except ReproducibleFaultError as e:
+            raise ReproducibleFaultError(f"{e}; {self._save_for_diagnosis()}") from None
         if self.straggler is not None:
             self.straggler.step_ended()
         if self.watchdog is not None:
             self.watchdog.step_ended()
         return result
+
+    def _save_for_diagnosis(self) -> str:
+        """After a reproduced fault: save the weights before the step (if not saved), say where."""
+        if not self.run.checkpoint.save:
+            return "no --save, nothing saved; exiting with code 16"
+        if self.last_saved != self.state.iteration:
+            self.save()
+        self.checkpointer.finalize_async_save(blocking=True)
+        return (f"checkpoint of iteration {self.state.iteration} in {self.run.checkpoint.save}: resume from it on "
+                "other hardware to tell which; exiting with code 16")
 
     def save(self) -> str:
         s = self.state
@@ -327,21 +346,15 @@ class Trainer:
 
     def _forward_backward_and_step(self, num_microbatches, global_batch, forward_backward_func=None):
         training, iteration = self.run.training, self.state.iteration + 1
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        log_dicts = (forward_backward_func or get_forward_backward_func())(
-            forward_step_func=self.step_func, data_iterator=_iterators(self.train_iters), model=self.model,
-            num_microbatches=num_microbatches, seq_length=training.seq_length,
-            micro_batch_size=training.micro_batch_size, forward_only=False, pg_collection=self.pg_collection,
-        )
-        losses = reduce_log_dicts(log_dicts, self.device, on_host=False, pg_collection=self.pg_collection)
+        losses = self.rerun.run_step(iteration, partial(self._forward_backward, num_microbatches,
+                                                        forward_backward_func), log=self._print)
         # The step's max attention logits, reduced before the optimizer step clips by them.
         max_logit = HostCopy(self.qk_clip.reduce()) if self.qk_clip is not None else None
         # The losses, and whether any rank's is NaN/Inf, leave for the host now and are waited for
         # after the optimizer step is queued: the GPU goes from the backward to the optimizer, and on
-        # to the next step, without idling while the host checks and logs. With --skip-nan-steps the
-        # loss decides whether to step, so the host waits for it first.
+        # to the next step, without idling while the host checks and logs (with the rerun state
+        # machine's checks on, it has waited for them already). With --skip-nan-steps the loss
+        # decides whether to step, so the host waits for it first.
         check = training.check_for_nan_in_loss_and_grad or training.skip_nan_steps
         in_flight = LossesInFlight(losses, _any_rank_non_finite(losses, self.device) if check else None)
         if training.skip_nan_steps:
@@ -363,6 +376,19 @@ class Trainer:
             raise NonFiniteLossError(f"iteration {iteration}: the gradient norm is {float(grad_norm)}; "
                                      "lower --lr or set --clip-grad")
         return losses, grad_norm, 0 if update_successful else 1, max_logit
+
+    def _forward_backward(self, num_microbatches, forward_backward_func=None) -> dict:
+        """Zero the grads, run the step's micro-batches; the reduced losses (device tensors)."""
+        training = self.run.training
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        log_dicts = (forward_backward_func or get_forward_backward_func())(
+            forward_step_func=self.step_func, data_iterator=_iterators(self.train_iters), model=self.model,
+            num_microbatches=num_microbatches, seq_length=training.seq_length,
+            micro_batch_size=training.micro_batch_size, forward_only=False, pg_collection=self.pg_collection,
+        )
+        return reduce_log_dicts(log_dicts, self.device, on_host=False, pg_collection=self.pg_collection)
 
     def _num_microbatches(self, data_iters) -> int:
         """This step's micro-batches per rank: the calculator's (for the training iterators), or with
