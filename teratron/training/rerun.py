@@ -208,9 +208,13 @@ class RerunStateMachine:
 
     def _measure(self, losses: dict) -> Measurement:
         zero = torch.zeros((), device=self.device)
-        grads = [g.float().norm().to(self.device) for g in _local_grads(self.model)]
+        by_dtype = {}
+        for grad in _local_grads(self.model):
+            by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+        # One multi-tensor kernel per (device, dtype) instead of a kernel and an fp32 copy per parameter.
+        norms = [n.float().to(self.device) for grads in by_dtype.values() for n in torch._foreach_norm(grads)]
         loss = torch.stack([v.float().reshape(()) for v in losses.values()]).sum() if losses else zero
-        grad_norm = torch.stack(grads).norm() if grads else zero
+        grad_norm = torch.stack(norms).norm() if norms else zero
         return Measurement(*torch.stack([loss, grad_norm]).tolist())
 
     # ----- the checks -----
