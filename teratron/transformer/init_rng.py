@@ -43,12 +43,13 @@ def component_rng(tag: str):
 
 
 def build_component(tag: str, build, meta: bool = False) -> torch.nn.Module:
-    """`build()` under component `tag`'s stream (on the meta device when `meta`); the module
-    remembers the stream and `build`, for `rebuild`."""
+    """`build()` under component `tag`'s stream; with `meta`, on the meta device, and the module
+    remembers the stream and `build` for `rebuild` (only then: `build` may hold its whole parent)."""
     seed = _component_seed(tag)
     with _seeded(seed), (torch.device("meta") if meta else contextlib.nullcontext()):
         module = build()
-    module._component_build = (seed, build)
+    if meta:
+        module._component_build = (seed, build)
     return module
 
 
