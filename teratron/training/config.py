@@ -351,10 +351,6 @@ class RunConfig:
         if not self.ddp.shards_with_fsdp2():
             return
         name = "--use-torch-fsdp2" if self.ddp.use_torch_fsdp2 else "--use-megatron-fsdp"
-        if self.distributed.world_size == 1 and not launched_by_torchrun():
-            raise ValueError(f"{name} shards over data-parallel ranks with torch.distributed, which one process "
-                             "without torchrun does not start; launch with torchrun (--nproc-per-node N) or drop "
-                             "the flag")
         if self.optimizer.optimizer_cpu_offload:
             raise ValueError(f"--optimizer-cpu-offload with FSDP ({name}): the sharded fp32 parameters are the "
                              "master weights and stay on the device; drop one")
@@ -573,8 +569,15 @@ def build_run_config(args, world_size: Optional[int] = None) -> RunConfig:
     from teratron.tokenizers import build_tokenizer
     from teratron.parallel_state import world_size_from_env
 
-    world_size = world_size_from_env() if world_size is None else world_size
-    return run_config_from_args(args, world_size, build_tokenizer(args).vocab_size)
+    if world_size is not None:  # a launch planned elsewhere (`teratron bench`), which picks its launcher
+        return run_config_from_args(args, world_size, build_tokenizer(args).vocab_size)
+    run = run_config_from_args(args, world_size_from_env(), build_tokenizer(args).vocab_size)
+    if run.ddp.shards_with_fsdp2() and not launched_by_torchrun():
+        name = "--use-torch-fsdp2" if run.ddp.use_torch_fsdp2 else "--use-megatron-fsdp"
+        raise ValueError(f"{name} shards over data-parallel ranks with torch.distributed, which one process "
+                         "without torchrun does not start; launch with torchrun (--nproc-per-node N) or drop "
+                         "the flag")
+    return run
 
 
 # Flags whose list value is a field's list (a per-layer pattern, one coefficient per type).

@@ -180,6 +180,10 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
         assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
     assert not list(tmp_path.iterdir())
     from teratron.training.arguments import parse_train_args
+    from teratron.training.config import build_run_config
+
+    # `teratron bench` checks the flags of a run it will launch under torchrun: no refusal there
+    assert build_run_config(parse_train_args(TINY + FSDP2), world_size=1).ddp.use_torch_fsdp2
     from teratron.training.config import run_config_from_args
 
     with pytest.raises(ValueError, match="^--optimizer-cpu-offload with FSDP"):
