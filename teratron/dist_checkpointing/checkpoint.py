@@ -260,11 +260,13 @@ def _items_of_every_rank(model_chunks, optimizer, with_rng):
     return (items, None) if all_ranks_true(error is None) else (None, error)
 
 
-def _as_megatron(items, model_chunks, common, metadata, iteration) -> list:
+def _as_megatron(items, model_chunks, optimizer, common, metadata, iteration) -> list:
     """Items under Megatron-LM's names, and (rank 0) its common state as the object it reads."""
-    items = megatron_format.to_megatron_items(items, **megatron_format.stacking(model_chunks))
+    stacking = megatron_format.stacking(model_chunks)
+    items = megatron_format.to_megatron_items(items, **stacking)
     if _rank() == 0:
-        state = megatron_format.megatron_common_state(common, metadata, iteration)
+        items += megatron_format.extra_states(**stacking)
+        state = megatron_format.megatron_common_state(common, metadata, iteration, optimizer)
         items.append(ShardedObject(megatron_format.COMMON_STATE_KEY + "/shard_0_1", [state]))
     return items
 
@@ -280,7 +282,7 @@ def save_checkpoint(root, iteration, model_chunks, optimizer=None, common=None, 
     if items is not None:
         check_finite(items, root, iteration)
         if megatron:
-            items = _as_megatron(items, model_chunks, common, metadata, iteration)
+            items = _as_megatron(items, model_chunks, optimizer, common, metadata, iteration)
         files, error = _write(items, _begin(root, iteration))
     return _finish(root, iteration, files, error, common, metadata, ckpt_format)
 
@@ -347,7 +349,7 @@ def start_async_save(root, iteration, model_chunks, optimizer=None, common=None,
     items = _snapshot(items)
     common, metadata = _describe(model_chunks, optimizer, common, metadata, with_rng and not megatron)
     if megatron:
-        items = _as_megatron(items, model_chunks, common, metadata, iteration)
+        items = _as_megatron(items, model_chunks, optimizer, common, metadata, iteration)
     return AsyncSave(root, iteration, items, common, metadata, ckpt_format, timeout)
 
 

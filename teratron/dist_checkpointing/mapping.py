@@ -43,6 +43,8 @@ class ShardedTensor:
 class ShardedObject:
     key: str
     value: Any
+    # Module prefixes whose pickled classes load as inert records (safe_load.ForeignObject).
+    foreign: tuple = ()
 
 
 def flat_boxes(shape, start: int, end: int) -> list:

@@ -25,20 +25,32 @@ Engine's FP8 metadata) are not read. Nothing read runs code (`safe_load`).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 
+import torch
+
 from teratron.dist_checkpointing import serialization, storage
-from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import model_sharded_items, param_layouts, unwrap
-from teratron.dist_checkpointing.optimizer_state import load_optimizer_common_state, prepare_for_load
+from teratron.dist_checkpointing.optimizer_state import (GROUP_SIGNATURE, load_optimizer_common_state,
+                                                         prepare_for_load, set_step_count, signed_groups,
+                                                         step_count)
 
 SHARDED_BACKEND = "torch_dist"
 COMMON_STATE_KEY = "common_state"
 _OPTIMIZER_STATE = "optimizer.state."
 TERATRON_RECORD = "teratron_record"  # a teratron-written torch_dist checkpoint's model args and tokenizer
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Optimizer states Megatron-LM names otherwise (the fp32 master weights); the rest share names.
+_MEGATRON_STATE_NAME = {"fp32_param": "param"}
+_TERATRON_STATE_NAME = {megatron: teratron for teratron, megatron in _MEGATRON_STATE_NAME.items()}
+# The per-parameter optimizer state layout Megatron-LM reads in any TP / PP / DP layout (its
+# --dist-ckpt-optim-fully-reshardable); its default, dp_reshardable, is the distributed optimizer's
+# flat buffers, readable only into the layout that wrote them.
+FULLY_RESHARDABLE = "fully_reshardable"
 _FUSED_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
@@ -59,10 +71,12 @@ def is_megatron_checkpoint(checkpoint_dir: str) -> bool:
         metadata.get("sharded_backend") == SHARDED_BACKEND
 
 
-def _split_prefix(key: str) -> tuple:
-    """(optimizer-state prefix or '', the model key): optimizer.state.<name>.<model key>."""
+def _split_prefix(key: str, names: dict | None = None) -> tuple:
+    """(optimizer-state prefix or '', the model key): optimizer.state.<name>.<model key>; the
+    state's name translated by `names` (teratron's <-> Megatron-LM's) when given."""
     if key.startswith(_OPTIMIZER_STATE):
         name, rest = key[len(_OPTIMIZER_STATE):].split(".", 1)
+        name = (names or {}).get(name, name)
         return f"{_OPTIMIZER_STATE}{name}.", rest
     return "", key
 
@@ -106,10 +120,10 @@ def _saved_experts(saved: dict) -> int | None:
 def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None) -> ShardedTensor:
     """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it:
     stacked or per layer, the norm under its fused name or its own."""
-    prefix, key = _split_prefix(item.key)
+    prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
     match = _LAYER.match(key)
     if match is None:
-        return item
+        return dataclasses.replace(item, key=prefix + key)
     layer, name = int(match.group(1)), match.group(2)
     for candidate in (_FUSED_NORMS.get(name), name):
         if candidate is None:
@@ -140,7 +154,7 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
             view[f"{prefix}decoder.layers.{layer}.{unfused.get(name, name)}"] = shape
 
     for full_key, shape in saved.items():
-        prefix, key = _split_prefix(full_key)
+        prefix, key = _split_prefix(full_key, _TERATRON_STATE_NAME)
         match = _LAYER.match(key)
         if match is not None:  # per layer
             add(prefix, match.group(1), match.group(2), shape)
@@ -148,7 +162,7 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
             for layer in range(num_layers):
                 add(prefix, layer, key[len("decoder.layers."):], tuple(shape[1:]))
         else:
-            view[full_key] = shape
+            view[prefix + key] = shape
     return view
 
 
@@ -160,10 +174,12 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
     name too (as Transformer Engine's MoE layers save it)."""
     out = []
     for item in items:
-        prefix, key = _split_prefix(item.key)
+        prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
+        if prefix and (not isinstance(item, ShardedTensor) or not item.global_shape):
+            continue  # Adam's step count: Megatron keeps it in the param groups (megatron_optimizer_state)
         match = _LAYER.match(key) if isinstance(item, ShardedTensor) else None
         if match is None:
-            out.append(item)
+            out.append(dataclasses.replace(item, key=prefix + key))
             continue
         layer, name = int(match.group(1)), match.group(2)
         if name in _FUSED_NORMS:
@@ -174,18 +190,76 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
     return out
 
 
-def megatron_common_state(common: dict, metadata: dict, iteration: int) -> dict:
+def megatron_common_state(common: dict, metadata: dict, iteration: int, optimizer=None) -> dict:
     """Megatron-LM's common state of a teratron save: its args (a Namespace of Megatron's flag
     names: the model's, and the consumed samples it resumes from), checkpoint_version 3.0,
-    iteration and scheduler; teratron's own common entries ride along under their names, and its
-    metadata.json record (model args, tokenizer) and run description (`run_args`) under
+    iteration, scheduler and the optimizer's common state in Megatron's form
+    (`megatron_optimizer_state`); teratron's own common entries ride along under their names, and
+    its metadata.json record (model args, tokenizer) and run description (`run_args`) under
     TERATRON_RECORD."""
     args = argparse.Namespace(**metadata.get("model_args", {}), ckpt_format=SHARDED_BACKEND,
                               consumed_train_samples=common.get("consumed_train_samples", 0),
                               consumed_valid_samples=common.get("consumed_valid_samples", 0))
-    return {**common, "args": args, "checkpoint_version": 3.0, "iteration": iteration,
+    state = {key: value for key, value in common.items() if key != "optimizer"}
+    if optimizer is not None:
+        state["optimizer"] = megatron_optimizer_state(optimizer)
+        state["content_metadata"] = {"distrib_optim_sharding_type": FULLY_RESHARDABLE,
+                                     "distrib_optim_fully_reshardable_mem_efficient": False,
+                                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    return {**state, "args": args, "checkpoint_version": 3.0, "iteration": iteration,
             TERATRON_RECORD: {**{key: metadata[key] for key in ("model_args", "tokenizer") if key in metadata},
                               "run_args": common.get("args")}}
+
+
+def megatron_optimizer_state(optimizer):
+    """The optimizer's common state as Megatron-LM's distributed optimizer keeps it: torch's
+    param groups in a list (hyper-parameters, what the group is -- wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr, max_lr, min_lr -- and the step count, which Megatron
+    keeps there rather than per parameter), the loss scaler, and the per-parameter layout
+    (fully_reshardable). A model with experts gets two, dense then experts, as Megatron chains
+    its optimizers."""
+    step = step_count(optimizer)
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+    chains = {}
+    for _, group in signed_groups(optimizer):
+        saved = {key: value for key, value in group.items() if key != "params"}
+        chains.setdefault(bool(group.get("is_expert_parallel")), []).append({**saved, "step": step})
+    states = []
+    for expert in sorted(chains):
+        state = {"optimizer": {"param_groups": chains[expert]}, "param_state_sharding_type": FULLY_RESHARDABLE}
+        if scaler is not None:  # Megatron keeps the scale as a tensor
+            state["grad_scaler"] = {**scaler, "scale": torch.tensor(float(scaler["scale"]))}
+        states.append(state)
+    return states[0] if len(states) == 1 else states
+
+
+def _megatron_optimizer_common(saved, optimizer, where: str) -> tuple:
+    """(teratron's optimizer common state, the step count) of Megatron-LM's (one dict, or one per
+    chained optimizer), its groups matched to this optimizer's by what they are."""
+    states = saved if isinstance(saved, list) else [saved]
+    by_meaning, steps, scaler = {}, set(), None
+    for state in states:
+        layout = state.get("param_state_sharding_type") if isinstance(state, dict) else None
+        if layout != FULLY_RESHARDABLE:
+            raise ValueError(_layout_refusal(where, layout))
+        for group in state["optimizer"]["param_groups"]:
+            by_meaning[tuple(group.get(key) for key in GROUP_SIGNATURE)] = group
+            steps.add(float(group.get("step", 0)))
+        scaler = state.get("grad_scaler", scaler)
+    groups = {signature: by_meaning[signature[1:]] for signature, _ in signed_groups(optimizer)
+              if signature[1:] in by_meaning}
+    step = max(steps, default=0.0)
+    return {"param_groups": groups, "grad_scaler": scaler}, step
+
+
+def _layout_refusal(where: str, layout) -> str:
+    what = {"dp_reshardable": "Megatron-LM's default distributed-optimizer layout (dp_reshardable: flat buffers "
+                              "of the layout that wrote them)",
+            None: "a layout other than the distributed optimizer's"}.get(layout, f"the {layout} layout")
+    return (f"{where}: its optimizer state is saved in {what}; teratron reads Megatron's optimizer state "
+            "saved fully_reshardable (Megatron-LM's --use-distributed-optimizer "
+            "--dist-ckpt-optim-fully-reshardable); re-save it so, or add --no-load-optim (continue at its "
+            "iteration with a fresh optimizer)")
 
 
 def stacking(model_chunks) -> dict:
@@ -197,6 +271,27 @@ def stacking(model_chunks) -> dict:
     return {"num_layers": config.num_layers, "stacked": uniform, "num_experts": config.num_moe_experts}
 
 
+def extra_states(num_layers: int, stacked: bool, num_experts: int | None) -> list:
+    """The `_extra_state` objects Megatron-LM saves for each linear layer (Transformer Engine's
+    FP8 metadata; None for its local layers) and expects back on load: one per layer and linear
+    (and expert), keyed `..._extra_state/shard_<layer>_<layers>` (`shard_<layer>.<e>_<layers>.<E>`
+    for experts), each holding [None]. Written for layers Megatron stacks; per-layer keys get none."""
+    if not stacked:
+        return []
+    linears = ["self_attention.linear_proj", "self_attention.linear_qkv"]
+    if num_experts is None:
+        linears += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    items = []
+    for layer in range(num_layers):
+        for name in linears:
+            items.append(ShardedObject(f"decoder.layers.{name}._extra_state/shard_{layer}_{num_layers}", [None]))
+        for e in range(num_experts or 0):
+            for name in ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"):
+                items.append(ShardedObject(f"decoder.layers.{name}._extra_state/shard_{layer}.{e}_{num_layers}."
+                                           f"{num_experts}", [None]))
+    return items
+
+
 def megatron_metadata() -> dict:
     """metadata.json of a Megatron-LM torch_dist checkpoint."""
     return {"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
@@ -204,7 +299,8 @@ def megatron_metadata() -> dict:
 
 
 def _is_megatron_model_key(key: str) -> bool:
-    return not key.startswith(("optimizer.", "rng_state", COMMON_STATE_KEY)) and "_extra_state" not in key
+    return not key.startswith(("optimizer.", "rng_state", "rerun_state_machine_state", COMMON_STATE_KEY)) \
+        and "_extra_state" not in key
 
 
 def read_common_state(checkpoint_dir: str) -> dict:
@@ -216,7 +312,8 @@ def read_common_state(checkpoint_dir: str) -> dict:
         from teratron.dist_checkpointing.safe_load import read_common_state as read_common_file
 
         return read_common_file(checkpoint_dir)
-    common = serialization.load_full(checkpoint_dir, lambda key: key == keys[0])[keys[0]]
+    # Megatron's args hold its enums: read as inert records, nothing of Megatron imported or run
+    common = serialization.load_full(checkpoint_dir, lambda key: key == keys[0], foreign=("megatron.",))[keys[0]]
     if isinstance(common, list) and len(common) == 1:  # Megatron saves it as a one-item list
         common = common[0]
     if not isinstance(common, dict):
@@ -236,17 +333,19 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
     items = model_sharded_items(model_chunks)
     refresh_masters = False
     if optimizer is not None:
-        if "optimizer" not in common or not any(key.startswith(_OPTIMIZER_STATE) for key in saved):
-            raise ValueError(f"{source} {checkpoint_dir}: a checkpoint Megatron-LM wrote; teratron reads its model "
-                             "weights but not yet Megatron's own optimizer state; add --no-load-optim (continue at "
-                             "its iteration with a fresh optimizer) or --finetune")
+        where = f"{source} {checkpoint_dir}"
+        if "optimizer" not in common:
+            layout = "dp_reshardable" if any(key.startswith("optimizer.distributed.") for key in saved) else None
+            raise ValueError(_layout_refusal(where, layout))
+        optimizer_common, step = _megatron_optimizer_common(common["optimizer"], optimizer, where)
         optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts, _teratron_view(saved, num_layers))
         items += optimizer_items
     experts = _saved_experts(saved)
     items = [_megatron_box(item, saved, num_layers, experts) for item in items]
     serialization.load(items, checkpoint_dir, unexpected_filter=_is_megatron_model_key)
     if optimizer is not None:
-        load_optimizer_common_state(optimizer, common["optimizer"], f"{source} {checkpoint_dir}")
+        load_optimizer_common_state(optimizer, optimizer_common, where)
+        set_step_count(optimizer, step)
         if refresh_masters:
             optimizer.reload_model_params()
     return common

@@ -56,8 +56,6 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     by_key = saved_state_names(saved)
     refresh_masters = False
     for opt in optimizer.chained_optimizers:
-        # torch's fused (and capturable) kernels keep the step count on the parameter's device.
-        on_device = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
         for param, main, _ in opt.main_param_shards():
             names = by_key.get(layouts[param].key, {})
             if main is not param and "fp32_param" not in names:
@@ -68,45 +66,68 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
                     continue
                 if shape is None:
                     state[name] = None
-                elif len(shape) == 0:  # a step count: on the CPU unless a fused kernel steps `main`
-                    device = main.device if id(main) in on_device else "cpu"
-                    state[name] = torch.zeros((), dtype=torch.float32, device=device)
+                elif len(shape) == 0:  # a step count
+                    state[name] = _step_tensor(opt, main, 0.0)
                 else:
                     state[name] = torch.zeros_like(main)
     items = [i for i in optimizer_sharded_items(optimizer, layouts) if i.key in saved]
     return items, refresh_masters
 
 
+def _step_tensor(opt, main, value: float) -> torch.Tensor:
+    """A step count for `main`'s state: on the CPU unless torch's fused (or capturable) kernel
+    steps `main`, which keeps it on the parameter's device."""
+    on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups
+                    if any(p is main for p in g["params"]))
+    return torch.tensor(value, dtype=torch.float32, device=main.device if on_device else "cpu")
+
+
+def step_count(optimizer) -> float:
+    """The optimizer's step count (Adam's `step`; 0 before the first step or without one)."""
+    steps = [float(state["step"]) for opt in optimizer.chained_optimizers for state in opt.state.values()
+             if "step" in state]
+    return max(steps, default=0.0)
+
+
+def set_step_count(optimizer, step: float) -> None:
+    """Give every parameter with state (Adam's moments) the step count `step`: a checkpoint that
+    keeps one count for all (Megatron-LM's param groups) restored into torch's per-parameter one."""
+    for opt in optimizer.chained_optimizers:
+        for main, state in opt.state.items():
+            if state and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values()):
+                state["step"] = _step_tensor(opt, main, step)
+
+
 # Param groups are matched by what they mean, not by position: the split into chained
 # optimizers (dense / expert) depends on the layout (experts are separate only under EP > 1).
-_GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_decoupled_lr")
+GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_decoupled_lr")
 # How torch runs the step, chosen from this run's devices, not a hyper-parameter to restore.
-_IMPLEMENTATION_KEYS = ("params", "is_expert_parallel", "fused", "foreach", "capturable", "differentiable")
+IMPLEMENTATION_KEYS = ("params", "is_expert_parallel", "fused", "foreach", "capturable", "differentiable")
 
 
-def _groups(optimizer):
+def signed_groups(optimizer):
     """(signature, param group): the signature is the torch optimizer's class and the group's
     meaning (Muon and its scalar optimizer have groups of the same meaning)."""
     for opt in optimizer.chained_optimizers:
         for group in opt.param_groups:
-            yield (type(opt.optimizer).__name__,) + tuple(group.get(k) for k in _GROUP_SIGNATURE), group
+            yield (type(opt.optimizer).__name__,) + tuple(group.get(k) for k in GROUP_SIGNATURE), group
 
 
 def optimizer_common_state(optimizer) -> dict:
     """Param-group hyper-parameters (by group signature) and the shared loss scaler's state."""
-    groups = {signature: {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
-              for signature, group in _groups(optimizer)}
+    groups = {signature: {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS}
+              for signature, group in signed_groups(optimizer)}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
     return {"param_groups": groups, "grad_scaler": scaler}
 
 
 def load_optimizer_common_state(optimizer, common: dict, source: str) -> None:
     saved = common["param_groups"]
-    for signature, group in _groups(optimizer):
+    for signature, group in signed_groups(optimizer):
         if signature not in saved:
             raise ValueError(f"{source}: the checkpoint has no {signature[0]} parameter group with "
-                             f"{dict(zip(_GROUP_SIGNATURE, signature[1:]))}; use the optimizer settings "
+                             f"{dict(zip(GROUP_SIGNATURE, signature[1:]))}; use the optimizer settings "
                              "it was saved with, or --no-load-optim")
-        group.update({k: v for k, v in saved[signature].items() if k not in _IMPLEMENTATION_KEYS})
+        group.update({k: v for k, v in saved[signature].items() if k not in IMPLEMENTATION_KEYS})
     if optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])

@@ -103,7 +103,8 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.storage_data[read_item.storage_index].relative_path
         for item in self.items:
             if isinstance(item, ShardedObject) and item.key == key:
-                item.value = load_torch_file(value, f"{os.path.join(self.checkpoint_dir, stored)} ({key})")
+                item.value = load_torch_file(value, f"{os.path.join(self.checkpoint_dir, stored)} ({key})",
+                                             item.foreign)
 
     def resolve_tensor(self, read_item):
         box = self.tensors[_index(read_item.dest_index.fqn, read_item.dest_index.offset)]

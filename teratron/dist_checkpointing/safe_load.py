@@ -6,7 +6,10 @@ allow-list:
     load_torch_file(source, where)   common.pt and the small objects inside .distcp files (RNG
                                      states): torch.load(weights_only=True), i.e. tensors and plain
                                      data, plus the argparse.Namespace and numpy arrays that older
-                                     teratron checkpoints hold (data only: none of them runs code)
+                                     teratron checkpoints hold (data only: none of them runs code);
+                                     with `foreign` module prefixes (Megatron-LM's `megatron.`),
+                                     the classes those modules name load as inert ForeignObject
+                                     records of what was pickled (Megatron's enums in its args)
     read_dcp_metadata(path)          .metadata: torch.distributed.checkpoint's metadata classes only
     CheckpointReader                 DCP's FileSystemReader reading .metadata that way (DCP itself
                                      reads the tensors with weights_only=True)
@@ -17,10 +20,12 @@ what it asked for; a file that does not parse raises DamagedCheckpointError.
 
 import argparse
 import collections
+import functools
 import os
 import pathlib
 import pickle
 import re
+import signal
 import warnings
 
 import numpy as np
@@ -51,8 +56,50 @@ def _numpy_array_globals() -> list:
     return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, type(uint32)]
 
 
-_PLAIN_DATA_EXTRAS = [argparse.Namespace, *_numpy_array_globals()]
-_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_PLAIN_DATA_EXTRAS = [argparse.Namespace, signal.Signals, *_numpy_array_globals()]
+
+
+class ForeignObject:
+    """A value another program pickled from one of its own classes (Megatron-LM's args hold its
+    enums, e.g. megatron.core.transformer.enums.AttnBackend), kept as data: the class's dotted
+    `name`, the `args` it was rebuilt from (an enum's: its value) and any pickled `state`. Nothing
+    of that program is imported or run."""
+
+    name = "?"
+
+    def __new__(cls, *args):
+        value = super().__new__(cls)
+        value.args, value.state = args, None
+        return value
+
+    def __init__(self, *args):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+    @property
+    def value(self):
+        """An enum's value (the one argument it is rebuilt from)."""
+        return self.args[0] if len(self.args) == 1 else self.args
+
+    def __eq__(self, other):
+        return isinstance(other, ForeignObject) and (self.name, self.args, self.state) == \
+            (other.name, other.args, other.state)
+
+    def __hash__(self):
+        return hash((self.name, repr(self.args)))
+
+    def __repr__(self):
+        return f"{self.name}{self.args!r}"
+
+
+@functools.cache
+def _foreign_class(name: str) -> type:
+    """The stand-in class for the pickled global `name`."""
+    return type(name.rsplit(".", 1)[-1], (ForeignObject,), {"name": name, "__module__": __name__})
+# torch's two wordings: a global not allowed, and one from a module it blocks outright (os, posix, ...)
+_REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|load unsupported GLOBAL) ([\w.]+)")
 
 
 def refused_global(error: Exception):
@@ -61,19 +108,28 @@ def refused_global(error: Exception):
     return found.group(1) if found else None
 
 
-def load_torch_file(source, where: str):
-    """torch.load of a file or stream with the plain-data allow-list; `where` names it in errors."""
-    try:
-        with torch.serialization.safe_globals(_PLAIN_DATA_EXTRAS), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about pickle protocols it then reads fine
-            return torch.load(source, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise DamagedCheckpointError(f"{where}: missing; the checkpoint is incomplete") from None
-    except pickle.UnpicklingError as e:
-        refused = refused_global(e)
-        raise (unsafe_error(where, refused) if refused else _damaged(where, e)) from None
-    except Exception as e:  # noqa: BLE001 - a truncated zip, a bad header: the file is damaged
-        raise _damaged(where, e) from None
+def load_torch_file(source, where: str, foreign: tuple = ()):
+    """torch.load of a file or stream with the plain-data allow-list; globals under the `foreign`
+    module prefixes load as ForeignObjects. `where` names it in errors."""
+    stand_ins = []
+    start = source.tell() if hasattr(source, "seek") else None
+    while True:  # torch names one refused global at a time: stand each foreign one in, then read again
+        try:
+            with torch.serialization.safe_globals(_PLAIN_DATA_EXTRAS + stand_ins), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns about pickle protocols it then reads fine
+                if start is not None:
+                    source.seek(start)
+                return torch.load(source, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise DamagedCheckpointError(f"{where}: missing; the checkpoint is incomplete") from None
+        except pickle.UnpicklingError as e:
+            refused = refused_global(e)
+            if refused and refused.startswith(foreign) and (_foreign_class(refused), refused) not in stand_ins:
+                stand_ins.append((_foreign_class(refused), refused))
+                continue
+            raise (unsafe_error(where, refused) if refused else _damaged(where, e)) from None
+        except Exception as e:  # noqa: BLE001 - a truncated zip, a bad header: the file is damaged
+            raise _damaged(where, e) from None
 
 
 def _damaged(where: str, error: Exception) -> DamagedCheckpointError:

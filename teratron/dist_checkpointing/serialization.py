@@ -175,15 +175,16 @@ def saved_keys(checkpoint_dir: str) -> dict:
             for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items()}
 
 
-def load_full(checkpoint_dir: str, select) -> dict:
+def load_full(checkpoint_dir: str, select, foreign: tuple = ()) -> dict:
     """Whole global tensors/objects of the saved keys for which `select(key)` is true, read by this
-    process alone (no torch.distributed needed)."""
+    process alone (no torch.distributed needed); objects' classes under the `foreign` module
+    prefixes load as inert records (safe_load.ForeignObject)."""
     items = []
     for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
         if not select(key):
             continue
         if isinstance(md, BytesStorageMetadata):
-            items.append(ShardedObject(key, None))
+            items.append(ShardedObject(key, None, foreign))
         else:
             data = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             items.append(ShardedTensor(key, data, tuple(md.size), (0,) * len(md.size)))

@@ -167,11 +167,78 @@ def test_training_continues_a_megatron_checkpoint_at_its_iteration(tmp_path):
     assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()][-1] == 1
 
 
-def test_megatron_optimizer_state_is_refused_in_one_line(tmp_path):
-    proc, _ = _train(tmp_path)
+def test_a_checkpoint_without_readable_optimizer_state_is_refused_in_one_line(tmp_path):
+    proc, _ = _train(tmp_path)  # Megatron Core's model-only save: no distributed-optimizer state
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("teratron: error: --load ")
-    assert "add --no-load-optim" in proc.stderr
+    assert "--dist-ckpt-optim-fully-reshardable" in proc.stderr and "add --no-load-optim" in proc.stderr
+
+
+# ----- a Megatron-LM run (fixtures/megatron_lm: pretrain_gpt.py's iteration-4 save, its optimizer
+# state included, the data it trained on and the losses it logged; SOURCE.json says how) -------------
+
+MEGATRON_LM = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_lm")
+
+
+def _megatron_lm_run():
+    import json
+
+    with open(os.path.join(MEGATRON_LM, "SOURCE.json")) as f:
+        return json.load(f)
+
+
+def _train_like_megatron_lm(tmp_path, name, *flags):
+    import json
+    import subprocess
+    import sys
+
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "teratron", "train", *_megatron_lm_run()["flags"],
+                           "--data-path", os.path.join(MEGATRON_LM, "docs"), "--data-cache-path",
+                           str(tmp_path / "cache"), "--metrics-file", str(metrics),
+                           *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    return {r["iteration"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+def test_a_megatron_lm_run_continues_with_megatrons_losses(tmp_path):
+    """teratron resumes Megatron-LM's iteration-4 checkpoint (weights, Adam moments and fp32 masters
+    of its distributed optimizer, step count, schedule, consumed samples) and logs the losses
+    Megatron-LM logged for iterations 5-8. Megatron ran bf16 on an H200, this runs bf16 on the CPU:
+    they agree to 6e-5; a fresh optimizer misses by 1e-2 at iteration 6."""
+    logged = _megatron_lm_run()["logged"]
+    resumed = _train_like_megatron_lm(tmp_path, "resumed", "--load", MEGATRON_LM)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for iteration, record in resumed.items():
+        assert record["lm_loss"] == pytest.approx(logged["lm_loss"][str(iteration)], abs=2e-4), iteration
+        assert record["lr"] == pytest.approx(logged["learning_rate"][str(iteration)], rel=1e-6), iteration
+
+
+def test_teratron_writes_the_optimizer_state_megatron_lm_writes(tmp_path):
+    """--ckpt-format torch_dist of the same run has every key and shape Megatron-LM's save has (model,
+    `_extra_state` objects, the optimizer's `param`, `exp_avg`, `exp_avg_sq`), and its optimizer
+    common state is Megatron's: the same param groups (what each is, its hyper-parameters at
+    iteration 4, the step count) and the fully_reshardable layout."""
+    from teratron.dist_checkpointing import serialization
+
+    _train_like_megatron_lm(tmp_path, "saved", "--exit-interval", "4", "--save", str(tmp_path / "ckpt"),
+                            "--save-interval", "4")
+    ours, theirs = str(tmp_path / "ckpt" / "iter_0000004"), os.path.join(MEGATRON_LM, "iter_0000004")
+    not_written = ("rng_state", "rerun_state_machine_state")  # the RNG is not carried in this layout
+    assert serialization.saved_keys(ours) == {key: shape for key, shape in serialization.saved_keys(theirs).items()
+                                              if not key.startswith(not_written)}
+    ours_common, theirs_common = read_common_state(ours)["optimizer"], read_common_state(theirs)["optimizer"]
+    assert ours_common["param_state_sharding_type"] == theirs_common["param_state_sharding_type"]
+    compared = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr", "weight_decay",
+                "betas", "eps", "decoupled_weight_decay", "step")
+    groups = [[{key: group[key] for key in compared} for group in state["optimizer"]["param_groups"]]
+              for state in (ours_common, theirs_common)]
+    assert groups[0] == groups[1]
+    for ours_group, theirs_group in zip(ours_common["optimizer"]["param_groups"],
+                                        theirs_common["optimizer"]["param_groups"]):
+        assert ours_group["lr"] == pytest.approx(theirs_group["lr"], rel=1e-12)
+    assert read_common_state(ours)["opt_param_scheduler"] == read_common_state(theirs)["opt_param_scheduler"]
 
 
 def test_a_torch_dist_save_resumes_with_the_same_losses(tmp_path):

@@ -225,3 +225,53 @@ def test_old_checkpoint_with_a_damaged_common_file_is_one_line(tmp_path, capsys,
     change(os.path.join(storage.iteration_dir(save, 2), "common.pt"))
     assert cli.main(["train", *run["argv"], "--load", save]) == 2
     assert phrase in _one_error_line(capsys)
+
+
+def test_megatron_classes_load_as_inert_records(tmp_path, monkeypatch):
+    """Megatron-LM's common state pickles its own enums (its args' AttnBackend, ...). Reading it,
+    every global under `megatron.` becomes an inert ForeignObject (its name and arguments), never
+    imported or called, even while such a module is importable; any other global is still refused."""
+    import enum
+    import sys
+    import types
+
+    from teratron.dist_checkpointing.safe_load import ForeignObject, UnsafeCheckpointError, load_torch_file
+
+    marker = tmp_path / "ran"
+    enums = types.ModuleType("megatron.core.transformer.enums")
+    enums.AttnBackend = enum.Enum("AttnBackend", {"flash": 1, "auto": 5}, module=enums.__name__)
+    code = types.ModuleType("megatron.training.evil")
+    code.run = lambda path: open(path, "w").close()
+    code.run.__module__, code.run.__qualname__ = code.__name__, "run"
+    for module in (enums, code):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    for package in ("megatron", "megatron.core", "megatron.core.transformer", "megatron.training"):
+        monkeypatch.setitem(sys.modules, package, types.ModuleType(package))  # pickle imports the parents
+
+    class Payload:
+        def __reduce__(self):
+            return code.run, (str(marker),)
+
+    saved = io.BytesIO()
+    torch.save({"attention_backend": enums.AttnBackend.auto, "hook": Payload(), "lr": 1e-3}, saved)
+    saved.seek(0)
+    state = load_torch_file(saved, "common_state", foreign=("megatron.",))
+    assert not marker.exists()
+    backend, hook = state["attention_backend"], state["hook"]
+    assert isinstance(backend, ForeignObject) and isinstance(hook, ForeignObject)
+    assert (backend.name, backend.value) == ("megatron.core.transformer.enums.AttnBackend", 5)
+    assert (hook.name, hook.args, state["lr"]) == ("megatron.training.evil.run", (str(marker),), 1e-3)
+    saved.seek(0)
+    with pytest.raises(UnsafeCheckpointError, match="megatron.core.transformer.enums.AttnBackend"):
+        load_torch_file(saved, "common.pt")  # teratron's own files: no foreign classes at all
+
+    class Elsewhere:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    saved = io.BytesIO()
+    torch.save({"attention_backend": enums.AttnBackend.auto, "hook": Elsewhere()}, saved)
+    saved.seek(0)
+    with pytest.raises(UnsafeCheckpointError, match=r"holds a pickled (posix|os)\.system"):
+        load_torch_file(saved, "common_state", foreign=("megatron.",))
+    assert not marker.exists()
