@@ -267,7 +267,8 @@ def stacking(model_chunks) -> dict:
     layers unless they differ: MoE on some layers only)."""
     config = unwrap(model_chunks[0]).config
     freq = config.moe_layer_freq
-    uniform = config.num_moe_experts is None or (isinstance(freq, int) and freq == 1)
+    uniform = config.hybrid_layer_pattern is None and (config.num_moe_experts is None or
+                                                       (isinstance(freq, int) and freq == 1))
     return {"num_layers": config.num_layers, "stacked": uniform, "num_experts": config.num_moe_experts}
 
 

@@ -29,6 +29,9 @@ MOE_DEFAULTS = {
 VARIANT_DEFAULTS = {
     "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "no_rope_freq": None,
     "activation_func_clamp_value": None, "glu_linear_offset": 0.0,
+    # hybrid models: the layer pattern (None: GPT) and the Mamba-2 sizes
+    "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
+    "mamba_num_heads": None,
 }
 
 # Multi-latent attention: the flag dest -> its MLATransformerConfig field; recorded for MLA models only.

@@ -32,14 +32,24 @@ from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
 
 
 class MambaMixer(nn.Module):
-    def __init__(self, config, d_state: int = 128, head_dim: int = 64, ngroups: int = 8, nheads: int | None = None,
+    def __init__(self, config, layer_number: int | None = None, pg_collection=None, d_state: int | None = None,
+                 head_dim: int | None = None, ngroups: int | None = None, nheads: int | None = None,
                  expand: int = 2, d_conv: int = 4, chunk_size: int = 128, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_init_range=(1.0, 16.0), tp_group=None):
+        """Sizes left None come from the config (mamba_state_dim, mamba_head_dim, mamba_num_groups,
+        mamba_num_heads; heads default to expand * hidden_size / head_dim)."""
         super().__init__()
+        d_state = config.mamba_state_dim if d_state is None else d_state
+        head_dim = config.mamba_head_dim if head_dim is None else head_dim
+        ngroups = config.mamba_num_groups if ngroups is None else ngroups
+        nheads = config.mamba_num_heads if nheads is None else nheads
         self.config, self.d_state, self.head_dim, self.chunk_size = config, d_state, head_dim, chunk_size
+        self.layer_number = layer_number
         self.nheads = nheads if nheads is not None else expand * config.hidden_size // head_dim
         self.d_inner = self.nheads * head_dim
         self.ngroups = ngroups
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
         self.tp_group = resolve_tp_group(tp_group)
         tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         for what, size in (("heads", self.nheads), ("groups", ngroups)):
@@ -83,8 +93,12 @@ class MambaMixer(nn.Module):
         for param in (self.conv_weight, self.conv_bias, self.norm_weight):
             param.data = param.data.to(config.params_dtype)
 
-    def forward(self, hidden_states):
-        """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None)."""
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None).
+        The mixer is causal by construction: the attention arguments a layer passes are unused."""
+        if inference_context is not None:
+            raise NotImplementedError("inference of Mamba layers (a recurrent state per request) is not supported "
+                                      "yet")
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
         bc = self.ngroups_local * self.d_state
         z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)

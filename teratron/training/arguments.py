@@ -205,6 +205,7 @@ def _add_network_args(parser):
                    help="Fused cross entropy implementation; only 'native' is available.")
 
     _add_moe_args(parser)
+    _add_hybrid_args(parser)
     _add_attention_variant_args(parser)
     _add_mla_args(parser)
     _add_mtp_args(parser)
@@ -308,6 +309,20 @@ def _add_qk_clip_args(parser):
     g.add_argument("--log-max-attention-logit", action="store_true",
                    help="Log the largest pre-softmax attention logit of the model (max_attention_logit in the "
                         "metrics file; the largest since the last log line) without clipping.")
+
+
+def _add_hybrid_args(parser):
+    g = parser.add_argument_group("hybrid models (teratron.models.hybrid; docs/hybrid.md)")
+    g.add_argument("--hybrid-layer-pattern", "--hybrid-override-pattern", dest="hybrid_layer_pattern", default=None,
+                   help="One symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; '|' between "
+                        "pipeline stages (e.g. 'M-M*-|M-M*-'). Sets --num-layers.")
+    g.add_argument("--is-hybrid-model", action="store_true",
+                   help="A hybrid model (Megatron's switch; the pattern implies it).")
+    g.add_argument("--mamba-state-dim", type=int, default=128, help="Mamba-2 state size per group (N).")
+    g.add_argument("--mamba-head-dim", type=int, default=64, help="Mamba-2 head size (P).")
+    g.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2 groups sharing B and C.")
+    g.add_argument("--mamba-num-heads", type=int, default=None,
+                   help="Mamba-2 heads; default 2 * hidden size / head size.")
 
 
 def _add_moe_args(parser):

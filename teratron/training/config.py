@@ -17,6 +17,7 @@ Nothing mutates a RunConfig once built: the Trainer gives the model a copy of th
 TransformerConfig for the schedule's callbacks.
 """
 
+import argparse
 import dataclasses
 import functools
 import os
@@ -549,6 +550,7 @@ def run_config_from_args(args, world_size: int, vocab_size: int, cuda: Optional[
     """The run description of parsed flags (`parse_train_args`), for `world_size` processes and a
     tokenizer of `vocab_size` ids; `cuda` (default: whether CUDA is available) picks the fast
     defaults. Raises ValueError/NotImplementedError with one line naming the flag."""
+    args = _with_hybrid_pattern(args)
     missing = [flag(n) for n in REQUIRED if getattr(args, n) is None]
     if args.train_iters is None and args.train_samples is None:
         missing.append("--train-iters (or --train-samples)")
@@ -754,6 +756,28 @@ def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
         alternative = " (or --position-embedding-type yarn)" if all(n in YARN_ARGS for n in changed) else ""
         raise ValueError(f"{', '.join(map(flag, changed))} set without --multi-latent-attention{alternative}; "
                          "add it or drop them")
+
+
+def _with_hybrid_pattern(args):
+    """A hybrid pattern's flags as the config takes them: its layers set --num-layers (Megatron
+    ignores a --num-layers that differs, saying so; so does teratron) and its '|' the pipeline
+    layout; the config keeps the layers only."""
+    if args.hybrid_layer_pattern is None:
+        return args
+    from teratron.models.hybrid import parse_hybrid_pattern, pipeline_layout
+
+    pattern = parse_hybrid_pattern(args.hybrid_layer_pattern)
+    changed = dict(hybrid_layer_pattern=pattern.layers, num_layers=pattern.num_layers, is_hybrid_model=True)
+    if args.num_layers is not None and args.num_layers != pattern.num_layers:
+        print(f"NOTE: --hybrid-layer-pattern has {pattern.num_layers} layers; --num-layers {args.num_layers} is "
+              "ignored", flush=True)
+    layout = pipeline_layout(pattern)
+    if layout is not None:
+        if args.pipeline_model_parallel_layout is not None:
+            raise ValueError("--hybrid-layer-pattern with '|' places the layers on pipeline stages; drop "
+                             "--pipeline-model-parallel-layout or the '|'")
+        changed["pipeline_model_parallel_layout"] = layout
+    return argparse.Namespace(**{**vars(args), **changed})
 
 
 def _virtual_stages(args, pp):

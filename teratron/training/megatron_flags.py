@@ -42,6 +42,8 @@ _TENSORBOARD = ("teratron's TensorBoard scalars are fixed: every --log-interval 
 
 # note -> flags accepted with it
 ACCEPTED = {
+    "teratron's Mamba layers have one path (the chunked scan with its own kernels); there is no separate "
+    "memory-efficient path to switch off": "--disable-mamba-mem-eff-path",
     "the attention softmax runs inside SDPA/FlexAttention (--attention-backend picks the kernel); there is no "
     "separate masked-softmax kernel to turn off": "--no-masked-softmax-fusion",
     "teratron has no persistent LayerNorm kernel; norms are torch ops (fused by --torch-compile)":
@@ -286,11 +288,10 @@ REFUSED = {
                                                  "--mhc-sinkhorn-iterations= --mhc-init-gating-factor= "
                                                  "--mhc-recompute-layer-num=",
     Refused("multimodal RoPE"): "--mrope-section=+",
-    Refused("a hybrid Mamba / gated-delta model"):
-        "--is-hybrid-model --mamba-state-dim= --mamba-head-dim= --mamba-num-groups= --mamba-num-heads= "
-        "--gdp-num-householder= --disable-mamba-mem-eff-path --gdp-cutedsl-kernel "
-        "--gdp-num-chunk-states-to-recompute= --mamba-training-ssm-states-dtype= --hybrid-layer-pattern= "
-        "--hybrid-override-pattern=",
+    Refused("Gated Delta Product layers (Megatron's hybrid 'D'-free GDP variant)"):
+        "--gdp-num-householder= --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute=",
+    Refused("a Mamba SSM state dtype other than fp32 in training", "drop the flag (the scan keeps fp32 states)"):
+        "--mamba-training-ssm-states-dtype=",
     Refused("chunking the MLP in training"): "--mlp-chunks-for-training=",
     Refused("an encoder-decoder model (T5) or its relative position embedding",
             "train a GPT with --num-layers and --seq-length"):

@@ -46,6 +46,8 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
     (MoE when it is, MLA with the model's), its eh_proj, 6 * (2 * h * h + 3 * h) (Megatron
     counts the three norms too), and another pass through the output layer.
     """
+    if model.transformer.hybrid_layer_pattern is not None:
+        return _hybrid_flops(model, seq_length, batch_size)
     fb_fma = 3 * 2
     t = model.transformer
     h, s = t.hidden_size, seq_length
@@ -70,6 +72,41 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
     mtp_projection = fb_fma * mtp * (2 * h * h + 3 * h)
     logits = fb_fma * h * model.padded_vocab_size * (1 + mtp)
     return batch_size * s * ((t.num_layers + mtp) * attention + mlp + mtp_projection + logits)
+
+
+def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
+    """A hybrid model's training FLOPs, Megatron-LM's `hybrid_flops`: per token, each layer of the
+    pattern counts as its kind (attention, MLP and MoE as in a GPT layer above), and
+      Mamba = 6 * (h * (2 d_inner + 2 groups * state + heads) + d_inner * h) + 3 * 7 * d_inner * state
+              (in and out projections; the scan, Megatron's rough 7 FLOPs per channel and state)
+      Gated DeltaNet = 6 * (h * (2 qk + 2 v + 2 v_heads) + conv * (2 qk + v) + 4 v_heads * v_head^2 + v * h)
+              (qk = key heads * key head size, v = value heads * value head size)
+    plus the output layer, 6 * h * padded_vocab."""
+    from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+
+    t, h, s = model.transformer, model.transformer.hidden_size, seq_length
+    fb_fma = 3 * 2
+    q_size, kv_size = t.kv_channels * t.num_attention_heads, t.kv_channels * t.num_query_groups
+    ffn_factor = 3 if t.gated_linear_unit else 2
+    heads = t.mamba_num_heads or 2 * h // t.mamba_head_dim
+    d_inner, groups_state = heads * t.mamba_head_dim, t.mamba_num_groups * t.mamba_state_dim
+    per_layer = {
+        Symbols.ATTENTION: fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h),
+        Symbols.MLP: fb_fma * h * ffn_factor * t.ffn_hidden_size,
+        Symbols.MAMBA: fb_fma * (h * (2 * d_inner + 2 * groups_state + heads) + d_inner * h)
+        + 3 * 7 * d_inner * t.mamba_state_dim,
+    }
+    if t.num_moe_experts:
+        moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
+        per_layer[Symbols.MOE] = fb_fma * h * ffn_factor * moe_ffn
+    if Symbols.GDN in t.hybrid_layer_pattern:
+        qk = t.linear_key_head_dim * t.linear_num_key_heads
+        v = t.linear_value_head_dim * t.linear_num_value_heads
+        per_layer[Symbols.GDN] = fb_fma * (h * (2 * qk + 2 * v + 2 * t.linear_num_value_heads)
+                                           + t.linear_conv_kernel_dim * (2 * qk + v)
+                                           + 4 * t.linear_num_value_heads * t.linear_value_head_dim ** 2 + v * h)
+    layers = sum(per_layer[symbol] for symbol in parse_hybrid_pattern(t.hybrid_layer_pattern).layers)
+    return batch_size * s * (layers + fb_fma * h * model.padded_vocab_size)
 
 
 def _mla_attention_flops(t, s: int) -> float:

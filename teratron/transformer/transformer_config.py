@@ -69,11 +69,6 @@ UNSUPPORTED = {
     "use_inference_optimized_layers": "the inference engine",
     "mlp_chunks_for_prefill": "the inference engine",
     "mrope_section": "multimodal RoPE",
-    "is_hybrid_model": "hybrid (Mamba) models",
-    "mamba_state_dim": "hybrid (Mamba) models",
-    "mamba_head_dim": "hybrid (Mamba) models",
-    "mamba_num_groups": "hybrid (Mamba) models",
-    "mamba_num_heads": "hybrid (Mamba) models",
     "use_mamba_mem_eff_path": "hybrid (Mamba) models",
     "heterogeneous_block_specs": "heterogeneous layers (nemotron-nas)",
     "hetereogenous_dist_checkpoint": "heterogeneous layers (nemotron-nas)",
@@ -88,7 +83,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
 # The yarn_* fields are Megatron's too: config attributes its argument parser sets, not declared.
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
-                         "offload_modules", "min_offloaded_tensor_size",
+                         "offload_modules", "min_offloaded_tensor_size", "hybrid_layer_pattern",
                          "freeze_base_model_for_mtp", "moe_shared_expert_gate",  # Megatron's, newer than the reference
                          *YARN_FIELDS)
 
@@ -619,7 +614,12 @@ class TransformerConfig(ModelParallelConfig):
     """Multimodal RoPE channel split (temporal, height, width)."""
 
     is_hybrid_model: bool = False
-    """Hybrid Mamba/attention model."""
+    """Hybrid model: layers of the kinds `hybrid_layer_pattern` lists (set with the pattern)."""
+
+    hybrid_layer_pattern: Optional[str] = None
+    """teratron's field for Megatron's HybridModel argument: one symbol per layer, M Mamba-2,
+    G Gated DeltaNet, * attention, - MLP, E MoE (`models.hybrid.hybrid_layer_allocation`); its
+    length is num_layers. None: a GPT model (every layer attention + MLP)."""
 
     mamba_state_dim: int = 128
     """Mamba state size."""
@@ -671,6 +671,30 @@ class TransformerConfig(ModelParallelConfig):
         check_cuda_graph_config(self)
         validate_pipeline_config(self)
         self._check_mtp()
+        self._check_hybrid()
+
+    def _check_hybrid(self):
+        """A hybrid model's layer kinds against the other fields; its symbols and length are checked
+        with the model (`GPTModelConfig`, `models.hybrid`), which owns the pattern's grammar."""
+        if self.hybrid_layer_pattern is None:
+            if self.is_hybrid_model:
+                raise ValueError("is_hybrid_model without hybrid_layer_pattern; give the layers with "
+                                 "--hybrid-layer-pattern (e.g. 'M-M*-')")
+            return
+        self.is_hybrid_model = True
+        if "|" in self.hybrid_layer_pattern:
+            raise ValueError("hybrid_layer_pattern holds the layers only; a pattern with '|' is split into "
+                             "stages by the run (--hybrid-layer-pattern), or set pipeline_model_parallel_layout")
+        has_moe = "E" in self.hybrid_layer_pattern
+        if has_moe != (self.num_moe_experts is not None):
+            raise ValueError("hybrid_layer_pattern has MoE layers (E) but num_moe_experts is not set; set --num-experts"
+                             if has_moe else "num_moe_experts is set but hybrid_layer_pattern has no MoE layer (E); "
+                             "put E layers in the pattern or drop --num-experts")
+        if self.moe_layer_freq != 1:
+            raise ValueError("moe_layer_freq with hybrid_layer_pattern: the pattern places the MoE layers (E); drop "
+                             "--moe-layer-freq")
+        if self.mtp_num_layers:
+            raise NotImplementedError("multi-token prediction (mtp_num_layers) in a hybrid model is not supported yet")
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

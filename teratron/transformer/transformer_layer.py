@@ -4,7 +4,10 @@
     out = h + dropout(mlp(norm2(h)))
 
 (`apply_residual_connection_post_layernorm` adds to the normed input instead, BERT's order.)
-Which attention, MLP and norms were decided by the spec when the layer was built.
+Which attention, MLP and norms were decided by the spec when the layer was built. A spec that
+leaves the attention (or the MLP) an IdentityOp gets a layer without that half: the hybrid
+model's attention-only (`*`), MLP-only (`-`, `E`) and Gated DeltaNet (`G`, in the attention's
+place) layers.
 """
 
 import contextlib
@@ -77,8 +80,12 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         with activation_offload.layer_forward(self, hidden_states) as finish:
-            hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb, inference_context)
-            return finish(self._mlp_residual(hidden_states)), None
+            if not isinstance(self.self_attention, IdentityOp):
+                hidden_states = self._attention_residual(hidden_states, attention_mask, rotary_pos_emb,
+                                                         inference_context)
+            if not isinstance(self.mlp, IdentityOp):
+                hidden_states = self._mlp_residual(hidden_states)
+            return finish(hidden_states), None
 
     def _attention_residual(self, hidden_states, attention_mask, rotary_pos_emb, inference_context=None):
         normed = self._norm(self.input_layernorm, hidden_states, "attn_norm")
@@ -115,9 +122,14 @@ class TransformerLayer(torch.nn.Module):
             return bda(self.training, self.config.bias_dropout_fusion)(output_with_bias, residual, self.hidden_dropout)
 
     def _dropout_rng(self):
-        # Under sequence parallelism each TP rank drops out a different slice of the sequence;
-        # otherwise the ranks hold identical activations and must draw identical masks.
-        dropping = self.training and self.hidden_dropout > 0
-        if dropping and self.config.sequence_parallel:
-            return tensor_parallel.get_cuda_rng_tracker().fork()
-        return contextlib.nullcontext()
+        return residual_dropout_rng(self.config, self.training, self.hidden_dropout)
+
+
+def residual_dropout_rng(config, training: bool, hidden_dropout: float | None = None):
+    """The RNG a layer's residual dropout draws from: under sequence parallelism each TP rank
+    drops out a different slice of the sequence (the model-parallel stream); otherwise the ranks
+    hold identical activations and must draw identical masks (the default stream)."""
+    prob = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+    if training and prob > 0 and config.sequence_parallel:
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+    return contextlib.nullcontext()

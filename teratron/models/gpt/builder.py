@@ -5,12 +5,15 @@
 
 Layers are placed by `transformer.get_num_layers_to_build` / `get_transformer_layer_offset`
 from the config's pipeline settings; MoE layers go where `moe_layer_freq` puts them; the
-multi-token-prediction layers (config.mtp_num_layers) on the last stage.
+multi-token-prediction layers (config.mtp_num_layers) on the last stage. A hybrid config
+(`hybrid_layer_pattern`) gets its pattern's layers (`models.hybrid`) around GPT's embedding,
+output layer and loss: Megatron's HybridModel.
 """
 
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from teratron.models.gpt.gpt_model import GPTModel
+from teratron.models.hybrid.hybrid_layer_specs import get_hybrid_decoder_block_spec
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
 
@@ -22,7 +25,8 @@ def build_gpt_model(model: GPTModelConfig, pre_process: bool = True, post_proces
     config = model.transformer
     placement = dict(normalization=config.normalization, vp_stage=vp_stage, pp_rank=get_pg_rank(pg.pp),
                      pp_size=get_pg_size(pg.pp))
-    spec = get_gpt_decoder_block_spec(config, **placement)
+    block_spec = get_hybrid_decoder_block_spec if config.hybrid_layer_pattern else get_gpt_decoder_block_spec
+    spec = block_spec(config, **placement)
     return GPTModel(
         config, spec, vocab_size=model.padded_vocab_size, max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,

@@ -55,6 +55,7 @@ class GPTModelConfig:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         self._check_yarn()
         self._check_rope_scaling()
+        self._check_hybrid_pattern()
         if self.padded_vocab_size is None:
             padded = pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by,
                                     self.transformer.tensor_model_parallel_size)
@@ -62,6 +63,19 @@ class GPTModelConfig:
         elif self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) is smaller than vocab_size "
                              f"({self.vocab_size})")
+
+    def _check_hybrid_pattern(self):
+        """A hybrid model's pattern has valid symbols, one per layer."""
+        pattern = self.transformer.hybrid_layer_pattern
+        if pattern is None:
+            return
+        from teratron.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
+        layers = parse_hybrid_pattern(pattern).num_layers
+        if layers != self.transformer.num_layers:
+            raise ValueError(f"hybrid_layer_pattern has {layers} layers but num_layers is "
+                             f"{self.transformer.num_layers}; make them agree (from the command line the pattern "
+                             "alone sets them)")
 
     def _check_yarn(self):
         """The transformer's yarn_* fields are plain attention's YaRN: they need

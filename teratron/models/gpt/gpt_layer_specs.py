@@ -88,6 +88,9 @@ def _layer_specs(config, normalization) -> list:
     """The spec of every decoder layer of the model: MoE layers where `config.moe_layer_freq` puts
     them (with `num_moe_experts`), dense ones elsewhere; multi-latent attention with
     `multi_latent_attention`."""
+    if config.hybrid_layer_pattern is not None:
+        raise ValueError("a hybrid model's config (hybrid_layer_pattern): its layer specs come from "
+                         "models.hybrid.get_hybrid_decoder_block_spec (build_gpt_model picks it)")
     attention = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
     dense = get_gpt_layer_local_spec(**attention, normalization=normalization)
     if config.num_moe_experts is None:

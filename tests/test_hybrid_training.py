@@ -1,0 +1,64 @@
+"""`teratron train` of a hybrid model (`--hybrid-layer-pattern`) under torchrun (gloo, CPU) against
+the single process: every iteration's loss and grad norm must equal it.
+
+The pattern mixes every layer kind: Mamba-2 (M), attention (*), MLP (-), MoE (E). Layouts: TP 2
+with sequence parallelism, PP 2 placed by the pattern's '|', DP 2 with the distributed optimizer,
+EP 2, full recompute; a checkpoint saved at TP 2 loads into one process and continues alike.
+"""
+
+import pytest
+
+from teratron import cli
+from train_runs import assert_same_losses, train, training_records
+
+PATTERN = "M*-EM*-E"
+TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "100", "--eval-iters",
+        "1", "--num-workers", "0", "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--disable-bias-linear", "--init-method-std", "0.1", "--train-iters", "4", "--ffn-hidden-size", "48",
+        "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-aux-loss-coeff", "0.1"]
+MODEL = TINY + ["--hybrid-layer-pattern", PATTERN]
+
+
+def _train(args, tmp_path, name, nproc=None):
+    return training_records(train(args, tmp_path, name, nproc)[0])
+
+
+def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
+    reference = _train(MODEL, tmp_path, "single")
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    runs = {
+        "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", str(tmp_path / "tp2"),
+                    "--save-interval", "2"], 2),
+        "pp2-by-pattern": (TINY + ["--hybrid-layer-pattern", "M*-E|M*-E", "--pipeline-model-parallel-size", "2"], 2),
+        "dp2-distributed-optimizer": (["--use-distributed-optimizer"], 2),
+        "ep2": (["--expert-model-parallel-size", "2"], 2),
+        "recompute-full": (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "2"], None),
+    }
+    for name, (extra, nproc) in runs.items():
+        args = extra if extra[:len(TINY)] == TINY else MODEL + extra
+        assert_same_losses(reference, _train(args, tmp_path, name, nproc), name)
+    (tmp_path / "tp2" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = _train(MODEL + ["--load", str(tmp_path / "tp2")], tmp_path, "tp1-from-tp2")
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert_same_losses(reference, resumed, "tp1-from-tp2")
+
+
+@pytest.mark.parametrize("flags, phrase", [
+    (["--hybrid-layer-pattern", "M*X"], "'X' is not a layer symbol"),
+    (["--hybrid-layer-pattern", "M*+"], "multi-latent attention layers (+) are not supported yet"),
+    (["--hybrid-layer-pattern", "M||*", "--pipeline-model-parallel-size", "2"], "a pipeline segment between '|' has"),
+    (["--hybrid-layer-pattern", "M*-"], "--num-experts is set but --hybrid-layer-pattern has no MoE layer (E)"),
+    (["--hybrid-layer-pattern", "M*|-E", "--pipeline-model-parallel-layout", "Et|ttL",
+      "--pipeline-model-parallel-size", "2"], "drop --pipeline-model-parallel-layout or the '|'"),
+    (["--hybrid-layer-pattern", "ME", "--mamba-num-groups", "3"], "do not split into 3 groups"),
+])
+def test_bad_patterns_are_one_line(tmp_path, capsys, monkeypatch, flags, phrase):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train"] + TINY + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
