@@ -1,8 +1,8 @@
 """`teratron train` of a hybrid model (`--hybrid-layer-pattern`) under torchrun (gloo, CPU) against
 the single process: every iteration's loss and grad norm must equal it.
 
-The pattern mixes every layer kind: Mamba-2 (M), attention (*), MLP (-), MoE (E). Layouts: TP 2
-with sequence parallelism, PP 2 placed by the pattern's '|', DP 2 with the distributed optimizer,
+The pattern mixes every layer kind: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-), MoE (E). Layouts: TP 2
+with sequence parallelism, PP 2 placed by the pattern's '|' (MG*-E|MG*-E), DP 2 with the distributed optimizer,
 EP 2, full recompute; a checkpoint saved at TP 2 loads into one process and continues alike.
 """
 
@@ -11,14 +11,15 @@ import pytest
 from teratron import cli
 from train_runs import assert_same_losses, train, training_records
 
-PATTERN = "M*-EM*-E"
+PATTERN = "MG*-EMG*-E"
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "100", "--eval-iters",
         "1", "--num-workers", "0", "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm",
         "--position-embedding-type", "rope", "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--disable-bias-linear", "--init-method-std", "0.1", "--train-iters", "4", "--ffn-hidden-size", "48",
-        "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2",
+        "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2", "--linear-key-head-dim", "8",
+        "--linear-value-head-dim", "8", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-aux-loss-coeff", "0.1"]
 MODEL = TINY + ["--hybrid-layer-pattern", PATTERN]
 
@@ -33,7 +34,7 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
     runs = {
         "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", str(tmp_path / "tp2"),
                     "--save-interval", "2"], 2),
-        "pp2-by-pattern": (TINY + ["--hybrid-layer-pattern", "M*-E|M*-E", "--pipeline-model-parallel-size", "2"], 2),
+        "pp2-by-pattern": (TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E", "--pipeline-model-parallel-size", "2"], 2),
         "dp2-distributed-optimizer": (["--use-distributed-optimizer"], 2),
         "ep2": (["--expert-model-parallel-size", "2"], 2),
         "recompute-full": (["--recompute-granularity", "full", "--recompute-method", "uniform",

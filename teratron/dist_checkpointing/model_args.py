@@ -31,7 +31,8 @@ VARIANT_DEFAULTS = {
     "activation_func_clamp_value": None, "glu_linear_offset": 0.0,
     # hybrid models: the layer pattern (None: GPT) and the Mamba-2 sizes
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
-    "mamba_num_heads": None,
+    "mamba_num_heads": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
 }
 
 # Multi-latent attention: the flag dest -> its MLATransformerConfig field; recorded for MLA models only.

@@ -1,11 +1,13 @@
 """State-space and linear-recurrence layers of hybrid models (Megatron Core: `megatron.core.ssm`):
 Mamba-2's chunked state-space scan (`ssd`), its causal depthwise convolution (`causal_conv1d`) and
 Gated DeltaNet's chunked gated delta rule (`gated_delta_rule`), in plain PyTorch (the path the CPU
-tests run and the reference the GPU kernels are checked against)."""
+tests run and the reference the GPU kernels are checked against); Gated DeltaNet's mixer
+(`GatedDeltaNet`, tensor and sequence parallel)."""
 
 from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.gated_delta_net import GatedDeltaNet
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_sequential
 from teratron.ssm.ssd import ssd_chunked, ssd_sequential
 
-__all__ = ["causal_conv1d", "gated_delta_rule_chunked", "gated_delta_rule_sequential", "ssd_chunked",
+__all__ = ["GatedDeltaNet", "causal_conv1d", "gated_delta_rule_chunked", "gated_delta_rule_sequential", "ssd_chunked",
            "ssd_sequential"]

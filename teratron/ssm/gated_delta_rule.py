@@ -34,7 +34,7 @@ def _compute_dtype(t):
 def gated_delta_rule_sequential(q, k, v, g, beta, initial_state=None):
     """The recurrence, one token at a time (see the module docstring)."""
     b, s, h, dk = k.shape
-    dtype = _compute_dtype(v)
+    dtype, out_dtype = _compute_dtype(v), v.dtype
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     state = v.new_zeros(b, h, v.shape[-1], dk) if initial_state is None else initial_state.to(dtype)
     outputs = []
@@ -44,7 +44,7 @@ def gated_delta_rule_sequential(q, k, v, g, beta, initial_state=None):
         predicted = torch.einsum("bhvk,bhk->bhv", state, kt)  # S_{t-1} k_t
         state = alpha * state + (beta[:, t, :, None] * (vt - alpha[..., 0] * predicted))[..., None] * kt[:, :, None]
         outputs.append(torch.einsum("bhvk,bhk->bhv", state, q[:, t]))
-    return torch.stack(outputs, dim=1).to(v.dtype), state.to(v.dtype)
+    return torch.stack(outputs, dim=1).to(out_dtype), state.to(out_dtype)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
@@ -52,7 +52,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
     with beta = 0 and g = 0: those tokens neither change the state nor are returned)."""
     b, s, h, dk = k.shape
     dv = v.shape[-1]
-    dtype = _compute_dtype(v)
+    dtype, out_dtype = _compute_dtype(v), v.dtype
     pad = -s % chunk_size
     m = (s + pad) // chunk_size
 
@@ -82,4 +82,4 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
         to_end = torch.exp(log_gamma[:, c, :, -1:] - log_gamma[:, c])[..., None]  # gamma_L / gamma_j
         state = torch.exp(log_gamma[:, c, :, -1])[..., None, None] * state + (to_end * u).transpose(-1, -2) @ kc
     o = torch.stack(outputs, dim=1).transpose(2, 3).reshape(b, m * L, h, dv)[:, :s]
-    return o.to(v.dtype), state.to(v.dtype)
+    return o.to(out_dtype), state.to(out_dtype)

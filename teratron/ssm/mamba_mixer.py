@@ -82,15 +82,19 @@ class MambaMixer(nn.Module):
         def shard(full, parts_=1):
             return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device))
 
-        self.conv_weight, self.conv_bias = shard(conv_weight, conv_parts), shard(conv_bias, conv_parts)
+        # An nn.Conv1d for Megatron's parameter names and shape ([c, 1, d_conv]); causal_conv1d runs it.
+        channels = sum(conv_parts) // tp
+        self.conv1d = nn.Conv1d(channels, channels, d_conv, groups=channels, device="meta")
+        self.conv1d.weight = shard(conv_weight[:, None, :], conv_parts)
+        self.conv1d.bias = shard(conv_bias, conv_parts)
         self.dt_bias = shard(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = shard(torch.log(A))
         self.D = shard(torch.ones(self.nheads))
-        self.norm_weight = shard(torch.ones(self.d_inner))
-        for param, stride in ((self.conv_weight, conv_parts), (self.conv_bias, conv_parts), (self.dt_bias, 1),
-                              (self.A_log, 1), (self.D, 1), (self.norm_weight, 1)):
+        self.norm = GroupGatedRMSNorm(shard(torch.ones(self.d_inner)), self.ngroups_local, config.layernorm_epsilon)
+        for param, stride in ((self.conv1d.weight, conv_parts), (self.conv1d.bias, conv_parts), (self.dt_bias, 1),
+                              (self.A_log, 1), (self.D, 1), (self.norm.weight, 1)):
             set_tensor_model_parallel_attributes(param, True, 0, stride)
-        for param in (self.conv_weight, self.conv_bias, self.norm_weight):
+        for param in (self.conv1d.weight, self.conv1d.bias, self.norm.weight):
             param.data = param.data.to(config.params_dtype)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
@@ -102,20 +106,27 @@ class MambaMixer(nn.Module):
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
         bc = self.ngroups_local * self.d_state
         z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)
-        xbc, _ = causal_conv1d(xbc.transpose(0, 1), self.conv_weight, self.conv_bias)  # [b, s, c]
+        xbc, _ = causal_conv1d(xbc.transpose(0, 1), self.conv1d.weight[:, 0], self.conv1d.bias)  # [b, s, c]
         x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
         y, _ = ssd_chunked(x.reshape(b, s, self.nheads_local, self.head_dim), dt, -torch.exp(self.A_log.float()),
                            B.reshape(b, s, self.ngroups_local, self.d_state),
                            C.reshape(b, s, self.ngroups_local, self.d_state), self.D, chunk_size=self.chunk_size)
-        y = self._gated_norm(y.reshape(b, s, self.d_inner_local).transpose(0, 1), z)  # [s, b, d_inner / tp]
+        y = self.norm(y.reshape(b, s, self.d_inner_local).transpose(0, 1), z)  # [s, b, d_inner / tp]
         out, _ = self.out_proj(y)
         return out, None
 
-    def _gated_norm(self, y, z):
-        """RMSNorm of y * silu(z) over each group's channels (so TP, which splits whole groups,
-        normalises exactly as one process), times the norm weight; in fp32."""
-        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.ngroups_local, -1))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.config.layernorm_epsilon)
-        return (normed.flatten(-2) * self.norm_weight.float()).to(y.dtype)
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba-2's output norm: RMSNorm of y * silu(z) over each group's channels (so TP, which
+    splits whole groups, normalises exactly as one process), times `weight`; in fp32."""
+
+    def __init__(self, weight: nn.Parameter, groups: int, eps: float):
+        super().__init__()
+        self.weight, self.groups, self.eps = weight, groups, eps
+
+    def forward(self, y, z):
+        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)

@@ -323,6 +323,13 @@ def _add_hybrid_args(parser):
     g.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2 groups sharing B and C.")
     g.add_argument("--mamba-num-heads", type=int, default=None,
                    help="Mamba-2 heads; default 2 * hidden size / head size.")
+    g.add_argument("--linear-conv-kernel-dim", type=int, default=4,
+                   help="Gated DeltaNet: taps of the causal convolution over q, k, v.")
+    g.add_argument("--linear-key-head-dim", type=int, default=128, help="Gated DeltaNet: query/key head size.")
+    g.add_argument("--linear-value-head-dim", type=int, default=128, help="Gated DeltaNet: value head size.")
+    g.add_argument("--linear-num-key-heads", type=int, default=16, help="Gated DeltaNet: query/key heads.")
+    g.add_argument("--linear-num-value-heads", type=int, default=32,
+                   help="Gated DeltaNet: value heads (a multiple of the key heads).")
 
 
 def _add_moe_args(parser):

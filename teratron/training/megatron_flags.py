@@ -244,14 +244,14 @@ REFUSED = {
                                                "--moe-paged-stash-buffer-size-factor-cpu=",
     Refused("L2-normalised queries and keys", "use --qk-layernorm for normalised queries and keys"): "--qk-l2-norm",
     Refused("gated attention output"): "--attention-output-gate",
-    Refused("an experimental attention variant (gated delta net, DeepSeek sparse attention, linear attention)"):
+    Refused("an experimental attention variant in a GPT model (DeepSeek sparse attention, linear attention "
+            "layers); Gated DeltaNet layers come through --hybrid-layer-pattern (G)"):
         "--experimental-attention-variant= --dsa-indexer-n-heads= --dsa-indexer-head-dim= --dsa-indexer-topk= "
         "--dsa-indexer-topk-freq= --dsa-indexer-skip-topk-offset= --dsa-indexer-loss-coeff= "
         "--dsa-indexer-use-sparse-loss --dsa-kernel-backend= --dsa-indexer-rope-interleaved "
         "--no-dsa-indexer-rotate-activation|--disable-dsa-indexer-rotate-activation "
         "--no-dsa-indexer-scoring-relu|--disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon= "
-        "--dsa-indexer-k-norm-fp32 --linear-conv-kernel-dim= --linear-key-head-dim= --linear-value-head-dim= "
-        "--linear-num-key-heads= --linear-num-value-heads= --linear-attention-freq=",
+        "--dsa-indexer-k-norm-fp32 --linear-attention-freq=",
     Refused("muP (maximal update parametrisation)"):
         "--use-mup --mup-width-mult= --mup-base-hidden-size= --mup-embedding-mult= --mup-output-mult= "
         "--mup-base-head-dim= --mup-attn-scale-power=",

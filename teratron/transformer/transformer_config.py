@@ -85,6 +85,8 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
                          "offload_modules", "min_offloaded_tensor_size", "hybrid_layer_pattern",
                          "freeze_base_model_for_mtp", "moe_shared_expert_gate",  # Megatron's, newer than the reference
+                         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",  # so are these
+                         "linear_num_key_heads", "linear_num_value_heads",
                          *YARN_FIELDS)
 
 
@@ -636,6 +638,21 @@ class TransformerConfig(ModelParallelConfig):
     use_mamba_mem_eff_path: bool = True
     """Memory-efficient Mamba path."""
 
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: taps of the short causal convolution over q, k and v."""
+
+    linear_key_head_dim: int = 128
+    """Gated DeltaNet: channels of each query and key head."""
+
+    linear_value_head_dim: int = 128
+    """Gated DeltaNet: channels of each value and output-gate head."""
+
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet: query and key heads."""
+
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet: value heads, a multiple of linear_num_key_heads (each key head serves a group)."""
+
     mlp_chunks_for_prefill: int = 1
     """Sequence chunks of the MLP during prefill."""
 
@@ -655,6 +672,7 @@ class TransformerConfig(ModelParallelConfig):
         super().__post_init__()
         check_unsupported(self, UNSUPPORTED, ALSO_SUPPORTED)
         self._check_shapes()
+        self._check_gated_delta_net()
         self._resolve_defaults()
         self._check_attention()
         self._check_recompute()
@@ -732,6 +750,14 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.softmax_scale is not None and self.softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be positive or None, got {self.softmax_scale!r}")
+
+    def _check_gated_delta_net(self):
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads"):
+            _check_positive_int(self, name)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads}): each key head serves a group")
 
     def _resolve_defaults(self):
         if self.ffn_hidden_size is None:

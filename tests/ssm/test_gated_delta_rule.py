@@ -71,3 +71,13 @@ def test_a_sequence_in_two_calls_equals_one_call():
                                        chunk_size=8)
     torch.testing.assert_close(torch.cat([o1, o2], dim=1), o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(end, final, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("rule", [gated_delta_rule_sequential, gated_delta_rule_chunked])
+def test_bf16_values_come_back_in_bf16_computed_in_fp32(rule):
+    q, k, v, g, beta, state = _inputs()
+    o, final = rule(q, k, v.bfloat16(), g, beta, state)
+    assert o.dtype == final.dtype == torch.bfloat16
+    o_ref, final_ref = gated_delta_rule_sequential(q, k, v.bfloat16().double(), g, beta, state)
+    torch.testing.assert_close(o, o_ref.bfloat16(), rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(final, final_ref.bfloat16(), rtol=1.6e-2, atol=1e-5)

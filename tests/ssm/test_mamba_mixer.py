@@ -39,15 +39,16 @@ def _definition(m, x):
     proj = x.double() @ d(m.in_proj.weight).t()
     z, xbc, dt = proj.split([m.d_inner, m.d_inner + 2 * m.ngroups * m.d_state, m.nheads], dim=-1)
     xbc = xbc.transpose(0, 1)  # [b, s, c]
-    k = m.conv_weight.shape[-1]
+    weight = d(m.conv1d.weight)[:, 0]  # [c, k]
+    k = weight.shape[-1]
     padded = F.pad(xbc, (0, 0, k - 1, 0))
-    conv = torch.stack([(padded[:, t:t + k] * d(m.conv_weight).t()).sum(1) for t in range(S)], 1) + d(m.conv_bias)
+    conv = torch.stack([(padded[:, t:t + k] * weight.t()).sum(1) for t in range(S)], 1) + d(m.conv1d.bias)
     xs, Bs, Cs = F.silu(conv).split([m.d_inner, m.ngroups * m.d_state, m.ngroups * m.d_state], -1)
     dt = F.softplus(dt.transpose(0, 1) + d(m.dt_bias))
     y, _ = ssd_sequential(xs.reshape(B, S, m.nheads, m.head_dim), dt, -torch.exp(d(m.A_log)),
                           Bs.reshape(B, S, m.ngroups, m.d_state), Cs.reshape(B, S, m.ngroups, m.d_state), d(m.D))
     gated = (y.reshape(B, S, m.d_inner).transpose(0, 1) * F.silu(z)).unflatten(-1, (m.ngroups, -1))
-    normed = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-5)).flatten(-2) * d(m.norm_weight)
+    normed = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-5)).flatten(-2) * d(m.norm.weight)
     return normed @ d(m.out_proj.weight).t()
 
 
@@ -78,10 +79,11 @@ def _tp2():
         out, dx = _run(m, x, grad, rank, 2, sp)
         assert_close(out, ref_out.chunk(2)[rank] if sp else ref_out, rtol=1e-5, atol=1e-6)
         assert_close(dx, ref_dx.chunk(2)[rank] if sp else ref_dx, rtol=1e-5, atol=1e-6)
-        for name in ("conv_weight", "dt_bias", "A_log", "D", "norm_weight"):
-            stride = (m.d_inner, 8, 8) if name == "conv_weight" else 1
-            want = shard_tensor(getattr(ref, name).grad, 0, stride, rank, 2)
-            assert_close(getattr(m, name).grad, want, rtol=1e-5, atol=1e-6, msg=name)
+        params, ref_params = dict(m.named_parameters()), dict(ref.named_parameters())
+        for name in ("conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight"):
+            stride = (m.d_inner, 8, 8) if name.startswith("conv1d.") else 1
+            want = shard_tensor(ref_params[name].grad, 0, stride, rank, 2)
+            assert_close(params[name].grad, want, rtol=1e-5, atol=1e-6, msg=name)
         assert_close(m.in_proj.weight.grad, shard_tensor(ref.in_proj.weight.grad, 0, parts, rank, 2),
                      rtol=1e-5, atol=1e-6)
         ref.zero_grad()

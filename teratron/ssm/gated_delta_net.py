@@ -1,0 +1,127 @@
+"""Gated DeltaNet's mixer (Megatron Core's `GatedDeltaNet`): [s, b, h] -> [s, b, h].
+
+    q, k, v, z, b, a = in_proj(hidden)          q, k [key heads * dk]; v, z [value heads * dv]; b, a [value heads]
+    q, k, v = silu(causal_conv1d([q; k; v]))    a short depthwise convolution over the sequence
+    q, k    = l2norm(q) / sqrt(dk), l2norm(k)   per head; each key head then repeated for its group of value heads
+    g       = -exp(A_log) * softplus(a + dt_bias),   beta = sigmoid(b)       per value head and token
+    o       = gated delta rule(q, k, v, g, beta)     (teratron.ssm.gated_delta_rule)
+    out     = out_proj(out_norm(o) * silu(z))        out_norm over each value head's dv channels
+
+Value head j reads key head j // (value heads / key heads) (GQA's grouping, key heads repeated in
+place). The activation is SiLU, whatever config.activation_func says: Megatron's GDN kernels accept
+only SiLU. out_norm is the config's normalization (RMSNorm or LayerNorm), one weight shared by all
+heads. No biases (Megatron's GDN defaults, whatever add_bias_linear says).
+
+in_proj's rows are Megatron's [q; k; v; z; b; a], and tensor parallelism splits each of the six
+parts over TP separately (a tuple partition stride): rank r holds [q_r; k_r; v_r; z_r; b_r; a_r],
+its slice of the key heads and the same slice of the value heads. This is Megatron's layout too
+(its local in_proj is split in these six parts, and its checkpoints store each part as its own
+tensor), and because value heads are grouped under their key head in order, rank r's value heads are
+exactly the groups of its key heads: each rank runs whole key-head groups and nothing is exchanged
+inside the mixer. The convolution over [q; k; v], dt_bias and A_log are split alike; out_proj is
+row-parallel. With sequence parallelism in_proj gathers the sequence and out_proj reduce-scatters
+it, as attention's projections do. out_norm's weight is replicated: every rank normalises
+different heads with it, so its gradient is summed over TP (marked like a sequence-parallel norm).
+
+Parameter names are Megatron's (in_proj.weight, conv1d.weight [c, 1, k], dt_bias, A_log,
+out_norm.weight, out_proj.weight). Initialisation is Megatron's, drawn whole then sharded (so it
+does not depend on TP): in_proj with init_method, out_proj with output_layer_init_method, conv1d
+Kaiming-uniform as torch's Conv1d, dt_bias = 1, A_log = log(U(1, 16)), out_norm as a norm layer.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
+from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
+from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
+from teratron.transformer.norms import Norm
+
+L2NORM_EPS = 1e-6  # of q and k's L2 normalisation (FLA's l2norm, which Megatron calls)
+A_INIT_RANGE = (1.0, 16.0)  # A = exp(A_log) is drawn uniformly from this range
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_number: int | None = None, pg_collection=None, tp_group=None):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.chunk_size = 64  # tokens per chunk of the gated delta rule (Megatron's)
+        self.tp_group = resolve_tp_group(tp_group)
+        tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        if self.num_key_heads % tp:  # value heads are a multiple of key heads (config), so they split too
+            raise ValueError(f"Gated DeltaNet's {self.num_key_heads} key heads do not split over tensor-parallel "
+                             f"size {tp}; choose --linear-num-key-heads divisible by it")
+        self.num_key_heads_local, self.num_value_heads_local = self.num_key_heads // tp, self.num_value_heads // tp
+        qk_dim, v_dim = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        self.qk_dim_local, self.v_dim_local = qk_dim // tp, v_dim // tp
+        parts = (qk_dim, qk_dim, v_dim, v_dim, self.num_value_heads, self.num_value_heads)  # q k v z b a
+        self.in_proj = ColumnParallelLinear(config.hidden_size, sum(parts), config=config,
+                                            init_method=config.init_method, bias=False, stride=parts,
+                                            tp_group=self.tp_group)
+        self.out_proj = RowParallelLinear(v_dim, config.hidden_size, config=config,
+                                          init_method=config.output_layer_init_method, bias=False,
+                                          input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
+
+        device = param_device(config)
+        conv_parts = (qk_dim, qk_dim, v_dim)  # q k v
+        kernel = config.linear_conv_kernel_dim
+        bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel of `kernel` taps
+        conv_weight = torch.empty(sum(conv_parts), 1, kernel).uniform_(-bound, bound)
+        A = torch.empty(self.num_value_heads).uniform_(*A_INIT_RANGE)
+
+        def shard(full, parts_=1):
+            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device=device, dtype=config.params_dtype))
+
+        # An nn.Conv1d for Megatron's parameter name and shape; causal_conv1d runs it.
+        self.conv1d = nn.Conv1d(sum(conv_parts) // tp, sum(conv_parts) // tp, kernel, groups=sum(conv_parts) // tp,
+                                bias=False, device="meta")
+        self.conv1d.weight = shard(conv_weight, conv_parts)
+        self.dt_bias = shard(torch.ones(self.num_value_heads))
+        self.A_log = shard(torch.log(A))
+        for param, stride in ((self.conv1d.weight, conv_parts), (self.dt_bias, 1), (self.A_log, 1)):
+            set_tensor_model_parallel_attributes(param, True, 0, stride)
+        self.out_norm = Norm(config, self.value_head_dim, eps=config.layernorm_epsilon)
+        for param in self.out_norm.parameters():
+            param.sequence_parallel = True  # finalize_model_grads sums these grads over TP
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> (the same shape, None).
+        The layer is causal by construction: the attention arguments of the enclosing layer are unused."""
+        if inference_context is not None:
+            raise NotImplementedError("inference of Gated DeltaNet layers (a recurrent state per request) is not "
+                                      "supported yet")
+        projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
+        qkv, z, beta, alpha = projected.transpose(0, 1).split(
+            [2 * self.qk_dim_local + self.v_dim_local, self.v_dim_local, self.num_value_heads_local,
+             self.num_value_heads_local], dim=-1)  # [b, s, ...]
+        qkv, _ = causal_conv1d(qkv, self.conv1d.weight[:, 0])
+        q, k, v = F.silu(qkv).split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
+        b, s = v.shape[:2]
+        q = self._value_heads(q) / math.sqrt(self.key_head_dim)  # [b, s, value heads / tp, dk]
+        k = self._value_heads(k)
+        g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
+        o, _ = gated_delta_rule_chunked(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
+                                        torch.sigmoid(beta), chunk_size=self.chunk_size)
+        y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
+        return self.out_proj(y.reshape(b, s, self.v_dim_local).transpose(0, 1))
+
+    def _value_heads(self, x):
+        """[b, s, key heads * dk] -> L2-normalised per head (in fp32), each key head repeated for
+        its group of value heads: [b, s, value heads, dk]."""
+        heads = x.unflatten(-1, (self.num_key_heads_local, self.key_head_dim)).float()
+        heads = heads * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+        return heads.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)
+
+    def _gated_norm(self, o, z):
+        """out_norm of each head's output times silu(z), in fp32; returned in o's dtype."""
+        return (self.out_norm(o.float()).float() * F.silu(z.float())).to(o.dtype)
