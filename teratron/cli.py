@@ -3,7 +3,8 @@
     teratron train [flags]          pretrain a GPT (Megatron pretrain_gpt.py flags); no data
                                     flags runs the embedded demo
     teratron preprocess [flags]     JSONL -> Megatron .bin/.idx
-    teratron convert import-hf|export-hf [flags]   Hugging Face <-> teratron checkpoints
+    teratron convert import-hf|export-hf [flags]   Hugging Face <-> teratron checkpoints (and gpt-to-hybrid,
+                                                 hybrid-to-gpt: docs/hybrid.md)
     teratron merge [flags]          weighted average of checkpoints
     teratron estimate [train flags] [--world-size N] [--json]
                                     peak memory per GPU and FLOPs of a `teratron train` command

@@ -5,6 +5,9 @@
                                                           --expert-model-parallel-size E
                                                           --moe-grouped-gemm]
     teratron convert export-hf --load CKPT --out DIR [--max-shard-size 5GB] [--dtype bf16]
+    teratron convert gpt-to-hybrid --load GPT --save OUT --hybrid-layer-pattern "M*-M*-" [--mamba-state-dim N
+                                   --mamba-head-dim P --mamba-num-groups G --mamba-num-heads H --seed S]
+    teratron convert hybrid-to-gpt --load HYBRID --save OUT
 """
 
 import re
@@ -23,7 +26,8 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="convert_command", required=True, metavar="{import-hf,export-hf}")
+    sub = parser.add_subparsers(dest="convert_command", required=True,
+                                metavar="{import-hf,export-hf,gpt-to-hybrid,hybrid-to-gpt}")
     imp = sub.add_parser("import-hf", help="Hugging Face folder -> teratron checkpoint.")
     imp.add_argument("--hf-path", required=True, help="Folder with config.json and *.safetensors.")
     imp.add_argument("--save", required=True, help="Checkpoint folder to write (iteration 0).")
@@ -40,12 +44,28 @@ def add_arguments(parser):
     exp.add_argument("--out", required=True, help="New folder for the Hugging Face model.")
     exp.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file (e.g. 5GB, 500MB).")
     exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="Cast the weights (default: as saved).")
+    to_hybrid = sub.add_parser("gpt-to-hybrid", help="GPT checkpoint -> hybrid checkpoint (docs/hybrid.md).")
+    to_hybrid.add_argument("--load", required=True, help="GPT checkpoint folder (its latest iteration) or iter_*.")
+    to_hybrid.add_argument("--save", required=True, help="New save directory for the hybrid checkpoint.")
+    to_hybrid.add_argument("--hybrid-layer-pattern", required=True,
+                           help="The hybrid layers: one '*' and one '-' (or 'E' for MoE) per GPT layer, in order, "
+                                "with Mamba layers (M) anywhere.")
+    to_hybrid.add_argument("--mamba-state-dim", type=int, default=128, help="New Mamba layers' state size.")
+    to_hybrid.add_argument("--mamba-head-dim", type=int, default=64, help="New Mamba layers' head size.")
+    to_hybrid.add_argument("--mamba-num-groups", type=int, default=8, help="New Mamba layers' groups.")
+    to_hybrid.add_argument("--mamba-num-heads", type=int, default=None, help="New Mamba layers' heads.")
+    to_hybrid.add_argument("--seed", type=int, default=1234, help="Seed of the new Mamba layers' initialisation.")
+    to_gpt = sub.add_parser("hybrid-to-gpt", help="Hybrid checkpoint -> GPT checkpoint (Mamba layers dropped).")
+    to_gpt.add_argument("--load", required=True, help="Hybrid checkpoint folder or iter_* folder.")
+    to_gpt.add_argument("--save", required=True, help="New save directory for the GPT checkpoint.")
     return parser
 
 
 def run(args) -> int:
     from teratron.convert.hf import export_hf, import_hf
 
+    if args.convert_command in ("gpt-to-hybrid", "hybrid-to-gpt"):
+        return _translate(args)
     if args.convert_command == "import-hf":
         for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
                             ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
@@ -60,4 +80,17 @@ def run(args) -> int:
     else:
         out = export_hf(args.load, args.out, parse_size(args.max_shard_size), _DTYPES.get(args.dtype))
         print(f"exported {args.load} -> {out}")
+    return 0
+
+
+def _translate(args) -> int:
+    from teratron.convert.hybrid_translation import gpt_to_hybrid, hybrid_to_gpt
+
+    if args.convert_command == "hybrid-to-gpt":
+        folder = hybrid_to_gpt(args.load, args.save)
+    else:
+        mamba = {name: getattr(args, name) for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                                                        "mamba_num_heads")}
+        folder = gpt_to_hybrid(args.load, args.save, args.hybrid_layer_pattern, mamba, args.seed)
+    print(f"translated {args.load} -> {folder} (model weights only: train it with --load {args.save} --finetune)")
     return 0

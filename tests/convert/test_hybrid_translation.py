@@ -1,0 +1,98 @@
+"""`teratron convert gpt-to-hybrid | hybrid-to-gpt`: a trained GPT checkpoint becomes a hybrid one
+whose attention (*) and MLP (-) layers hold the GPT layers' halves. The pattern that only splits
+each GPT layer gives the GPT model's logits exactly; with Mamba layers (M) added the kept halves
+are the GPT weights and the new layers are Mamba-2's initialisation; the translated model trains
+through `teratron train --finetune`; back to GPT returns the original weights bit for bit."""
+
+import pytest
+import torch
+
+from teratron import cli
+from teratron.dist_checkpointing import load_checkpoint, load_full, storage
+from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.dist_checkpointing.model_state import is_model_key
+from teratron.models.gpt.builder import build_gpt_model
+from train_runs import train, training_records
+
+GPT = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",
+       "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+       "--global-batch-size", "4", "--lr", "1e-2", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+       "--no-progress-bar", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
+       "--ffn-hidden-size", "48"]
+MAMBA = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2"]
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt")
+    train(GPT + ["--train-iters", "2", "--save", str(root / "gpt"), "--save-interval", "2"], root, "gpt")
+    return root / "gpt"
+
+
+def _model(folder):
+    folder = storage.resolve_checkpoint_dir(str(folder))
+    model = build_gpt_model(gpt_config_from_model_args(storage.read_metadata(folder)["model_args"]))
+    load_checkpoint(folder, [model], load_rng=False)
+    return model.eval()
+
+
+def _logits(model):
+    tokens = torch.arange(32).reshape(2, 16) % 100
+    with torch.no_grad():
+        return model(tokens, torch.arange(16).expand(2, 16), None)
+
+
+def _convert(*argv):
+    assert cli.main(["convert", *argv]) == 0
+
+
+def test_splitting_each_gpt_layer_gives_the_gpt_logits(gpt_checkpoint, tmp_path):
+    _convert("gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "split"),
+             "--hybrid-layer-pattern", "*-*-")
+    assert torch.equal(_logits(_model(tmp_path / "split")), _logits(_model(gpt_checkpoint)))
+
+
+def test_mamba_layers_are_new_and_the_rest_round_trips(gpt_checkpoint, tmp_path):
+    _convert("gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "hybrid"),
+             "--hybrid-layer-pattern", "M*-M*-", *MAMBA)
+    gpt = load_full(storage.resolve_checkpoint_dir(str(gpt_checkpoint)), is_model_key)
+    hybrid_dir = storage.resolve_checkpoint_dir(str(tmp_path / "hybrid"))
+    hybrid = load_full(hybrid_dir, is_model_key)
+    for gpt_layer, (attention, mlp) in enumerate(((1, 2), (4, 5))):
+        for key, value in gpt.items():
+            prefix = f"decoder.layers.{gpt_layer}."
+            if key.startswith(prefix):
+                rest = key[len(prefix):]
+                place = attention if rest.startswith(("input_layernorm.", "self_attention.")) else mlp
+                assert torch.equal(hybrid[f"decoder.layers.{place}.{rest}"], value), key
+    outside_layers = [key for key in gpt if not key.startswith("decoder.layers.")]
+    assert "embedding.word_embeddings.weight" in outside_layers and "decoder.final_layernorm.weight" in outside_layers
+    for key in outside_layers:
+        assert torch.equal(hybrid[key], gpt[key]), key
+    a_log = hybrid["decoder.layers.0.mixer.A_log"]
+    assert a_log.shape == (8,) and bool(((a_log.exp() >= 1) & (a_log.exp() <= 16)).all())  # Mamba-2's A in [1, 16]
+    assert storage.read_metadata(hybrid_dir)["model_args"]["hybrid_layer_pattern"] == "M*-M*-"
+
+    records = training_records(train(GPT + MAMBA + ["--hybrid-layer-pattern", "M*-M*-", "--train-iters", "2",
+                                                    "--load", str(tmp_path / "hybrid"), "--finetune"],
+                                     tmp_path, "finetune")[0])
+    assert [r["iteration"] for r in records] == [1, 2] and records[-1]["lm_loss"] < records[0]["lm_loss"]
+
+    _convert("hybrid-to-gpt", "--load", str(tmp_path / "hybrid"), "--save", str(tmp_path / "back"))
+    back = load_full(storage.resolve_checkpoint_dir(str(tmp_path / "back")), is_model_key)
+    assert back.keys() == gpt.keys() and all(torch.equal(back[k], gpt[k]) for k in gpt)
+
+
+@pytest.mark.parametrize("pattern, phrase", [
+    ("*-*", "the pattern has 2 attention (*) and 1 MLP ('-') layers; the GPT model has 2 layers"),
+    ("*-*E", "the pattern has MoE (E) layers but the GPT model's MLPs are dense; use '-'"),
+    ("*-G*-", "Gated DeltaNet layers (G), which a GPT layer cannot hold"),
+    ("*-Q*-", "'Q' is not a layer symbol"),
+])
+def test_patterns_that_do_not_fit_are_one_line(gpt_checkpoint, tmp_path, capsys, pattern, phrase):
+    assert cli.main(["convert", "gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "out"),
+                     "--hybrid-layer-pattern", pattern]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0], err
+    assert not (tmp_path / "out").exists()
