@@ -71,11 +71,17 @@ def parse_args(argv):
 
 
 def _estimate(train_argv, world_size, device_type):
+    """`teratron estimate`'s peak allocated GiB of the last rank (which logs mem_peak_gib), or
+    None for a run the estimate does not model."""
+    from teratron.estimate.activations import NotModelled
     from teratron.estimate.report import estimate_from_args
     from teratron.training.arguments import parse_train_args
 
-    estimate = estimate_from_args(parse_train_args(train_argv), world_size, device_type)
-    return estimate.stages[-1].memory.peak_allocated / 2**30  # the last rank logs mem_peak_gib
+    try:
+        estimate = estimate_from_args(parse_train_args(train_argv), world_size, device_type)
+    except NotModelled:
+        return None
+    return estimate.stages[-1].memory.peak_allocated / 2**30
 
 
 def _reference_overrides(reference: list, checked) -> list:

@@ -14,7 +14,7 @@ def _row(name, tokens, tflops, mfu, mem):
 
 
 def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size: int,
-               estimated_peak_gib: float, on_gpu: bool, loss: Optional[LossComparison] = None) -> list:
+               estimated_peak_gib: Optional[float], on_gpu: bool, loss: Optional[LossComparison] = None) -> list:
     """Markdown table lines: per-GPU tokens/s, TFLOP/s/GPU, MFU, peak memory (of the reference
     run too, with `loss`); then the ratio, the estimate against the measured peak and the loss
     curve against the reference."""
@@ -31,9 +31,12 @@ def comparison(ours: TrainResult, baseline: Optional[BaselineResult], world_size
         ratio = ours.tokens_per_sec / world_size / baseline.tokens_per_sec
         lines += ["", f"teratron / HF tokens/s per GPU: {ratio:.3f}x"]
     measured = "peak allocated" if on_gpu else "peak RSS of the CPU process, not comparable"
-    error = (estimated_peak_gib - ours.mem_peak_gib) / ours.mem_peak_gib
-    lines += ["", f"`teratron estimate` peak allocated: {estimated_peak_gib:.2f} GiB; measured {measured}: "
-                  f"{ours.mem_peak_gib:.2f} GiB ({error:+.1%})"]
+    if estimated_peak_gib is None:
+        lines += ["", f"`teratron estimate` does not model this run; measured {measured}: {ours.mem_peak_gib:.2f} GiB"]
+    else:
+        error = (estimated_peak_gib - ours.mem_peak_gib) / ours.mem_peak_gib
+        lines += ["", f"`teratron estimate` peak allocated: {estimated_peak_gib:.2f} GiB; measured {measured}: "
+                      f"{ours.mem_peak_gib:.2f} GiB ({error:+.1%})"]
     return lines + (loss_curve(loss) if loss is not None else [])
 
 

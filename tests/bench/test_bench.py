@@ -62,6 +62,8 @@ def test_comparison_ratio_and_estimate_error():
     text = "\n".join(comparison(ours, base, 2, 52.5, on_gpu=True))
     assert "| teratron | 60,000 | 517 | 52.3% | 50.00 |" in text
     assert "1.500x" in text and "52.50 GiB" in text and "+5.0%" in text
+    text = "\n".join(comparison(ours, None, 1, None, on_gpu=True))  # a run the estimate does not model
+    assert "`teratron estimate` does not model this run; measured peak allocated: 50.00 GiB" in text
 
 
 def test_flags_the_harness_owns_and_gpu_only_baseline(monkeypatch):
