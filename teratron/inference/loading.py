@@ -53,9 +53,6 @@ def load_for_inference(checkpoint_dir: str, tensor_model_parallel_size: int = 1,
     if not model_args:
         raise ValueError(f"{flag} {folder}: metadata.json records no model_args, so the model cannot be rebuilt; "
                          "load a checkpoint saved by `teratron train`, import-hf or merge")
-    if model_args.get("hybrid_layer_pattern"):
-        raise NotImplementedError(f"{flag} {folder}: a hybrid model ({model_args['hybrid_layer_pattern']}); the "
-                                  "inference engine does not keep Mamba / Gated DeltaNet states yet")
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or saved_dtype(folder)
     if cache_mla_latents and not model_args.get("multi_latent_attention"):

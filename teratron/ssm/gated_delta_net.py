@@ -94,26 +94,39 @@ class GatedDeltaNet(nn.Module):
         for param in self.out_norm.parameters():
             param.sequence_parallel = True  # finalize_model_grads sums these grads over TP
 
+    recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
+
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> (the same shape, None).
-        The layer is causal by construction: the attention arguments of the enclosing layer are unused."""
-        if inference_context is not None:
-            raise NotImplementedError("inference of Gated DeltaNet layers (a recurrent state per request) is not "
-                                      "supported yet")
+        The layer is causal by construction: the attention arguments of the enclosing layer are unused.
+        With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
+        request's tokens continue from the convolution and delta-rule states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        qkv, z, beta, alpha = projected.transpose(0, 1).split(
+        if inference_context is not None:
+            y = inference_context.run_recurrent(self.layer_number, projected, self._mix)
+        else:
+            y, _ = self._mix(projected.transpose(0, 1), None)
+            y = y.transpose(0, 1)
+        return self.out_proj(y)  # y [s, b, v_dim / tp]
+
+    def _mix(self, projected, state):
+        """projected [b, s, parts / tp] and the (convolution, delta-rule) state before it (None:
+        zeros) -> (the gated, normed output [b, s, v_dim / tp], the state after it)."""
+        conv_state, rule_state = state if state is not None else (None, None)
+        qkv, z, beta, alpha = projected.split(
             [2 * self.qk_dim_local + self.v_dim_local, self.v_dim_local, self.num_value_heads_local,
              self.num_value_heads_local], dim=-1)  # [b, s, ...]
-        qkv, _ = causal_conv1d(qkv, self.conv1d.weight[:, 0])
+        qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0], initial_state=conv_state)
         q, k, v = F.silu(qkv).split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
         b, s = v.shape[:2]
         q = self._value_heads(q) / math.sqrt(self.key_head_dim)  # [b, s, value heads / tp, dk]
         k = self._value_heads(k)
         g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
-        o, _ = gated_delta_rule_chunked(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
-                                        torch.sigmoid(beta), chunk_size=self.chunk_size)
+        o, rule_state = gated_delta_rule_chunked(q, k, v.reshape(b, s, self.num_value_heads_local,
+                                                                 self.value_head_dim), g, torch.sigmoid(beta),
+                                                 initial_state=rule_state, chunk_size=self.chunk_size)
         y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
-        return self.out_proj(y.reshape(b, s, self.v_dim_local).transpose(0, 1))
+        return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
 
     def _value_heads(self, x):
         """[b, s, key heads * dk] -> L2-normalised per head (in fp32), each key head repeated for

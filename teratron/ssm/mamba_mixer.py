@@ -97,25 +97,37 @@ class MambaMixer(nn.Module):
         for param in (self.conv1d.weight, self.conv1d.bias, self.norm.weight):
             param.data = param.data.to(config.params_dtype)
 
+    recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
+
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None).
-        The mixer is causal by construction: the attention arguments a layer passes are unused."""
-        if inference_context is not None:
-            raise NotImplementedError("inference of Mamba layers (a recurrent state per request) is not supported "
-                                      "yet")
+        The mixer is causal by construction: the attention arguments a layer passes are unused.
+        With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
+        request's tokens continue from the convolution and scan states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
+        if inference_context is not None:
+            y = inference_context.run_recurrent(self.layer_number, projected, self._mix)
+        else:
+            y, _ = self._mix(projected.transpose(0, 1), None)
+            y = y.transpose(0, 1)
+        out, _ = self.out_proj(y)  # y [s, b, d_inner / tp]
+        return out, None
+
+    def _mix(self, projected, state):
+        """projected [b, s, parts / tp] and the (convolution, scan) state before it (None: zeros)
+        -> (the gated, normed scan output [b, s, d_inner / tp], the state after it)."""
+        conv_state, scan_state = state if state is not None else (None, None)
         bc = self.ngroups_local * self.d_state
         z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)
-        xbc, _ = causal_conv1d(xbc.transpose(0, 1), self.conv1d.weight[:, 0], self.conv1d.bias)  # [b, s, c]
+        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state)  # [b, s, c]
         x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
-        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
-        y, _ = ssd_chunked(x.reshape(b, s, self.nheads_local, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                           B.reshape(b, s, self.ngroups_local, self.d_state),
-                           C.reshape(b, s, self.ngroups_local, self.d_state), self.D, chunk_size=self.chunk_size)
-        y = self.norm(y.reshape(b, s, self.d_inner_local).transpose(0, 1), z)  # [s, b, d_inner / tp]
-        out, _ = self.out_proj(y)
-        return out, None
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
+        y, scan_state = ssd_chunked(x.reshape(b, s, self.nheads_local, self.head_dim), dt,
+                                    -torch.exp(self.A_log.float()), B.reshape(b, s, self.ngroups_local, self.d_state),
+                                    C.reshape(b, s, self.ngroups_local, self.d_state), self.D,
+                                    initial_state=scan_state, chunk_size=self.chunk_size)
+        return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)
 
 
 class GroupGatedRMSNorm(nn.Module):

@@ -142,6 +142,9 @@ class DynamicInferenceContext:
         self.kv_window: int | None = None
         """When every layer has a sliding window: the largest left window W. A query at position p
         reads keys from p - W on, so the engine frees the blocks before (`release_out_of_window`)."""
+        self.recurrent_states: dict[tuple[int, int], tuple] = {}
+        """(layer number, request id) -> the state a recurrent layer (Mamba-2, Gated DeltaNet) carries
+        from the request's computed tokens to its next ones (`run_recurrent`)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
@@ -215,9 +218,12 @@ class DynamicInferenceContext:
         del table[keep:]
 
     def release(self, request_id: int) -> None:
-        """Free the request's blocks (cached ones stay cached while memory allows)."""
+        """Free the request's blocks (cached ones stay cached while memory allows) and its
+        recurrent layers' states."""
         self.allocator.release(self._held(self.block_tables.pop(request_id)[::-1]))
         self.block_hashes.pop(request_id)
+        for key in [key for key in self.recurrent_states if key[1] == request_id]:
+            del self.recurrent_states[key]
 
     def release_out_of_window(self, request_id: int, first_position: int) -> None:
         """Free the request's blocks wholly before `first_position`, which no layer attends to any
@@ -376,6 +382,23 @@ class DynamicInferenceContext:
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
             context = attend_padded(q, k, v, batch.mask(window), self.softmax_scale, sinks)
         return context.transpose(1, 2).reshape(rows * num_queries, heads, head_dim)[batch.padded_index]
+
+    def run_recurrent(self, layer_number: int, inputs: torch.Tensor, mix) -> torch.Tensor:
+        """A recurrent layer's step: inputs [t, 1, c] (the step's tokens, chunks back to back, then
+        padding) -> its outputs [t, 1, c']. Each chunk's tokens run through `mix(x [1, n, c],
+        state) -> (y [1, n, c'], state)` from the state its request's earlier tokens left (None
+        before the first), which is kept for the next; padding tokens give zeros."""
+        outputs, first = None, 0
+        for chunk in self.chunks:
+            count = chunk.end - chunk.start
+            key = (layer_number, chunk.request_id)
+            y, self.recurrent_states[key] = mix(inputs[first:first + count].transpose(0, 1),
+                                                self.recurrent_states.get(key))
+            if outputs is None:
+                outputs = y.new_zeros(inputs.shape[0], 1, y.shape[-1])
+            outputs[first:first + count] = y.transpose(0, 1)
+            first += count
+        return outputs
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The step's final hidden states [t, 1, h] -> those of the tokens whose next token the

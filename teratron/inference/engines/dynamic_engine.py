@@ -112,6 +112,12 @@ class DynamicInferenceEngine:
         smaller GPTModel with the same vocabulary proposing config.num_speculative_tokens tokens a
         step (speculative decoding), or None: then a model with MTP layers drafts for itself when
         num_speculative_tokens >= 1."""
+        self.recurrent = any(getattr(m, "recurrent", False) for m in model.modules())
+        if self.recurrent and (config.num_speculative_tokens or config.prefix_caching):
+            what = "speculative decoding (num_speculative_tokens)" if config.num_speculative_tokens else \
+                "prefix caching"
+            raise ValueError(f"{what} with Mamba or Gated DeltaNet layers: their recurrent state cannot be rolled "
+                             "back or shared by a cached prefix yet; turn it off")
         if draft_model is not None and config.num_speculative_tokens == 0:
             raise ValueError("a draft model needs num_speculative_tokens >= 1 (draft tokens per step); set it or "
                              "drop the draft model")
@@ -152,9 +158,9 @@ class DynamicInferenceEngine:
 
     def _capture_cuda_graphs(self) -> Optional[DecodeCudaGraphs]:
         """Decode CUDA graphs on a CUDA device, unless config.num_cuda_graphs is 0 or the model
-        has MoE layers (data-dependent shapes)."""
+        has MoE layers (data-dependent shapes) or recurrent layers (their states per request)."""
         if (self.context.device.type != "cuda" or self.config.num_cuda_graphs == 0
-                or getattr(self.model.config, "num_moe_experts", None)):
+                or getattr(self.model.config, "num_moe_experts", None) or self.recurrent):
             return None
         sizes = cuda_graph_batch_sizes(self.config.max_requests, self.config.num_cuda_graphs)
         return DecodeCudaGraphs(self.model, self.context, sizes)

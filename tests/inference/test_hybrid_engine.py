@@ -1,0 +1,85 @@
+"""DynamicInferenceEngine serving hybrid models (fp32, CPU): each request's Mamba-2 and Gated
+DeltaNet layers carry their convolution and scan states from one step to the next (prefill chunks
+and decode tokens), so greedy output equals the model's own greedy decoding by full recompute (the
+whole sequence through the model at each step), for requests alone, batched with chunked prefill,
+and in a buffer tight enough to preempt (a preempted request recomputes its states). Speculative
+decoding and prefix caching, which would need states rolled back or shared, are refused."""
+
+import pytest
+import torch
+
+from teratron.inference.config import InferenceConfig
+from teratron.inference.engines import DynamicInferenceEngine
+from teratron.inference.sampling_params import SamplingParams
+from teratron.models.gpt.builder import build_gpt_model
+from teratron.models.gpt.gpt_config import GPTModelConfig
+from teratron.tokenizers.null_tokenizer import NullTokenizer
+from teratron.transformer.transformer_config import TransformerConfig
+
+VOCAB = 101
+PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 1, 64, 23, 11, 80, 2], [8, 2], [30, 31, 32, 33, 34, 35, 36], [60] * 5]
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = TransformerConfig(
+        num_layers=5, hidden_size=32, num_attention_heads=4, ffn_hidden_size=40, hybrid_layer_pattern="MG*-M",
+        mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, add_bias_linear=False, normalization="RMSNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
+    torch.manual_seed(0)
+    model = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
+                                           position_embedding_type="rope"))
+    for module in model.modules():  # scan chunks of 4 tokens: prompts and chunked prefill cross their edges
+        if getattr(module, "recurrent", False):
+            module.chunk_size = 4
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight.normal_()
+    return model.eval()
+
+
+def recompute_greedy(model, prompt):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor([ids]), None)[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def generate_all(engine, prompts):
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.token_ids
+    return [outputs[i] for i in ids]
+
+
+def engine_for(model, **config):
+    return DynamicInferenceEngine(model, NullTokenizer(VOCAB), InferenceConfig(**{"block_size": 4, **config}))
+
+
+@pytest.mark.parametrize("config", [dict(buffer_size_gb=0.01, max_requests=1),
+                                    dict(buffer_size_gb=0.01, max_tokens_per_step=6, paged_query_limit=2),
+                                    dict(buffer_size_gb=1.0e-5)],  # 9 blocks of 4 tokens for 4 requests
+                         ids=["alone", "chunked-prefill", "preempting"])
+def test_greedy_equals_full_recompute(model, config):
+    reference = [recompute_greedy(model, p) for p in PROMPTS]
+    limit = config.pop("paged_query_limit", None)
+    engine = engine_for(model, **config)
+    if limit is not None:
+        engine.context.paged_query_limit = limit
+    assert generate_all(engine, PROMPTS) == reference
+    assert not engine.context.recurrent_states  # every finished request's states are gone
+    if config.get("buffer_size_gb") == 1.0e-5:  # requests were preempted: more tokens ran than once each
+        assert engine.num_tokens_computed > sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS)
+
+
+@pytest.mark.parametrize("config, phrase", [(dict(prefix_caching=True), "prefix caching with Mamba"),
+                                            (dict(num_speculative_tokens=1), "speculative decoding")])
+def test_what_needs_states_rolled_back_is_refused(model, config, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        engine_for(model, buffer_size_gb=0.01, **config)
