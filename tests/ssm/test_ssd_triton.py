@@ -1,0 +1,71 @@
+"""ssd_triton, the Triton kernels of Mamba-2's scan, against ssd_chunked (in Triton's interpreter on
+the CPU, compiled on a GPU: outputs, final states and every gradient), and `ssd`'s choice of path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import teratron.ssm.ssd as ssd_module
+from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
+from teratron.ssm.ssd import ssd_chunked
+from teratron.ssm.ssd_triton import ssd_triton
+
+
+def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
+    script = os.path.join(os.path.dirname(__file__), "ssd_triton_cases.py")
+    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 3} cases on the Triton path"
+
+
+def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
+    """No CUDA and no interpreter here: `ssd` never reaches the kernels."""
+    def triton_must_not_run(*args, **kwargs):
+        raise AssertionError("ssd took the Triton kernels on CPU tensors")
+
+    monkeypatch.setattr(ssd_module, "ssd_triton", triton_must_not_run)
+    inputs = make_inputs(2, 37, 4, 2, 8, 16, with_state=True)
+    y, final = ssd_module.ssd(*inputs, chunk_size=16)
+    y_ref, final_ref = ssd_chunked(*inputs, chunk_size=16)
+    assert torch.equal(y, y_ref) and torch.equal(final, final_ref)
+
+
+@pytest.mark.parametrize("chunk_size,dtype", [(8, torch.float32), (48, torch.float32), (64, torch.float64)])
+def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype):
+    x, dt, A, B, C, D, _ = make_inputs(1, 20, 2, 1, 8, 8)
+    with pytest.raises(ValueError, match="^ssd_triton: ") as error:
+        ssd_triton(x.to(dtype), dt, A, B, C, D, chunk_size=chunk_size)
+    assert "\n" not in str(error.value)
+
+
+def gpu_test(test):
+    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq,chunk_size", [(1000, 64), (4096, 128)])
+def test_triton_on_a_gpu_matches_ssd_chunked(seq, chunk_size, dtype, monkeypatch):
+    """A Mamba-2 layer's head shape (p 64, n 128; 8 heads in 2 groups), a ragged last chunk at
+    1,000 tokens. fp32: against the float64 scan, to 1e-4 of each tensor's largest entry (the sums
+    run over thousands of terms); bf16 x, B, C and state: against ssd_chunked on the same inputs
+    (fp32 there, tf32 products here), to a bf16 rounding."""
+    x, dt, A, B, C, D, state = make_inputs(2, seq, 8, 2, 64, 128, True, True, seed=seq, device="cuda")
+    inputs = [x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, state.to(dtype)]
+    if dtype == torch.float32:
+        want, rtol = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], chunk_size), 1e-4
+    else:
+        want, rtol = outputs_and_grads(ssd_chunked, inputs, chunk_size), 2 ** -7
+
+    def chunked_must_not_run(*args, **kwargs):
+        raise AssertionError("ssd took ssd_chunked on CUDA tensors")
+
+    monkeypatch.setattr(ssd_module, "ssd_chunked", chunked_must_not_run)
+    got = outputs_and_grads(ssd_module.ssd, inputs, chunk_size)
+    assert got[0].dtype == dtype and got[0].is_cuda
+    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}")
