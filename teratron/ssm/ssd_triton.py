@@ -7,15 +7,15 @@ Per chunk c of L tokens and head h, with a_t = dt_t A_h, cum_i its running sum i
 last entry Lam = cum_{L-1}, xw_j = dt_j x_j, decay_ij = exp(cum_i - cum_j) for j <= i (else 0),
 M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c the one entering it:
 
-    forward, five kernels, each program one (batch, chunk, head) unless said
+    forward, four kernels, each program one (batch, chunk, head) unless said
       cum        cumsum of a in the chunk                                    (_chunk_cumsum_kernel)
       S_c        sum_j exp(Lam - cum_j) xw_j B_j^T = (x o w)^T B             (_chunk_state_kernel)
       H_c        H_0 = initial; H_{c+1} = exp(Lam_c) H_c + S_c, a loop over
                  chunks per (batch, head, block of the p x n state)          (_state_passing_kernel)
       y          M (dt o x) + exp(cum) o (C H_c^T) + D x                     (_chunk_scan_kernel)
 
-    backward: the forward's cum and H_c are recomputed (cheap: no [s, L] score is ever stored),
-    then with dY the output's gradient and dH_m the final state's,
+    backward: the forward's cum and H_c are recomputed (three light kernels; only the inputs are
+    saved), then with dY the output's gradient and dH_m the final state's,
       G_c        sum_i exp(cum_i) dY_i C_i^T: the chunk's direct pull on H_c (_chunk_state_kernel)
       dH_c       exp(Lam_c) dH_{c+1} + G_c, backwards over chunks; dS_c = dH_{c+1};
                  dLam_c += exp(Lam_c) <dH_{c+1}, H_c>; d initial = dH_0     (_state_passing_backward_kernel)
@@ -31,8 +31,10 @@ M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c t
 
 Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
 tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
-A program holds whole [L, p], [L, n], [p, n] and [L, L] tiles (each side padded to a power of 2 of
-at least 16, tl.dot's smallest), sized for L 64-128, p up to 128 and n up to 128.
+Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK_P / MAX_BLOCK_N
+(padded to a power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per
+program and loop over n (C B^T and C H^T are sums over n; ddt, dA and dD sum the p blocks' shares
+afterwards), dB and dC one block of n and loop over p, so L = 128 with p = n = 128 fits registers.
 """
 
 import os
@@ -50,6 +52,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of the p x n state per program of the (sequential over chunks) state passing.
 STATE_BLOCK = 512
+# Largest tile sides over p and over n: a program takes a block of p (or of n) and loops over the
+# other, so its tiles stay within registers at n = p = 128 (tests set smaller ones to run the loops).
+MAX_BLOCK_P = 64
+MAX_BLOCK_N = 64
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
@@ -87,11 +93,26 @@ class _Shape:
                     p=self.head_dim, n=self.d_state)
 
     def meta(self, dtype):
-        dim_p, dim_n = (max(16, triton.next_power_of_2(d)) for d in (self.head_dim, self.d_state))
-        return dict(L=self.chunk, DIM_P=dim_p, DIM_N=dim_n,
-                    num_warps=4 if self.chunk * max(dim_p, dim_n) <= 64 * 64 else 8,
+        return dict(L=self.chunk, BLOCK_P=self.block_p, BLOCK_N=self.block_n,
+                    num_warps=4 if self.chunk <= 64 else 8,
                     # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
                     PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+    @property
+    def block_p(self):  # 16 at least: tl.dot's smallest tile side
+        return min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK_P)
+
+    @property
+    def block_n(self):
+        return min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK_N)
+
+    @property
+    def p_blocks(self):
+        return triton.cdiv(self.head_dim, self.block_p)
+
+    @property
+    def n_blocks(self):
+        return triton.cdiv(self.d_state, self.block_n)
 
 
 class _SSDFunction(torch.autograd.Function):
@@ -105,7 +126,7 @@ class _SSDFunction(torch.autograd.Function):
         cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
         y = torch.empty_like(x)
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        _chunk_scan_kernel[(shape.batch * shape.chunks, shape.heads)](
+        _chunk_scan_kernel[(shape.batch * shape.chunks, shape.heads, shape.p_blocks)](
             x, dt, B, C, D32, cum, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
         ctx.shape = shape
@@ -120,27 +141,22 @@ class _SSDFunction(torch.autograd.Function):
         A32 = A.float().contiguous()
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
         cum, states, _ = _scan_states(x, dt, A32, B, initial_state, shape)
-        dstates = torch.empty_like(states)  # G_c, then dS_c in place
-        _chunk_state_kernel[(b * m, h)](dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **meta)
-        dinitial = torch.empty(b, h, shape.head_dim, shape.d_state, device=x.device, dtype=torch.float32)
-        pn = shape.head_dim * shape.d_state
-        blocks = triton.cdiv(pn, STATE_BLOCK)
-        dlast = torch.empty(b, h, m, blocks, device=x.device, dtype=torch.float32)
-        _state_passing_backward_kernel[(b, h, blocks)](
-            dstates, states, cum, dfinal.float().contiguous(), dinitial, dlast, h, m, pn, L=shape.chunk,
-            BLOCK=STATE_BLOCK)
-        dlast = dlast.sum(-1).contiguous()  # [b, h, m]
+        dstates, dinitial, dlast = _state_grads(dy, dt, C, cum, states, dfinal, shape)
 
-        dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-        dA_parts, dD_parts = (torch.empty(b, m, h, device=x.device, dtype=torch.float32) for _ in range(2))
-        _chunk_scan_backward_dx_kernel[(b * m, h)](
-            x, dt, A32, B, C, D32, dy, cum, states, dstates, dlast, dx, ddt, dA_parts, dD_parts, **shape.sizes(),
-            HAS_D=D is not None, **meta)
+        fp32 = dict(device=x.device, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
+        ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
+        dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
+        _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
+            x, dt, A32, B, C, D32, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts, dD_parts,
+            **shape.sizes(), HAS_D=D is not None, **meta)
         dB, dC = torch.empty_like(B), torch.empty_like(C)
-        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups)](
+        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
             x, dt, B, C, dy, cum, states, dstates, dB, dC, **shape.sizes(), **meta)
-        dA = dA_parts.sum((0, 1)).to(A.dtype)
-        dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
+        ddt = ddt_parts.sum(0).to(dt.dtype)
+        dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
+        dD = dD_parts.sum((0, 1, 2)).to(D.dtype) if D is not None else None
         dinitial = dinitial.to(initial_state.dtype) if initial_state is not None else None
         return dx, ddt, dA, dB, dC, dD, dinitial, None
 
@@ -152,7 +168,8 @@ def _scan_states(x, dt, A32, B, initial_state, shape):
     cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
     _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L)
     states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
-    _chunk_state_kernel[(b * m, h)](x, B, dt, cum, states, **shape.sizes(), FROM_START=False, **shape.meta(x.dtype))
+    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+        x, B, dt, cum, states, **shape.sizes(), FROM_START=False, **shape.meta(x.dtype))
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
@@ -160,29 +177,49 @@ def _scan_states(x, dt, A32, B, initial_state, shape):
     return cum, states, final
 
 
+def _state_grads(dy, dt, C, cum, states, dfinal, shape):
+    """dS_c, the gradient of each chunk's own state (that of the state leaving it) [b, m, h, p, n],
+    the initial state's gradient [b, h, p, n], and dLam_c's part from the state passing [b, h, m]."""
+    b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
+    dstates = torch.empty_like(states)  # G_c, then dS_c in place
+    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+        dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **shape.meta(dy.dtype))
+    dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
+    blocks = triton.cdiv(p * n, STATE_BLOCK)
+    dlast = torch.empty(b, h, m, blocks, device=dy.device, dtype=torch.float32)
+    _state_passing_backward_kernel[(b, h, blocks)](
+        dstates, states, cum, dfinal.float().contiguous(), dinitial, dlast, h, m, p * n, L=shape.chunk,
+        BLOCK=STATE_BLOCK)
+    return dstates, dinitial, dlast.sum(-1).contiguous()
+
+
 if triton is not None:
     @triton.jit
     def _program_chunk(m):
-        """(batch, chunk, head or group) of a program on grid (b * m, h or g); batch in int64 (offsets
-        of [b, s, h, p] tensors can pass 2**31)."""
+        """(batch, chunk, head or group) of a program on grid (b * m, h or g, ...); batch in int64
+        (offsets of [b, s, h, p] tensors can pass 2**31)."""
         pid = tl.program_id(0)
         return (pid // m).to(tl.int64), pid % m, tl.program_id(1)
 
     @triton.jit
-    def _load_tokens(ptr, bi, c, column, s, columns, width, L: tl.constexpr, WIDTH: tl.constexpr):
-        """[L, WIDTH] fp32 tile of chunk c of a contiguous [b, s, columns, width] tensor, at (bi, :, column);
-        zeros past the sequence's end and past width."""
+    def _token_offsets(bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """Offsets and mask of the [L, WIDTH] tile of chunk c, lanes first .. first + WIDTH - 1, of a
+        contiguous [b, s, columns, width] tensor at (bi, :, column); masked past the sequence and width."""
         t = c * L + tl.arange(0, L)
-        lanes = tl.arange(0, WIDTH)
+        lanes = first + tl.arange(0, WIDTH)
         offsets = ((bi * s + t[:, None]) * columns + column) * width + lanes[None, :]
-        return tl.load(ptr + offsets, mask=(t[:, None] < s) & (lanes[None, :] < width), other=0.0).to(tl.float32)
+        return offsets, (t[:, None] < s) & (lanes[None, :] < width)
 
     @triton.jit
-    def _store_tokens(ptr, tile, bi, c, column, s, columns, width, L: tl.constexpr, WIDTH: tl.constexpr):
-        t = c * L + tl.arange(0, L)
-        lanes = tl.arange(0, WIDTH)
-        offsets = ((bi * s + t[:, None]) * columns + column) * width + lanes[None, :]
-        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=(t[:, None] < s) & (lanes[None, :] < width))
+    def _load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """The tile of `_token_offsets` in fp32, zeros where masked."""
+        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_tokens(ptr, tile, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _load_dt(dt, bi, c, head, s, heads, L: tl.constexpr):
@@ -197,12 +234,12 @@ if triton is not None:
         return tl.load(row + tl.arange(0, L)), tl.load(row + L - 1)
 
     @triton.jit
-    def _state_offsets(bi, c, head, heads, m, p, n, DIM_P: tl.constexpr, DIM_N: tl.constexpr):
-        """Offsets and mask of the [DIM_P, DIM_N] tile of chunk c's state in [b, m, h, p, n]."""
-        rows = tl.arange(0, DIM_P)
-        lanes = tl.arange(0, DIM_N)
+    def _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The [BLOCK_P, BLOCK_N] tile at (p0, n0) of chunk c's state in [b, m, h, p, n] (fp32)."""
+        rows = p0 + tl.arange(0, BLOCK_P)
+        lanes = n0 + tl.arange(0, BLOCK_N)
         offsets = ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :]
-        return offsets, (rows[:, None] < p) & (lanes[None, :] < n)
+        return tl.load(states + offsets, mask=(rows[:, None] < p) & (lanes[None, :] < n), other=0.0)
 
     @triton.jit
     def _causal_decay(cum, L: tl.constexpr):
@@ -219,23 +256,27 @@ if triton is not None:
 
     @triton.jit
     def _chunk_state_kernel(u, v, dt, cum, states, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
-                            DIM_P: tl.constexpr, DIM_N: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                             FROM_START: tl.constexpr):
-        """states[bi, c, head] = (u o w)^T v over the chunk's tokens: u [b, s, h, p], v [b, s, g, n] (the
-        head's group); w = exp(Lam - cum) dt (the chunk's own state: u = x, v = B) or, FROM_START,
-        exp(cum) (the output gradient's pull on the entering state: u = dY, v = C)."""
+        """Block k (of p x n) of states[bi, c, head] = (u o w)^T v over the chunk's tokens: u [b, s, h, p],
+        v [b, s, g, n] (the head's group); w = exp(Lam - cum) dt (the chunk's own state: u = x, v = B)
+        or, FROM_START, exp(cum) (the output gradient's pull on the entering state: u = dY, v = C)."""
         bi, c, head = _program_chunk(m)
-        groups = heads // heads_per_group
+        n_blocks = tl.cdiv(n, BLOCK_N)
+        p0 = tl.program_id(2) // n_blocks * BLOCK_P
+        n0 = tl.program_id(2) % n_blocks * BLOCK_N
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
         if FROM_START:
             weight = tl.exp(cum_c)
         else:
             weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
-        u_tile = _load_tokens(u, bi, c, head, s, heads, p, L, DIM_P) * weight[:, None]
-        v_tile = _load_tokens(v, bi, c, head // heads_per_group, s, groups, n, L, DIM_N)
-        state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [DIM_P, DIM_N]
-        offsets, mask = _state_offsets(bi, c, head, heads, m, p, n, DIM_P, DIM_N)
-        tl.store(states + offsets, state, mask=mask)
+        u_tile = _load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
+        v_tile = _load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
+        state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
+        rows = p0 + tl.arange(0, BLOCK_P)
+        lanes = n0 + tl.arange(0, BLOCK_N)
+        tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
+                 mask=(rows[:, None] < p) & (lanes[None, :] < n))
 
     @triton.jit
     def _state_passing_kernel(states, cum, initial, final, heads, m, pn, L: tl.constexpr, BLOCK: tl.constexpr,
@@ -281,91 +322,115 @@ if triton is not None:
         tl.store(dinitial + (bi * heads + head) * pn + lanes, dstate, mask=ok)
 
     @triton.jit
-    def _chunk_scan_kernel(x, dt, B, C, D, cum, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
-                           DIM_P: tl.constexpr, DIM_N: tl.constexpr, PRECISION: tl.constexpr, HAS_D: tl.constexpr):
-        """y of chunk c, head: M (dt o x) + exp(cum) o (C H_c^T) + D x."""
-        bi, c, head = _program_chunk(m)
-        group, groups = head // heads_per_group, heads // heads_per_group
-        x_tile = _load_tokens(x, bi, c, head, s, heads, p, L, DIM_P)
-        dt_c = _load_dt(dt, bi, c, head, s, heads, L)
-        cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
-        B_tile = _load_tokens(B, bi, c, group, s, groups, n, L, DIM_N)
-        C_tile = _load_tokens(C, bi, c, group, s, groups, n, L, DIM_N)
-        offsets, mask = _state_offsets(bi, c, head, heads, m, p, n, DIM_P, DIM_N)
-        entering = tl.load(states + offsets, mask=mask, other=0.0)
-        scores = tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION) * _causal_decay(cum_c, L) * dt_c[None, :]
-        out = tl.dot(scores, x_tile, input_precision=PRECISION)
-        out += tl.exp(cum_c)[:, None] * tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
-        if HAS_D:
-            out += tl.load(D + head) * x_tile
-        _store_tokens(y, out, bi, c, head, s, heads, p, L, DIM_P)
+    def _scores_and_state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+                                L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                PRECISION: tl.constexpr, BACKWARD: tl.constexpr):
+        """Over blocks of n: C B^T [L, L], C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering
+        state) and, BACKWARD, B dS_c^T [L, BLOCK_P]."""
+        scores = tl.zeros([L, L], tl.float32)
+        earlier = tl.zeros([L, BLOCK_P], tl.float32)
+        B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+            scores += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
+            earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
+            if BACKWARD:
+                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
+        return scores, earlier, B_dstate
 
     @triton.jit
-    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, states, dstates, dlast, dx, ddt, dA_parts,
-                                       dD_parts, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
-                                       DIM_P: tl.constexpr, DIM_N: tl.constexpr, PRECISION: tl.constexpr,
-                                       HAS_D: tl.constexpr):
-        """dx and ddt of chunk c, head, and the chunk's shares of dA and dD ([b, m, h] each)."""
+    def _chunk_scan_kernel(x, dt, B, C, D, cum, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                           HAS_D: tl.constexpr):
+        """Program (bi * m + c, head, k): y's block k of p in chunk c, M (dt o x) + exp(cum) o (C H_c^T) + D x."""
         bi, c, head = _program_chunk(m)
-        group, groups = head // heads_per_group, heads // heads_per_group
-        x_tile = _load_tokens(x, bi, c, head, s, heads, p, L, DIM_P)
-        dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, L, DIM_P)
+        p0 = tl.program_id(2) * BLOCK_P
+        scores, earlier, _ = _scores_and_state_terms(
+            B, C, states, states, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
+            p0, L, BLOCK_P, BLOCK_N, PRECISION, False)
+        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
+        scores *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
+        out = tl.dot(scores, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
+        if HAS_D:
+            out += tl.load(D + head) * x_tile
+        _store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+
+    @triton.jit
+    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts,
+                                       dD_parts, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                       HAS_D: tl.constexpr):
+        """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
+        ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p."""
+        bi, c, head = _program_chunk(m)
+        block = tl.program_id(2)
+        p0 = block * BLOCK_P
+        scores, earlier, B_dstate = _scores_and_state_terms(
+            B, C, states, dstates, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
+            p0, L, BLOCK_P, BLOCK_N, PRECISION, True)
+        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
-        B_tile = _load_tokens(B, bi, c, group, s, groups, n, L, DIM_N)
-        C_tile = _load_tokens(C, bi, c, group, s, groups, n, L, DIM_N)
-        offsets, mask = _state_offsets(bi, c, head, heads, m, p, n, DIM_P, DIM_N)
-        entering = tl.load(states + offsets, mask=mask, other=0.0)
-        dstate = tl.load(dstates + offsets, mask=mask, other=0.0)
-
-        scores = tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION) * _causal_decay(cum_c, L)  # M
+        scores *= _causal_decay(cum_c, L)  # M
         xw = x_tile * dt_c[:, None]
         to_end = tl.exp(last - cum_c)
-        B_dstate = tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)  # [L, DIM_P]
         dxw = tl.dot(tl.trans(scores), dy_tile, input_precision=PRECISION) + to_end[:, None] * B_dstate
         dx_tile = dt_c[:, None] * dxw
+        part = (block * tl.num_programs(0) + bi * m + c) * heads + head  # in [p blocks, b, m, h]
         if HAS_D:
             dx_tile += tl.load(D + head) * dy_tile
-            tl.store(dD_parts + (bi * m + c) * heads + head, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
-        _store_tokens(dx, dx_tile, bi, c, head, s, heads, p, L, DIM_P)
+            tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
+        _store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
         pair_grads = scores * tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)  # R
         dcum = tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
-        earlier = tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)  # [L, DIM_P]
         dcum += tl.exp(cum_c) * tl.sum(dy_tile * earlier, 1)
         own_state = to_end * tl.sum(xw * B_dstate, 1)
         dcum -= own_state
-        dlast_c = tl.load(dlast + (bi * heads + head) * m + c) + tl.sum(own_state, 0)
+        dlast_c = tl.sum(own_state, 0) + tl.where(block == 0, tl.load(dlast + (bi * heads + head) * m + c), 0.0)
         dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
         da = tl.cumsum(dcum, 0, reverse=True)
-        t = c * L + tl.arange(0, L)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
-        tl.store(ddt + (bi * s + t) * heads + head, ddt_c.to(ddt.dtype.element_ty), mask=t < s)
-        tl.store(dA_parts + (bi * m + c) * heads + head, tl.sum(dt_c * da, 0))
+        t = c * L + tl.arange(0, L)
+        tl.store(ddt_parts + ((block * (tl.num_programs(0) // m) + bi) * s + t) * heads + head, ddt_c, mask=t < s)
+        tl.store(dA_parts + part, tl.sum(dt_c * da, 0))
 
     @triton.jit
     def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, states, dstates, dB, dC, s, heads, heads_per_group, m,
-                                        p, n, L: tl.constexpr, DIM_P: tl.constexpr, DIM_N: tl.constexpr,
+                                        p, n, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                         PRECISION: tl.constexpr):
-        """dB and dC of chunk c, group: the sums over the group's heads."""
+        """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c, summed over the
+        group's heads (each a loop over blocks of p)."""
         bi, c, group = _program_chunk(m)
         groups = heads // heads_per_group
-        B_tile = _load_tokens(B, bi, c, group, s, groups, n, L, DIM_N)
-        C_tile = _load_tokens(C, bi, c, group, s, groups, n, L, DIM_N)
-        dB_tile = tl.zeros([L, DIM_N], tl.float32)
-        dC_tile = tl.zeros([L, DIM_N], tl.float32)
+        n0 = tl.program_id(2) * BLOCK_N
+        B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        dB_tile = tl.zeros([L, BLOCK_N], tl.float32)
+        dC_tile = tl.zeros([L, BLOCK_N], tl.float32)
         for k in range(heads_per_group):
             head = group * heads_per_group + k
-            xw = _load_tokens(x, bi, c, head, s, heads, p, L, DIM_P) * _load_dt(dt, bi, c, head, s, heads, L)[:, None]
-            dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, L, DIM_P)
+            dt_c = _load_dt(dt, bi, c, head, s, heads, L)
+            pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
+            dy_entering = tl.zeros([L, BLOCK_N], tl.float32)
+            xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
+            for p0 in range(0, p, BLOCK_P):
+                xw = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
+                dy_entering += tl.dot(dy_tile, entering, input_precision=PRECISION)
+                xw_dstate += tl.dot(xw, dstate, input_precision=PRECISION)
             cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
-            offsets, mask = _state_offsets(bi, c, head, heads, m, p, n, DIM_P, DIM_N)
-            entering = tl.load(states + offsets, mask=mask, other=0.0)
-            dstate = tl.load(dstates + offsets, mask=mask, other=0.0)
-            pair_grads = tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION) * _causal_decay(cum_c, L)  # Q
-            dC_tile += tl.dot(pair_grads, B_tile, input_precision=PRECISION)
-            dC_tile += tl.exp(cum_c)[:, None] * tl.dot(dy_tile, entering, input_precision=PRECISION)
-            dB_tile += tl.dot(tl.trans(pair_grads), C_tile, input_precision=PRECISION)
-            dB_tile += tl.exp(last - cum_c)[:, None] * tl.dot(xw, dstate, input_precision=PRECISION)
-        _store_tokens(dB, dB_tile, bi, c, group, s, groups, n, L, DIM_N)
-        _store_tokens(dC, dC_tile, bi, c, group, s, groups, n, L, DIM_N)
+            pair_grads *= _causal_decay(cum_c, L)
+            dC_tile += tl.dot(pair_grads, B_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * dy_entering
+            dB_tile += (tl.dot(tl.trans(pair_grads), C_tile, input_precision=PRECISION)
+                        + tl.exp(last - cum_c)[:, None] * xw_dstate)
+        _store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        _store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)

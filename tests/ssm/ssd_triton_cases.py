@@ -63,9 +63,10 @@ def assert_close_to(got, want, names, rtol, what):
 
 def main() -> None:
     import teratron.ssm.ssd as ssd_module
-    from teratron.ssm.ssd_triton import INTERPRETED, ssd_triton, triton
+    import teratron.ssm.ssd_triton as kernels
+    from teratron.ssm.ssd_triton import ssd_triton
 
-    assert os.environ.get("TRITON_INTERPRET") == "1" and INTERPRETED and triton is not None, "needs the interpreter"
+    assert os.environ.get("TRITON_INTERPRET") == "1" and kernels.INTERPRETED and kernels.triton, "needs the interpreter"
     ssd_chunked = ssd_module.ssd_chunked
     checked = 0
     for seed, (b, s, h, g, p, n, chunk, with_D, with_state) in enumerate(CASES):
@@ -75,6 +76,17 @@ def main() -> None:
         assert [t.dtype for t in got] == [torch.float32] * len(got)
         assert_close_to(got, want, result_names(with_D, with_state), 1e-5, f"case {seed}")
         checked += 1
+
+    # Tiles of 16 over p = 40 and n = 24 (3 and 2 blocks, the last ones partial), 2 heads a group:
+    # every loop over blocks, and the sums of the p blocks' shares of ddt, dA and dD.
+    default_blocks = kernels.MAX_BLOCK_P, kernels.MAX_BLOCK_N
+    kernels.MAX_BLOCK_P = kernels.MAX_BLOCK_N = 16
+    inputs = make_inputs(1, 20, 4, 2, 40, 24, True, True, seed=5)
+    want = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], 16)
+    got = outputs_and_grads(ssd_triton, inputs, 16)
+    assert_close_to(got, want, result_names(), 1e-5, "blocks of 16")
+    kernels.MAX_BLOCK_P, kernels.MAX_BLOCK_N = default_blocks
+    checked += 1
 
     # 16-bit x, B, C and state (dt, A, D in fp32, as the mixer passes them): results in the inputs'
     # dtypes, within one rounding of ssd_chunked's on the same inputs (both compute in fp32; the

@@ -19,7 +19,7 @@ def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
     result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 3} cases on the Triton path"
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 4} cases on the Triton path"
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
