@@ -31,10 +31,11 @@ M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c t
 
 Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
 tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
-Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK_P / MAX_BLOCK_N
-(padded to a power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per
-program and loop over n (C B^T and C H^T are sums over n; ddt, dA and dD sum the p blocks' shares
-afterwards), dB and dC one block of n and loop over p, so L = 128 with p = n = 128 fits registers.
+Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
+power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per program and
+loop over n (C B^T and C H^T are sums over n; ddt, dA and dD sum the p blocks' shares
+afterwards), dB and dC one block of n and loop over p: a program's registers stay near what the
+[L, L] tiles take whatever p and n are.
 """
 
 import os
@@ -52,19 +53,22 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of the p x n state per program of the (sequential over chunks) state passing.
 STATE_BLOCK = 512
-# Largest tile sides over p and over n: a program takes a block of p (or of n) and loops over the
-# other, so its tiles stay within registers at n = p = 128 (tests set smaller ones to run the loops).
-MAX_BLOCK_P = 64
-MAX_BLOCK_N = 64
+# Chunk sizes the kernels take ([L, L] fp32 tiles past 128 would not fit a program's registers).
+CHUNK_SIZES = (16, 32, 64, 128)
+# Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
+# other). Beside the [L, L] fp32 tiles, blocks of 32 keep ptxas's register spills for sm_90 (bf16
+# inputs, 8 warps) under 1 KiB a thread at L = 128 and 150 bytes at 64, and every kernel's shared
+# memory within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
+MAX_BLOCK = 32
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """`ssd_chunked` by the Triton kernels (the module docstring): x [b, s, h, p], dt [b, s, h],
     A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p],
-    final state [b, h, p, n]), both in x's dtype. chunk_size: a power of 2, at least 16."""
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"ssd_triton: chunk_size {chunk_size} must be a power of 2 of at least 16 "
-                         "(the kernels' tiles); use 64, 128 or 256")
+    final state [b, h, p, n]), both in x's dtype. chunk_size: 16, 32, 64 or 128."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"ssd_triton: chunk_size {chunk_size} must be one of {', '.join(map(str, CHUNK_SIZES))} "
+                         "(the kernels' tile sizes; MambaMixer's default is 128)")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"ssd_triton: x is {x.dtype}; the kernels take float32, bfloat16 or float16 "
                          "(ssd_chunked computes other dtypes)")
@@ -94,17 +98,17 @@ class _Shape:
 
     def meta(self, dtype):
         return dict(L=self.chunk, BLOCK_P=self.block_p, BLOCK_N=self.block_n,
-                    num_warps=4 if self.chunk <= 64 else 8,
+                    num_warps=4 if self.chunk <= 32 else 8,
                     # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
                     PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
     @property
     def block_p(self):  # 16 at least: tl.dot's smallest tile side
-        return min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK_P)
+        return min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK)
 
     @property
     def block_n(self):
-        return min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK_N)
+        return min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK)
 
     @property
     def p_blocks(self):

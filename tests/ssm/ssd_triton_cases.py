@@ -79,13 +79,13 @@ def main() -> None:
 
     # Tiles of 16 over p = 40 and n = 24 (3 and 2 blocks, the last ones partial), 2 heads a group:
     # every loop over blocks, and the sums of the p blocks' shares of ddt, dA and dD.
-    default_blocks = kernels.MAX_BLOCK_P, kernels.MAX_BLOCK_N
-    kernels.MAX_BLOCK_P = kernels.MAX_BLOCK_N = 16
+    default_blocks = kernels.MAX_BLOCK
+    kernels.MAX_BLOCK = 16
     inputs = make_inputs(1, 20, 4, 2, 40, 24, True, True, seed=5)
     want = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], 16)
     got = outputs_and_grads(ssd_triton, inputs, 16)
     assert_close_to(got, want, result_names(), 1e-5, "blocks of 16")
-    kernels.MAX_BLOCK_P, kernels.MAX_BLOCK_N = default_blocks
+    kernels.MAX_BLOCK = default_blocks
     checked += 1
 
     # 16-bit x, B, C and state (dt, A, D in fp32, as the mixer passes them): results in the inputs'
