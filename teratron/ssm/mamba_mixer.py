@@ -25,7 +25,7 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d
-from teratron.ssm.ssd import ssd_chunked
+from teratron.ssm.ssd import ssd
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
@@ -123,10 +123,10 @@ class MambaMixer(nn.Module):
         x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
-        y, scan_state = ssd_chunked(x.reshape(b, s, self.nheads_local, self.head_dim), dt,
-                                    -torch.exp(self.A_log.float()), B.reshape(b, s, self.ngroups_local, self.d_state),
-                                    C.reshape(b, s, self.ngroups_local, self.d_state), self.D,
-                                    initial_state=scan_state, chunk_size=self.chunk_size)
+        y, scan_state = ssd(x.reshape(b, s, self.nheads_local, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                            B.reshape(b, s, self.ngroups_local, self.d_state),
+                            C.reshape(b, s, self.ngroups_local, self.d_state), self.D,
+                            initial_state=scan_state, chunk_size=self.chunk_size)
         return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)
 
 

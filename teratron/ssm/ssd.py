@@ -16,10 +16,15 @@ its running sum inside a chunk, cum_i,
 Shapes: x [b, s, h, p], dt [b, s, h] (positive: after softplus), A [h] (negative), B and C
 [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p], final state
 [b, h, p, n]). Computed in fp32 (or the inputs' wider dtype), returned in x's dtype.
+
+`ssd` is what layers call: the same computation by Triton kernels (`ssd_triton`, teratron.ssm.ssd_triton)
+on CUDA tensors, by `ssd_chunked` elsewhere.
 """
 
 import torch
 import torch.nn.functional as F
+
+from teratron.ssm.ssd_triton import INTERPRETED, SUPPORTED_DTYPES, ssd_triton, triton
 
 
 def _compute_dtype(x):
@@ -95,3 +100,12 @@ def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype), state.to(x.dtype)
+
+
+def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """`ssd_triton` for float32, bfloat16 and float16 CUDA tensors when Triton is installed (and for
+    CPU tensors under TRITON_INTERPRET=1), else `ssd_chunked`: the same results and gradients."""
+    args = (x, dt, A, B, C, D, initial_state)
+    if triton is not None and (x.is_cuda or INTERPRETED) and x.dtype in SUPPORTED_DTYPES:
+        return ssd_triton(*args, chunk_size=chunk_size)
+    return ssd_chunked(*args, chunk_size=chunk_size)

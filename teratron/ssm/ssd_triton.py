@@ -1,0 +1,440 @@
+"""Mamba-2's chunked state-space scan (`ssd_chunked` in teratron.ssm.ssd: read its docstring for
+the math and shapes) as Triton kernels, forward and backward. `ssd_triton` returns what
+`ssd_chunked` returns and autograd gives the same gradients; it runs on CUDA tensors (and on CPU
+tensors under TRITON_INTERPRET=1, the way the CPU tests check the kernels' code).
+
+Per chunk c of L tokens and head h, with a_t = dt_t A_h, cum_i its running sum in the chunk, its
+last entry Lam = cum_{L-1}, xw_j = dt_j x_j, decay_ij = exp(cum_i - cum_j) for j <= i (else 0),
+M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c the one entering it:
+
+    forward, four kernels, each program one (batch, chunk, head) unless said
+      cum        cumsum of a in the chunk                                    (_chunk_cumsum_kernel)
+      S_c        sum_j exp(Lam - cum_j) xw_j B_j^T = (x o w)^T B             (_chunk_state_kernel)
+      H_c        H_0 = initial; H_{c+1} = exp(Lam_c) H_c + S_c, a loop over
+                 chunks per (batch, head, block of the p x n state)          (_state_passing_kernel)
+      y          M (dt o x) + exp(cum) o (C H_c^T) + D x                     (_chunk_scan_kernel)
+
+    backward: the forward's cum and H_c are recomputed (three light kernels; only the inputs are
+    saved), then with dY the output's gradient and dH_m the final state's,
+      G_c        sum_i exp(cum_i) dY_i C_i^T: the chunk's direct pull on H_c (_chunk_state_kernel)
+      dH_c       exp(Lam_c) dH_{c+1} + G_c, backwards over chunks; dS_c = dH_{c+1};
+                 dLam_c += exp(Lam_c) <dH_{c+1}, H_c>; d initial = dH_0     (_state_passing_backward_kernel)
+      dxw        M^T dY + exp(Lam - cum) o (B dS_c^T)     -> dx = dt o dxw + D dY, ddt = rowsum(x o dxw) + A da
+      dcum       rowsum(R) - colsum(R), R = M o (dY xw^T)                     (intra-chunk)
+                 + exp(cum) o rowsum(dY o (C H_c^T))                          (from earlier chunks)
+                 - e, e_j = exp(Lam - cum_j) xw_j . (B dS_c^T)_j; dLam += sum(e)  (the chunk's state)
+                 dcum_{L-1} += dLam; da = reverse cumsum of dcum; dA = sum dt o da; dD = sum dY o x
+                                                                              (_chunk_scan_backward_dx_kernel)
+      dC, dB     per (batch, chunk, group), summed over the group's heads: Q = (dY xw^T) o decay,
+                 dC = Q B + exp(cum) o (dY H_c),  dB = Q^T C + exp(Lam - cum) o (xw dS_c)
+                                                                              (_chunk_scan_backward_dbc_kernel)
+
+Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
+tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
+Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
+power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per program and
+loop over n (C B^T and C H^T are sums over n; ddt, dA and dD sum the p blocks' shares
+afterwards), dB and dC one block of n and loop over p: a program's registers stay near what the
+[L, L] tiles take whatever p and n are.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path serves without Triton
+    triton = None
+# Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Elements of the p x n state per program of the (sequential over chunks) state passing.
+STATE_BLOCK = 512
+# Chunk sizes the kernels take ([L, L] fp32 tiles past 128 would not fit a program's registers).
+CHUNK_SIZES = (16, 32, 64, 128)
+# Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
+# other). Beside the [L, L] fp32 tiles, blocks of 32 keep ptxas's register spills for sm_90 (bf16
+# inputs, 8 warps) under 1 KiB a thread at L = 128 and 150 bytes at 64, and every kernel's shared
+# memory within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
+MAX_BLOCK = 32
+
+
+def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """`ssd_chunked` by the Triton kernels (the module docstring): x [b, s, h, p], dt [b, s, h],
+    A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p],
+    final state [b, h, p, n]), both in x's dtype. chunk_size: 16, 32, 64 or 128."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"ssd_triton: chunk_size {chunk_size} must be one of {', '.join(map(str, CHUNK_SIZES))} "
+                         "(the kernels' tile sizes; MambaMixer's default is 128)")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"ssd_triton: x is {x.dtype}; the kernels take float32, bfloat16 or float16 "
+                         "(ssd_chunked computes other dtypes)")
+    return _SSDFunction.apply(x, dt, A, B, C, D, initial_state, chunk_size)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Sizes every kernel takes, and their tiles' padded sides."""
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int  # p
+    groups: int
+    d_state: int   # n
+    chunk: int     # L
+    chunks: int    # m
+
+    @classmethod
+    def of(cls, x, B, chunk_size):
+        (b, s, h, p), (g, n) = x.shape, B.shape[2:]
+        return cls(b, s, h, p, g, n, chunk_size, -(-s // chunk_size))
+
+    def sizes(self):
+        return dict(s=self.seq, heads=self.heads, heads_per_group=self.heads // self.groups, m=self.chunks,
+                    p=self.head_dim, n=self.d_state)
+
+    def meta(self, dtype):
+        return dict(L=self.chunk, BLOCK_P=self.block_p, BLOCK_N=self.block_n,
+                    num_warps=4 if self.chunk <= 32 else 8,
+                    # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+    @property
+    def block_p(self):  # 16 at least: tl.dot's smallest tile side
+        return min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK)
+
+    @property
+    def block_n(self):
+        return min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK)
+
+    @property
+    def p_blocks(self):
+        return triton.cdiv(self.head_dim, self.block_p)
+
+    @property
+    def n_blocks(self):
+        return triton.cdiv(self.d_state, self.block_n)
+
+
+class _SSDFunction(torch.autograd.Function):
+    """Saves only the inputs: the backward recomputes the chunks' cumulative decays and states."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, initial_state, chunk_size):
+        shape = _Shape.of(x, B, chunk_size)
+        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+        A32 = A.float().contiguous()
+        cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
+        y = torch.empty_like(x)
+        D32 = D.float().contiguous() if D is not None else A32  # unused without D
+        _chunk_scan_kernel[(shape.batch * shape.chunks, shape.heads, shape.p_blocks)](
+            x, dt, B, C, D32, cum, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.shape = shape
+        return y, final.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        shape = ctx.shape
+        b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
+        dy = dy.contiguous()
+        A32 = A.float().contiguous()
+        D32 = D.float().contiguous() if D is not None else A32  # unused without D
+        cum, states, _ = _scan_states(x, dt, A32, B, initial_state, shape)
+        dstates, dinitial, dlast = _state_grads(dy, dt, C, cum, states, dfinal, shape)
+
+        fp32 = dict(device=x.device, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
+        ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
+        dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
+        _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
+            x, dt, A32, B, C, D32, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts, dD_parts,
+            **shape.sizes(), HAS_D=D is not None, **meta)
+        dB, dC = torch.empty_like(B), torch.empty_like(C)
+        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
+            x, dt, B, C, dy, cum, states, dstates, dB, dC, **shape.sizes(), **meta)
+        ddt = ddt_parts.sum(0).to(dt.dtype)
+        dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
+        dD = dD_parts.sum((0, 1, 2)).to(D.dtype) if D is not None else None
+        dinitial = dinitial.to(initial_state.dtype) if initial_state is not None else None
+        return dx, ddt, dA, dB, dC, dD, dinitial, None
+
+
+def _scan_states(x, dt, A32, B, initial_state, shape):
+    """The chunks' cumulative decays cum [b, h, m * L] and the states entering each chunk
+    [b, m, h, p, n] (fp32), and the final state [b, h, p, n] (fp32)."""
+    b, h, m, L, p, n = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.head_dim, shape.d_state
+    cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
+    _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L)
+    states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
+    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+        x, B, dt, cum, states, **shape.sizes(), FROM_START=False, **shape.meta(x.dtype))
+    final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
+    initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
+    _state_passing_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
+        states, cum, initial, final, h, m, p * n, L=L, BLOCK=STATE_BLOCK, HAS_INITIAL=initial_state is not None)
+    return cum, states, final
+
+
+def _state_grads(dy, dt, C, cum, states, dfinal, shape):
+    """dS_c, the gradient of each chunk's own state (that of the state leaving it) [b, m, h, p, n],
+    the initial state's gradient [b, h, p, n], and dLam_c's part from the state passing [b, h, m]."""
+    b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
+    dstates = torch.empty_like(states)  # G_c, then dS_c in place
+    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+        dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **shape.meta(dy.dtype))
+    dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
+    blocks = triton.cdiv(p * n, STATE_BLOCK)
+    dlast = torch.empty(b, h, m, blocks, device=dy.device, dtype=torch.float32)
+    _state_passing_backward_kernel[(b, h, blocks)](
+        dstates, states, cum, dfinal.float().contiguous(), dinitial, dlast, h, m, p * n, L=shape.chunk,
+        BLOCK=STATE_BLOCK)
+    return dstates, dinitial, dlast.sum(-1).contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _program_chunk(m):
+        """(batch, chunk, head or group) of a program on grid (b * m, h or g, ...); batch in int64
+        (offsets of [b, s, h, p] tensors can pass 2**31)."""
+        pid = tl.program_id(0)
+        return (pid // m).to(tl.int64), pid % m, tl.program_id(1)
+
+    @triton.jit
+    def _token_offsets(bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """Offsets and mask of the [L, WIDTH] tile of chunk c, lanes first .. first + WIDTH - 1, of a
+        contiguous [b, s, columns, width] tensor at (bi, :, column); masked past the sequence and width."""
+        t = c * L + tl.arange(0, L)
+        lanes = first + tl.arange(0, WIDTH)
+        offsets = ((bi * s + t[:, None]) * columns + column) * width + lanes[None, :]
+        return offsets, (t[:, None] < s) & (lanes[None, :] < width)
+
+    @triton.jit
+    def _load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """The tile of `_token_offsets` in fp32, zeros where masked."""
+        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_tokens(ptr, tile, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_dt(dt, bi, c, head, s, heads, L: tl.constexpr):
+        """[L] fp32: chunk c's dt of (bi, head), 0 past the end (no decay, nothing added)."""
+        t = c * L + tl.arange(0, L)
+        return tl.load(dt + (bi * s + t) * heads + head, mask=t < s, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _load_cum(cum, bi, c, head, heads, m, L: tl.constexpr):
+        """[L] running sums of dt A in chunk c, and the last (the whole chunk's log-decay)."""
+        row = cum + ((bi * heads + head) * m + c) * L
+        return tl.load(row + tl.arange(0, L)), tl.load(row + L - 1)
+
+    @triton.jit
+    def _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The [BLOCK_P, BLOCK_N] tile at (p0, n0) of chunk c's state in [b, m, h, p, n] (fp32)."""
+        rows = p0 + tl.arange(0, BLOCK_P)
+        lanes = n0 + tl.arange(0, BLOCK_N)
+        offsets = ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :]
+        return tl.load(states + offsets, mask=(rows[:, None] < p) & (lanes[None, :] < n), other=0.0)
+
+    @triton.jit
+    def _causal_decay(cum, L: tl.constexpr):
+        """[L, L]: exp(cum_i - cum_j) for j <= i, 0 above the diagonal (masked before exp: no overflow)."""
+        rows = tl.arange(0, L)
+        causal = rows[:, None] >= rows[None, :]
+        return tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+
+    @triton.jit
+    def _chunk_cumsum_kernel(dt, A, cum, s, heads, m, L: tl.constexpr):
+        bi, c, head = _program_chunk(m)
+        a = _load_dt(dt, bi, c, head, s, heads, L) * tl.load(A + head)
+        tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), tl.cumsum(a, 0))
+
+    @triton.jit
+    def _chunk_state_kernel(u, v, dt, cum, states, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                            FROM_START: tl.constexpr):
+        """Block k (of p x n) of states[bi, c, head] = (u o w)^T v over the chunk's tokens: u [b, s, h, p],
+        v [b, s, g, n] (the head's group); w = exp(Lam - cum) dt (the chunk's own state: u = x, v = B)
+        or, FROM_START, exp(cum) (the output gradient's pull on the entering state: u = dY, v = C)."""
+        bi, c, head = _program_chunk(m)
+        n_blocks = tl.cdiv(n, BLOCK_N)
+        p0 = tl.program_id(2) // n_blocks * BLOCK_P
+        n0 = tl.program_id(2) % n_blocks * BLOCK_N
+        cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
+        if FROM_START:
+            weight = tl.exp(cum_c)
+        else:
+            weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
+        u_tile = _load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
+        v_tile = _load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
+        state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
+        rows = p0 + tl.arange(0, BLOCK_P)
+        lanes = n0 + tl.arange(0, BLOCK_N)
+        tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
+                 mask=(rows[:, None] < p) & (lanes[None, :] < n))
+
+    @triton.jit
+    def _state_passing_kernel(states, cum, initial, final, heads, m, pn, L: tl.constexpr, BLOCK: tl.constexpr,
+                              HAS_INITIAL: tl.constexpr):
+        """Program (bi, head, k): block k of the flattened p x n state, over the chunks in order;
+        replaces each chunk's own state S_c by the state entering it, H_c."""
+        bi = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        lanes = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        ok = lanes < pn
+        if HAS_INITIAL:
+            state = tl.load(initial + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
+        else:
+            state = tl.zeros([BLOCK], tl.float32)
+        for c in range(m):
+            slot = states + ((bi * m + c) * heads + head) * pn + lanes
+            own = tl.load(slot, mask=ok, other=0.0)
+            tl.store(slot, state, mask=ok)
+            state = tl.exp(tl.load(cum + ((bi * heads + head) * m + c) * L + L - 1)) * state + own
+        tl.store(final + (bi * heads + head) * pn + lanes, state, mask=ok)
+
+    @triton.jit
+    def _state_passing_backward_kernel(dstates, states, cum, dfinal, dinitial, dlast, heads, m, pn,
+                                       L: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (bi, head, k), the chunks in reverse: replaces G_c by dS_c = dH_{c+1}, writes this
+        block's share of dLam_c = exp(Lam_c) <dH_{c+1}, H_c> to dlast [b, h, m, blocks], and dH_0."""
+        bi = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        block = tl.program_id(2)
+        lanes = block * BLOCK + tl.arange(0, BLOCK)
+        ok = lanes < pn
+        dstate = tl.load(dfinal + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
+        for i in range(m):
+            c = m - 1 - i
+            slot = ((bi * m + c) * heads + head) * pn + lanes
+            pull = tl.load(dstates + slot, mask=ok, other=0.0)
+            tl.store(dstates + slot, dstate, mask=ok)
+            entering = tl.load(states + slot, mask=ok, other=0.0)
+            decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + c) * L + L - 1))
+            tl.store(dlast + ((bi * heads + head) * m + c) * tl.num_programs(2) + block,
+                     decay * tl.sum(dstate * entering, 0))
+            dstate = decay * dstate + pull
+        tl.store(dinitial + (bi * heads + head) * pn + lanes, dstate, mask=ok)
+
+    @triton.jit
+    def _scores_and_state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+                                L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                PRECISION: tl.constexpr, BACKWARD: tl.constexpr):
+        """Over blocks of n: C B^T [L, L], C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering
+        state) and, BACKWARD, B dS_c^T [L, BLOCK_P]."""
+        scores = tl.zeros([L, L], tl.float32)
+        earlier = tl.zeros([L, BLOCK_P], tl.float32)
+        B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+            scores += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
+            earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
+            if BACKWARD:
+                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
+        return scores, earlier, B_dstate
+
+    @triton.jit
+    def _chunk_scan_kernel(x, dt, B, C, D, cum, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                           HAS_D: tl.constexpr):
+        """Program (bi * m + c, head, k): y's block k of p in chunk c, M (dt o x) + exp(cum) o (C H_c^T) + D x."""
+        bi, c, head = _program_chunk(m)
+        p0 = tl.program_id(2) * BLOCK_P
+        scores, earlier, _ = _scores_and_state_terms(
+            B, C, states, states, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
+            p0, L, BLOCK_P, BLOCK_N, PRECISION, False)
+        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
+        scores *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
+        out = tl.dot(scores, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
+        if HAS_D:
+            out += tl.load(D + head) * x_tile
+        _store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+
+    @triton.jit
+    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts,
+                                       dD_parts, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                       HAS_D: tl.constexpr):
+        """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
+        ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p."""
+        bi, c, head = _program_chunk(m)
+        block = tl.program_id(2)
+        p0 = block * BLOCK_P
+        scores, earlier, B_dstate = _scores_and_state_terms(
+            B, C, states, dstates, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
+            p0, L, BLOCK_P, BLOCK_N, PRECISION, True)
+        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        dt_c = _load_dt(dt, bi, c, head, s, heads, L)
+        cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
+        scores *= _causal_decay(cum_c, L)  # M
+        xw = x_tile * dt_c[:, None]
+        to_end = tl.exp(last - cum_c)
+        dxw = tl.dot(tl.trans(scores), dy_tile, input_precision=PRECISION) + to_end[:, None] * B_dstate
+        dx_tile = dt_c[:, None] * dxw
+        part = (block * tl.num_programs(0) + bi * m + c) * heads + head  # in [p blocks, b, m, h]
+        if HAS_D:
+            dx_tile += tl.load(D + head) * dy_tile
+            tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
+        _store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+
+        pair_grads = scores * tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)  # R
+        dcum = tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
+        dcum += tl.exp(cum_c) * tl.sum(dy_tile * earlier, 1)
+        own_state = to_end * tl.sum(xw * B_dstate, 1)
+        dcum -= own_state
+        dlast_c = tl.sum(own_state, 0) + tl.where(block == 0, tl.load(dlast + (bi * heads + head) * m + c), 0.0)
+        dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
+        da = tl.cumsum(dcum, 0, reverse=True)
+        ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
+        t = c * L + tl.arange(0, L)
+        tl.store(ddt_parts + ((block * (tl.num_programs(0) // m) + bi) * s + t) * heads + head, ddt_c, mask=t < s)
+        tl.store(dA_parts + part, tl.sum(dt_c * da, 0))
+
+    @triton.jit
+    def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, states, dstates, dB, dC, s, heads, heads_per_group, m,
+                                        p, n, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        PRECISION: tl.constexpr):
+        """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c, summed over the
+        group's heads (each a loop over blocks of p)."""
+        bi, c, group = _program_chunk(m)
+        groups = heads // heads_per_group
+        n0 = tl.program_id(2) * BLOCK_N
+        B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        dB_tile = tl.zeros([L, BLOCK_N], tl.float32)
+        dC_tile = tl.zeros([L, BLOCK_N], tl.float32)
+        for k in range(heads_per_group):
+            head = group * heads_per_group + k
+            dt_c = _load_dt(dt, bi, c, head, s, heads, L)
+            pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
+            dy_entering = tl.zeros([L, BLOCK_N], tl.float32)
+            xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
+            for p0 in range(0, p, BLOCK_P):
+                xw = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
+                dy_entering += tl.dot(dy_tile, entering, input_precision=PRECISION)
+                xw_dstate += tl.dot(xw, dstate, input_precision=PRECISION)
+            cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
+            pair_grads *= _causal_decay(cum_c, L)
+            dC_tile += tl.dot(pair_grads, B_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * dy_entering
+            dB_tile += (tl.dot(tl.trans(pair_grads), C_tile, input_precision=PRECISION)
+                        + tl.exp(last - cum_c)[:, None] * xw_dstate)
+        _store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        _store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)

@@ -1,0 +1,116 @@
+"""ssd_triton, the Triton kernels of Mamba-2's scan, against ssd_chunked (in Triton's interpreter on
+the CPU, compiled on a GPU: outputs, final states and every gradient), and `ssd`'s choice of path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import teratron.ssm.ssd as ssd_module
+import teratron.ssm.ssd_triton as kernels
+from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
+from teratron.ssm.ssd import ssd_chunked
+from teratron.ssm.ssd_triton import ssd_triton
+
+
+def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
+    script = os.path.join(os.path.dirname(__file__), "ssd_triton_cases.py")
+    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 4} cases on the Triton path"
+
+
+def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
+    """No CUDA and no interpreter here: `ssd` never reaches the kernels."""
+    def triton_must_not_run(*args, **kwargs):
+        raise AssertionError("ssd took the Triton kernels on CPU tensors")
+
+    monkeypatch.setattr(ssd_module, "ssd_triton", triton_must_not_run)
+    inputs = make_inputs(2, 37, 4, 2, 8, 16, with_state=True)
+    y, final = ssd_module.ssd(*inputs, chunk_size=16)
+    y_ref, final_ref = ssd_chunked(*inputs, chunk_size=16)
+    assert torch.equal(y, y_ref) and torch.equal(final, final_ref)
+
+
+@pytest.mark.parametrize("chunk_size,dtype", [(8, torch.float32), (48, torch.float32), (256, torch.float32),
+                                              (64, torch.float64)])
+def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype):
+    x, dt, A, B, C, D, _ = make_inputs(1, 20, 2, 1, 8, 8)
+    with pytest.raises(ValueError, match="^ssd_triton: ") as error:
+        ssd_triton(x.to(dtype), dt, A, B, C, D, chunk_size=chunk_size)
+    assert "\n" not in str(error.value)
+
+
+# Each kernel's tensors: those of the activations' dtype (x, B, C and their gradients), the others fp32.
+KERNEL_TENSORS = {
+    "_chunk_state_kernel": ("u v", "dt cum states"),
+    "_chunk_scan_kernel": ("x B C y", "dt D cum states"),
+    "_chunk_scan_backward_dx_kernel": ("x B C dy dx", "dt A D cum states dstates dlast ddt_parts dA_parts dD_parts"),
+    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum states dstates"),
+}
+H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
+    """Triton and ptxas compile for sm_90 without a GPU: the four kernels with [L, L] tiles at the
+    largest chunk size, in the 16-bit (tf32) and the fp32 ("ieee") variants."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    chunk = max(kernels.CHUNK_SIZES)
+    for name, (activations, fp32) in KERNEL_TENSORS.items():
+        kernel = getattr(kernels, name)
+        constexprs = dict(L=chunk, BLOCK_P=kernels.MAX_BLOCK, BLOCK_N=kernels.MAX_BLOCK,
+                          PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True)
+        constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
+        types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
+        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+        source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
+                                                          for arg, value in constexprs.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+
+
+def gpu_test(test):
+    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq,chunk_size", [(1000, 64), (4096, 128)])
+def test_triton_on_a_gpu_matches_ssd_chunked(seq, chunk_size, dtype, monkeypatch):
+    """A Mamba-2 layer's head shape (p 64, n 128; 8 heads in 2 groups), a ragged last chunk at
+    1,000 tokens. fp32: against the float64 scan, to 1e-4 of each tensor's largest entry (the sums
+    run over thousands of terms); bf16 x, B, C and state: against ssd_chunked on the same inputs
+    (fp32 there, tf32 products here), to a bf16 rounding."""
+    x, dt, A, B, C, D, state = make_inputs(2, seq, 8, 2, 64, 128, True, True, seed=seq, device="cuda")
+    inputs = [x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, state.to(dtype)]
+    if dtype == torch.float32:
+        want, rtol = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], chunk_size), 1e-4
+    else:
+        want, rtol = outputs_and_grads(ssd_chunked, inputs, chunk_size), 2 ** -7
+
+    def chunked_must_not_run(*args, **kwargs):
+        raise AssertionError("ssd took ssd_chunked on CUDA tensors")
+
+    monkeypatch.setattr(ssd_module, "ssd_chunked", chunked_must_not_run)
+    got = outputs_and_grads(ssd_module.ssd, inputs, chunk_size)
+    assert got[0].dtype == dtype and got[0].is_cuda
+    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}")
+
+
+@gpu_test
+def test_triton_gradients_on_a_gpu_are_reproducible():
+    """No atomics: two runs give the same bits (docs/design.md)."""
+    x, dt, A, B, C, D, state = make_inputs(1, 2000, 8, 2, 64, 128, True, True, seed=3, device="cuda")
+    inputs = [x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, state]
+    first, second = (outputs_and_grads(ssd_triton, inputs, 128) for _ in range(2))
+    for name, a, b in zip(result_names(), first, second):
+        assert torch.equal(a, b), name
