@@ -57,9 +57,21 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
     (["--hybrid-layer-pattern", "M*|-E", "--pipeline-model-parallel-layout", "Et|ttL",
       "--pipeline-model-parallel-size", "2"], "drop --pipeline-model-parallel-layout or the '|'"),
     (["--hybrid-layer-pattern", "ME", "--mamba-num-groups", "3"], "do not split into 3 groups"),
+    (["--hybrid-layer-pattern", "G*E", "--reset-attention-mask"], "--reset-attention-mask with Gated DeltaNet (G)"),
 ])
 def test_bad_patterns_are_one_line(tmp_path, capsys, monkeypatch, flags, phrase):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train"] + TINY + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
+
+
+def test_context_parallelism_inside_recurrent_layers_is_refused():
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import build_run_config
+
+    args = parse_train_args(TINY + ["--hybrid-layer-pattern", "M*E", "--context-parallel-size", "2"])
+    with pytest.raises(NotImplementedError, match=r"^--context-parallel-size with Mamba-2 \(M\) layers: context "):
+        build_run_config(args, world_size=2)
+    assert build_run_config(parse_train_args(TINY + ["--hybrid-layer-pattern", "**E", "--context-parallel-size",
+                                                     "2"]), world_size=2).transformer.context_parallel_size == 2
