@@ -123,3 +123,30 @@ def test_mla_flops_match_hand_count():
         depth = layer + gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab)
         assert math.isclose(num_floating_point_operations(mla_model(mtp_num_layers=1), s, 3), expected + 3 * depth * 3,
                             rel_tol=1e-12), q_lora
+
+
+def test_hybrid_model_counts_each_layer_by_its_kind():
+    """A hybrid pattern's FLOPs: attention and MLP layers as a GPT layer's halves (so '*-' x L is the
+    GPT model's count), Mamba-2 and Gated DeltaNet layers by Megatron-LM's formulas, written out
+    here from their per-token forward counts (in_proj, scan, out_proj; in_proj, conv, delta rule,
+    out_proj) times 3 for forward and backward."""
+    h, s, vocab, batch = 64, 32, 256, 3
+    base = dict(hidden_size=h, num_attention_heads=4, kv_channels=16, num_query_groups=2, ffn_hidden_size=96,
+                gated_linear_unit=True, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2,
+                linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_conv_kernel_dim=4)
+
+    def flops(pattern, **kw):
+        config = TransformerConfig(num_layers=len(pattern), hybrid_layer_pattern=pattern, **{**base, **kw})
+        model = GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
+                               position_embedding_type="rope")
+        return num_floating_point_operations(model, s, batch)
+
+    gpt = _flops(_args(num_layers=2, hidden_size=h, seq_length=s, padded_vocab_size=vocab), batch)
+    assert math.isclose(flops("*-*-"), gpt, rel_tol=1e-12)
+    heads, d_in = 2 * h // 16, 2 * h
+    mamba = 3 * (2 * h * (2 * d_in + 2 * 2 * 16 + heads) + 7 * d_in * 16 + 2 * d_in * h)
+    assert math.isclose(flops("M*-M*-") - gpt, 2 * batch * s * mamba, rel_tol=1e-12)
+    qk, v = 8 * 2, 16 * 4
+    gdn = 3 * 2 * (h * (2 * qk + 2 * v + 2 * 4) + 4 * (2 * qk + v) + 4 * 16 ** 2 * 4 + h * v)
+    assert math.isclose(flops("G*-*-") - gpt, batch * s * gdn, rel_tol=1e-12)
