@@ -17,12 +17,11 @@ with `--load OUT --finetune` and the pattern's flags.
 
 import os
 import re
-import shutil
 
 import torch
 
 from teratron.dist_checkpointing import serialization, storage
-from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.checkpoint import save_model_tensors
 from teratron.dist_checkpointing.model_args import VARIANT_DEFAULTS, gpt_config_from_model_args
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.dist_checkpointing.safe_load import read_common_state
@@ -159,30 +158,15 @@ def _check_keys(tensors: dict, built: dict, fresh, folder: str) -> None:
 
 
 def _write(save: str, tensors: dict, model_args: dict, source_metadata: dict, source_folder: str, note: dict) -> str:
-    """`tensors` as iteration 0 of the new save directory `save` (model only), written aside and
-    renamed into place; the source's tokenizer record and Hugging Face side files carried over."""
+    """`tensors` as iteration 0 of the new save directory `save` (model only), with the source's
+    common state less its optimizer, scheduler and data position, its tokenizer record and its
+    Hugging Face side files."""
     if os.path.exists(save):
         raise FileExistsError(f"--save {save}: already exists; translate into a new folder")
-    staging = storage.staging_dir(save)
-    try:
-        tmp = storage.temporary_dir(staging, 0)
-        os.makedirs(tmp)
-        items = [ShardedTensor(key, t.contiguous(), tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()]
-        serialization.save(items, tmp, no_dist=True)
-        common = read_common_state(source_folder)
-        for name in ("optimizer", "opt_param_scheduler", "rng_state"):
-            common.pop(name, None)
-        common.update(iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
-        torch.save(common, os.path.join(tmp, storage.COMMON_FILENAME))
-        record = {key: source_metadata[key] for key in ("tokenizer",) if key in source_metadata}
-        storage.write_metadata(tmp, {"iteration": 0, "model_args": model_args, **record, "has_optimizer": False,
-                                     "has_rng": False, **note, "files": storage.record_files(tmp)})
-        storage.publish(staging, 0)
-        hf_side = os.path.join(storage.checkpoint_root(source_folder), storage.HF_DIRNAME)
-        if os.path.isdir(hf_side):
-            shutil.copytree(hf_side, os.path.join(staging, storage.HF_DIRNAME))
-        os.rename(staging, save)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return storage.iteration_dir(save, 0)
+    common = read_common_state(source_folder)
+    for name in ("optimizer", "opt_param_scheduler"):
+        common.pop(name, None)
+    common.update(iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+    record = {key: source_metadata[key] for key in ("tokenizer",) if key in source_metadata}
+    metadata = {"model_args": model_args, **record, "has_optimizer": False, "has_rng": False, **note}
+    return save_model_tensors(save, 0, tensors, common, metadata, source_folder)

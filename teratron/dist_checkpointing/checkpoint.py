@@ -287,6 +287,34 @@ def save_checkpoint(root, iteration, model_chunks, optimizer=None, common=None, 
     return _finish(root, iteration, files, error, common, metadata, ckpt_format)
 
 
+def save_model_tensors(output: str, iteration: int, tensors: dict, common: dict, metadata: dict,
+                       side_files_of: str | None = None) -> str:
+    """Write whole model tensors (key -> tensor) as iteration `iteration` of the NEW save directory
+    `output`, one process, no optimizer or RNG state: what `teratron merge` and the GPT <-> hybrid
+    translation write. It is written aside and renamed into place (nothing left behind on error);
+    `metadata` gets the iteration and the files' checksums; the Hugging Face side files of the
+    checkpoint folder `side_files_of` are carried over. Returns the iteration folder."""
+    if os.path.exists(output):
+        raise FileExistsError(f"{output}: already exists; write into a new folder")
+    staging = storage.staging_dir(output)
+    try:
+        tmp = storage.temporary_dir(staging, iteration)
+        os.makedirs(tmp)
+        items = [ShardedTensor(key, t.contiguous(), tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()]
+        serialization.save(items, tmp, no_dist=True)
+        torch.save(common, os.path.join(tmp, storage.COMMON_FILENAME))
+        storage.write_metadata(tmp, {"iteration": iteration, **metadata, "files": storage.record_files(tmp)})
+        storage.publish(staging, iteration)
+        hf_side = side_files_of and os.path.join(storage.checkpoint_root(side_files_of), storage.HF_DIRNAME)
+        if hf_side and os.path.isdir(hf_side):
+            shutil.copytree(hf_side, os.path.join(staging, storage.HF_DIRNAME))
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return storage.iteration_dir(output, iteration)
+
+
 def _snapshot(items):
     """CPU copies of the items this rank writes, so training may go on while they are written."""
     out = []

@@ -20,12 +20,11 @@ metadata.json records the inputs, the weights and that the optimizer state was d
 
 import math
 import os
-import shutil
 
 import torch
 
 from teratron.dist_checkpointing import serialization, storage
-from teratron.dist_checkpointing.mapping import ShardedTensor
+from teratron.dist_checkpointing.checkpoint import save_model_tensors
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.dist_checkpointing.safe_load import read_common_state
 
@@ -119,32 +118,13 @@ def merge_checkpoints(inputs: list, weights: list, output: str, normalize: bool 
     iteration = max(m.get("iteration", 0) for m in metas)
     merged = {key: _merge_tensor(key, dirs, coefficients) for key in structure}
 
-    staging = storage.staging_dir(output)
-    try:
-        os.makedirs(storage.temporary_dir(staging, iteration))
-        items = [ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in merged.items()]
-        serialization.save(items, storage.temporary_dir(staging, iteration), no_dist=True)
-        common = read_common_state(dirs[[m.get("iteration", 0) for m in metas].index(iteration)])
-        common.pop("optimizer", None)
-        common.pop("opt_param_scheduler", None)
-        tmp = storage.temporary_dir(staging, iteration)
-        torch.save(common, os.path.join(tmp, storage.COMMON_FILENAME))
-        storage.write_metadata(tmp, {
-            "iteration": iteration, "model_args": metas[0].get("model_args"), "layout": metas[0].get("layout"),
-            "has_optimizer": False, "has_rng": False,
-            "merge": {"inputs": dirs, "weights": list(weights), "coefficients": coefficients,
-                      "normalized": normalize, "optimizer_state": "dropped"},
-            "files": storage.record_files(tmp),
-        })
-        storage.publish(staging, iteration)
-        hf_side = os.path.join(storage.checkpoint_root(dirs[0]), storage.HF_DIRNAME)
-        if os.path.isdir(hf_side):
-            shutil.copytree(hf_side, os.path.join(staging, storage.HF_DIRNAME))
-        os.rename(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return storage.iteration_dir(output, iteration)
+    common = read_common_state(dirs[[m.get("iteration", 0) for m in metas].index(iteration)])
+    common.pop("optimizer", None)
+    common.pop("opt_param_scheduler", None)
+    return save_model_tensors(output, iteration, merged, common, {
+        "model_args": metas[0].get("model_args"), "layout": metas[0].get("layout"), "has_optimizer": False,
+        "has_rng": False, "merge": {"inputs": dirs, "weights": list(weights), "coefficients": coefficients,
+                                    "normalized": normalize, "optimizer_state": "dropped"}}, dirs[0])
 
 
 def add_arguments(parser):

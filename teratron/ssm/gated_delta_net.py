@@ -37,6 +37,7 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.recurrence import mix_tokens
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
@@ -102,11 +103,7 @@ class GatedDeltaNet(nn.Module):
         With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
         request's tokens continue from the convolution and delta-rule states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        if inference_context is not None:
-            y = inference_context.run_recurrent(self.layer_number, projected, self._mix)
-        else:
-            y, _ = self._mix(projected.transpose(0, 1), None)
-            y = y.transpose(0, 1)
+        y = mix_tokens(self._mix, projected, self.layer_number, inference_context)
         return self.out_proj(y)  # y [s, b, v_dim / tp]
 
     def _mix(self, projected, state):
