@@ -309,7 +309,7 @@ def test_unsupported_fields_raise(name):
 def test_unsupported_table_covers_the_blocked_features():
     blocked = ["fp8_param", "fp8_dot_product_attention", "fp4", "use_kitchen",
                "masked_softmax_fusion", "flash_decode",
-               "mamba_state_dim", "is_hybrid_model", "heterogeneous_block_specs", "quant_recipe",
+               "heterogeneous_block_specs", "quant_recipe",
                "mrope_section", "symmetric_ar_type"]
     assert not [name for name in blocked if name not in tc.UNSUPPORTED]
     with pytest.raises(NotImplementedError, match="distribute_saved_activations=True"):
