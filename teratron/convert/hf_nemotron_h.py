@@ -46,6 +46,8 @@ LAYER_SYMBOLS = {"linear_attention": Symbols.MAMBA, "full_attention": Symbols.AT
                  "moe": Symbols.MOE}
 LAYER_TYPES = {symbol: layer_type for layer_type, symbol in LAYER_SYMBOLS.items()}
 CONV_KERNEL = 4  # teratron's Mamba convolution (Megatron's d_conv)
+# NemotronHConfig's defaults of the fields a config.json may leave out.
+HEAD_DIM_DEFAULT, KV_HEADS_DEFAULT = 128, 8
 
 _L, _B = "decoder.layers.{i}.", "backbone.layers.{i}."
 TABLE = [  # once per model
@@ -169,8 +171,8 @@ def nemotron_h_args(hf: dict, source: str) -> dict:
     heads = hf["num_attention_heads"]
     return {
         "num_layers": len(pattern), "hidden_size": hf["hidden_size"], "ffn_hidden_size": hf["intermediate_size"],
-        "num_attention_heads": heads, "num_query_groups": hf.get("num_key_value_heads") or heads,
-        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "normalization": "RMSNorm",
+        "num_attention_heads": heads, "num_query_groups": hf.get("num_key_value_heads", KV_HEADS_DEFAULT) or heads,
+        "kv_channels": hf.get("head_dim", HEAD_DIM_DEFAULT) or hf["hidden_size"] // heads, "normalization": "RMSNorm",
         "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5), "swiglu": False, "quick_geglu": False,
         "openai_gelu": False, "squared_relu": True, "add_bias_linear": False, "add_qkv_bias": False,
         "qk_layernorm": False, "position_embedding_type": "none", "rotary_base": 10000.0, "rotary_percent": 1.0,

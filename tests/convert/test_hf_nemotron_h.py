@@ -208,10 +208,14 @@ def test_refusals(tmp_path):
     assert model_args_from_hf({**old, "hybrid_override_pattern": "M*-EM*"}, "cfg")["hybrid_layer_pattern"] == "M*-EM*"
     with pytest.raises(ValueError, match="^cfg: config.json lacks layers_block_type"):
         model_args_from_hf(old, "cfg")
+    bare = model_args_from_hf({k: v for k, v in hf.items() if k not in ("head_dim", "num_key_value_heads")}, "cfg")
+    defaults = transformers.NemotronHConfig()  # what transformers reads where config.json is silent
+    assert (bare["kv_channels"], bare["num_query_groups"]) == (defaults.head_dim, defaults.num_key_value_heads)
 
     args = model_args_from_hf(hf, "cfg")
     for change, message in [
-        (dict(hybrid_layer_pattern="MG*-"), "the checkpoint's hybrid model has Gated DeltaNet layers \\(G in 'MG\\*-'\\)"),
+        (dict(hybrid_layer_pattern="MG*-"),
+         "the checkpoint's hybrid model has Gated DeltaNet layers \\(G in 'MG\\*-'\\)"),
         (dict(squared_relu=False, swiglu=True), "the checkpoint's hybrid model has squared_relu=False; nemotron_h "
                                                 "needs True"),
         (dict(position_embedding_type="rope"), "the checkpoint's hybrid model has position_embedding_type='rope'"),
