@@ -7,10 +7,11 @@ biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection
 `qkv_bias`) and Qwen3-MoE (Qwen3's) replace MLPs by MoE layers; their MoE fields map in `hf_moe`.
 Mistral's and Mixtral's sliding window becomes `window_size` on every layer, Qwen2-MoE's
 per-layer windows (`layer_types`) window_size with window_attn_skip_freq. DeepSeek-V3
-(`hf_deepseek`), gpt-oss (`hf_gpt_oss`) and GPT-2 (`hf_gpt2`: learned positions, LayerNorm, GeLU)
-map in their own modules; the fields the RMSNorm families share (sizes, RMSNorm, vocabulary, tied
-embeddings) here. Features teratron does not convert (other RoPE scalings, other families'
-sliding windows, other activations, quantized weights) are refused with the field's name.
+(`hf_deepseek`), gpt-oss (`hf_gpt_oss`), GPT-2 (`hf_gpt2`: learned positions, LayerNorm, GeLU)
+and Nemotron-H (`hf_nemotron_h`: hybrid Mamba-2 models) map in their own modules; the fields
+the RMSNorm families share (sizes, RMSNorm, vocabulary, tied embeddings) here. Features teratron
+does not convert (other RoPE scalings, other families' sliding windows, other activations,
+quantized weights) are refused with the field's name.
 """
 
 from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
@@ -20,12 +21,13 @@ from teratron.convert.hf_gpt2 import FAMILY as GPT2, gpt2_args, gpt2_hf_config
 from teratron.convert.hf_gpt_oss import gpt_oss_args, gpt_oss_hf_fields
 from teratron.convert.hf_moe import (MOE_FAMILIES, MOE_REQUIRED_FIELDS, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
+from teratron.convert.hf_nemotron_h import FAMILY as NEMOTRON_H, nemotron_h_args, nemotron_h_hf_config
 from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULTS
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 OWN_MODULE_FAMILIES = {"deepseek_v3": (deepseek_args, "DeepseekV3ForCausalLM"),
                        "gpt_oss": (gpt_oss_args, "GptOssForCausalLM")}
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES) + (GPT2,)
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES) + (GPT2, NEMOTRON_H)
 
 
 def _biases(hf: dict, family: str, source: str) -> tuple:
@@ -145,7 +147,8 @@ def model_args_from_hf(hf: dict, source: str, make_vocab_size_divisible_by: int 
     from teratron.tensor_parallel import pad_vocab_size
 
     family = _check_family(hf, source)
-    args = gpt2_args(hf, source) if family == GPT2 else _rms_norm_family_args(hf, family, source)
+    family_args = {GPT2: gpt2_args, NEMOTRON_H: nemotron_h_args}.get(family)
+    args = family_args(hf, source) if family_args else _rms_norm_family_args(hf, family, source)
     padded = pad_vocab_size(args["vocab_size"], make_vocab_size_divisible_by, tensor_model_parallel_size)
     return {**args, "padded_vocab_size": padded}
 
@@ -243,6 +246,8 @@ def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff:
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
     a = {**MOE_DEFAULTS, **VARIANT_DEFAULTS, **a}
+    if a["hybrid_layer_pattern"]:
+        return nemotron_h_hf_config(a, base)
     if a["position_embedding_type"] == "learned_absolute":
         return gpt2_hf_config(a, base)
     if a["normalization"] != "RMSNorm" or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:

@@ -41,7 +41,9 @@ LATENT_NORM_EPS = 1e-6
 GROUP_SCORE_EXPERTS = 2
 
 
-def _routing_args(hf: dict, source: str) -> dict:
+def routing_args(hf: dict, source: str) -> dict:
+    """The sigmoid router's renormalisation check and its expert groups (DeepSeek-V3's router, which
+    Nemotron-H shares): moe_router_num_groups / moe_router_group_topk, or {} without groups."""
     topk, experts = hf["num_experts_per_tok"], hf["n_routed_experts"]
     if bool(hf.get("norm_topk_prob", True)) != (topk > 1):
         raise ValueError(f"{source}: norm_topk_prob={hf.get('norm_topk_prob', True)} with num_experts_per_tok={topk}; "
@@ -76,7 +78,7 @@ def _moe_args(hf: dict, source: str) -> dict:
         "moe_layer_freq": 1 if all(pattern) else pattern, "moe_router_pre_softmax": False,
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-        **_routing_args(hf, source),
+        **routing_args(hf, source),
     }
 
 

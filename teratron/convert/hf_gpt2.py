@@ -59,7 +59,8 @@ def gpt2_args(hf: dict, source: str) -> dict:
 
 
 # model arg -> the value GPT-2's shape needs (absent args take it).
-_GPT2_SHAPE = {"normalization": "LayerNorm", "swiglu": False, "quick_geglu": False, "add_bias_linear": True,
+_GPT2_SHAPE = {"normalization": "LayerNorm", "swiglu": False, "quick_geglu": False, "squared_relu": False,
+               "add_bias_linear": True,
                "qk_layernorm": False, "num_experts": None, "multi_latent_attention": False, "mtp_num_layers": None,
                **VARIANT_DEFAULTS}
 

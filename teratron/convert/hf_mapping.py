@@ -6,7 +6,8 @@ checkpoint). A row maps one teratron tensor to one or more HF tensors through a 
     qkv      q, k, v projections <-> Megatron's fused QKV, interleaved per query group as
              [ng, (np/ng + 2) * hn, h]: each group's query heads, then its key and value head
     gate_up  gate_proj, up_proj <-> linear_fc1 = [gate; up] (SwiGLU); also each expert's
-    vocab    the HF vocabulary <-> teratron's padded one (padding rows are zero)
+    vocab    the HF vocabulary <-> teratron's padded one (padding rows are zero); vocab_and_copy
+             also writes a tied embedding as the output layer (Nemotron-H's lm_head is never tied)
     grouped_fc1, grouped_fc2
              every expert's (gate, up) / down <-> GroupedMLP's stacked, transposed
              weight1 [E, h, 2f] = [gate; up]^T and weight2 [E, f, h] = down^T
@@ -23,6 +24,7 @@ the shared experts (and Qwen2-MoE's shared-expert gate) and the experts (Sequent
 `local_experts.{e}` or GroupedMLP's
 weight1/weight2) to the family's names; dense layers the MLP. Attention is grouped-query (with
 gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent attention.
+Nemotron-H's hybrid layers take their rows from `hf_nemotron_h` (one table per layer symbol).
 DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
 rows as a decoder layer, their transformer layer's (`mtp.layers.{k}.transformer_layer.*`).
 
@@ -36,6 +38,7 @@ import re
 
 import torch
 
+from teratron.convert.hf_nemotron_h import FAMILY as NEMOTRON_H, nemotron_h_rows
 from teratron.dist_checkpointing.model_args import moe_arg
 from teratron.transformer.moe import moe_layer_pattern
 
@@ -201,6 +204,8 @@ TRANSFORMS = {  # name -> (HF tensors -> teratron tensor, teratron tensor -> HF 
     "qkv": (lambda ts, a: fuse_qkv(*ts, a), split_qkv),
     "gate_up": (lambda ts, a: torch.cat(ts), lambda t, a: list(t.chunk(2))),
     "vocab": (lambda ts, a: _pad_vocab(ts[0], a), lambda t, a: [t[:a["vocab_size"]]]),
+    "vocab_and_copy": (lambda ts, a: _pad_vocab(ts[0], a),  # a tied embedding also written as the output layer
+                       lambda t, a: [t[:a["vocab_size"]], t[:a["vocab_size"]].clone()]),
     "grouped_fc1": (lambda ts, a: torch.stack([torch.cat(pair).t() for pair in zip(ts[0::2], ts[1::2])]),
                     lambda t, a: [half for w in t for half in w.t().chunk(2)]),
     "grouped_fc2": (lambda ts, a: torch.stack([w.t() for w in ts]), lambda t, a: [w.t() for w in t]),
@@ -231,6 +236,8 @@ def _holds(name: str, a) -> bool:
     layer follow the args."""
     if name.endswith("layernorm.bias"):
         return a["normalization"] == "LayerNorm"
+    if name.endswith("mixer.conv1d.bias"):  # Mamba's convolution always has one
+        return True
     if name.endswith("linear_qkv.bias"):
         return a["add_qkv_bias"] or a["add_bias_linear"]
     if name.endswith(".bias"):
@@ -291,6 +298,9 @@ def _mtp_rows(a, family, moe: bool):
 
 
 def _all_rows(a, family):
+    if family == NEMOTRON_H:
+        yield from nemotron_h_rows(a)
+        return
     if family == "gpt2":
         yield from GPT2_TABLE
         for i in range(a["num_layers"]):

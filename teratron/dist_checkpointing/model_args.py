@@ -14,7 +14,7 @@ lacks them; `mtp_num_layers` (multi-token prediction) to None.
 import torch
 import torch.nn.functional as F
 
-from teratron.transformer.mlp import openai_gelu, quick_gelu
+from teratron.transformer.mlp import openai_gelu, quick_gelu, squared_relu
 
 # The MoE architecture and its meaning when absent: a dense model (num_experts None).
 MOE_DEFAULTS = {
@@ -61,8 +61,9 @@ ROPE_SCALING_ARGS = ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rop
 
 MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "openai_gelu", "add_bias_linear",
-    "add_qkv_bias", "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
+    "kv_channels", "normalization", "norm_epsilon", "swiglu", "quick_geglu", "openai_gelu", "squared_relu",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "position_embedding_type", "rotary_base", "rotary_percent",
+    "rotary_interleaved",
     "use_rope_scaling", *ROPE_SCALING_ARGS,
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
     "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
@@ -78,7 +79,7 @@ def model_args_from_config(model) -> dict:
         kv_channels=c.kv_channels, normalization=c.normalization, norm_epsilon=c.layernorm_epsilon,
         swiglu=c.gated_linear_unit and c.activation_func is not quick_gelu,
         quick_geglu=c.gated_linear_unit and c.activation_func is quick_gelu,
-        openai_gelu=c.activation_func is openai_gelu,
+        openai_gelu=c.activation_func is openai_gelu, squared_relu=c.activation_func is squared_relu,
         add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
@@ -125,6 +126,8 @@ def _activation(model_args: dict):
     """The MLP's activation; absent switches (older records) are off."""
     if model_args.get("openai_gelu"):
         return openai_gelu
+    if model_args.get("squared_relu"):
+        return squared_relu
     if model_args.get("quick_geglu"):
         return quick_gelu
     return F.silu if model_args["swiglu"] else F.gelu

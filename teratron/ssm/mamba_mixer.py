@@ -81,7 +81,8 @@ class MambaMixer(nn.Module):
         A = torch.empty(self.nheads).uniform_(*A_init_range)
 
         def shard(full, parts_=1):
-            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device))
+            part = shard_tensor(full, 0, parts_, rank, tp)
+            return nn.Parameter(part if part.is_meta else part.to(device))  # built on meta: shapes only
 
         # An nn.Conv1d for Megatron's parameter names and shape ([c, 1, d_conv]); causal_conv1d runs it.
         channels = sum(conv_parts) // tp

@@ -138,6 +138,8 @@ def _add_network_args(parser):
                    help="Gated MLP with quick GELU, x * sigmoid(1.702 x) (gpt-oss's experts).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation in the MLP (GPT-2's \"gelu_new\") instead of the exact GeLU.")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="Squared ReLU, relu(x)^2, in the (ungated) MLP (Nemotron-H's \"relu2\").")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="No biases in the linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")

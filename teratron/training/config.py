@@ -37,7 +37,7 @@ from teratron.training.arguments import MLA_FLAG_DEFAULTS, flag, flags_by_dest, 
 from teratron.training.microbatches import build_num_microbatches_calculator
 from teratron.pipeline_parallel.layout import PipelineParallelLayerLayout
 from teratron.transformer.cuda_graphs import NEED_CUDA
-from teratron.transformer.mlp import openai_gelu, quick_gelu
+from teratron.transformer.mlp import openai_gelu, quick_gelu, squared_relu
 from teratron.training.telemetry import span_groups
 from teratron.transformer.transformer_config import YARN_FIELDS, MLATransformerConfig, TransformerConfig
 
@@ -499,7 +499,7 @@ DERIVED = {
     "transformer.ffn_hidden_size": "4 x hidden, or 8/3 x hidden rounded down to 64 with --swiglu",
     "transformer.num_query_groups": "--num-query-groups with --group-query-attention, else the heads",
     "transformer.activation_func": "SiLU with --swiglu, quick GELU with --quick-geglu, tanh GeLU with --openai-gelu, "
-                                 "else GeLU",
+                                 "relu^2 with --squared-relu, else GeLU",
     "transformer.params_dtype": "bf16/fp16 with --bf16/--fp16, else fp32",
     "transformer.virtual_pipeline_model_parallel_size": "from the layout or layers per virtual stage",
     "transformer.sequence_parallel": "off at TP 1",
@@ -522,7 +522,7 @@ COMMAND_ONLY = ("config", "demo_dir", "demo_samples", "use_checkpoint_args", "us
 
 # Flags that only feed derived values (see `_derived`).
 INPUTS_ONLY = ("group_query_attention", "num_layers_per_virtual_pipeline_stage", "quick_geglu",
-               "openai_gelu", "add_position_embedding", "no_weight_decay_cond_type")
+               "openai_gelu", "squared_relu", "add_position_embedding", "no_weight_decay_cond_type")
 
 # Flags the RunConfig keeps itself (not in a section).
 RUN_FIELDS = ("megatron_flags",)
@@ -650,6 +650,8 @@ def _build(values: dict, vocab_size: int) -> RunConfig:
 def _activation_func(args):
     if args.openai_gelu:
         return openai_gelu
+    if args.squared_relu:
+        return squared_relu
     return quick_gelu if args.quick_geglu else F.silu if args.swiglu else F.gelu
 
 
@@ -674,9 +676,11 @@ def _derived(args, world_size: int, cuda: bool) -> dict:
                pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                deallocate_pipeline_outputs=True,
                virtual_pipeline_model_parallel_size=_virtual_stages(args, pp))
-    if args.openai_gelu and (args.swiglu or args.quick_geglu):
-        raise ValueError(f"--openai-gelu and {'--swiglu' if args.swiglu else '--quick-geglu'} each choose the "
-                         "MLP's activation; pass one")
+    gated = [name for name in ("swiglu", "quick_geglu") if getattr(args, name)]
+    ungated = [name for name in ("openai_gelu", "squared_relu") if getattr(args, name)]
+    if ungated and (gated or len(ungated) > 1):
+        raise ValueError(f"{flag(ungated[-1])} and {flag((gated + ungated)[0])} each choose the MLP's activation; "
+                         "pass one")
     out.update(_run_length(args, out["global_batch_size"], dp))
     if args.quick_geglu:
         if args.swiglu:

@@ -257,8 +257,6 @@ REFUSED = {
         "--mup-base-head-dim= --mup-attn-scale-power=",
     Refused("turning off bf16 reduced-precision matmul reductions"): "--disable-bf16-reduced-precision-matmul",
     Refused("the weighted squared ReLU activation"): "--use-fused-weighted-squared-relu",
-    Refused("the squared ReLU activation", "use --swiglu, --quick-geglu, --openai-gelu or the default GeLU"):
-        "--squared-relu",
     Refused("distributing recomputed layers' saved inputs over TP"): "--distribute-saved-activations",
     Refused("a custom FP8 quantizer or an MXFP8 output projection"): "--fp8-quantizer-factory= --fp8-output-proj",
     Refused("keeping the parameters in FP8 (gathered in FP8)", "drop it; --fp8-format keeps bf16 weights"):

@@ -5,7 +5,8 @@ act(gate) * (up + glu_linear_offset) (SwiGLU = gated + silu); with
 `activation_func_clamp_value` L the gate is clamped to at most L and up to [-L, L] first
 (the same in MoE experts). gpt-oss's experts are `quick_gelu` gated (Megatron's --quick-geglu),
 clamped at 7 with glu_linear_offset 1; GPT-2's MLP is `openai_gelu`, GELU's tanh approximation
-(Megatron's --openai-gelu). The fused weight is
+(Megatron's --openai-gelu); Nemotron-H's MLPs and experts are `squared_relu`, relu(x)^2 ungated
+(Megatron's --squared-relu). The fused weight is
 `partition_stride=2`: each TP rank holds [gate_shard; up_shard], so the gate and up halves of a
 rank's output line up.
 """
@@ -80,6 +81,11 @@ def openai_gelu(x):
     """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Megatron's
     openai_gelu; GPT-2's "gelu_new")."""
     return F.gelu(x, approximate="tanh")
+
+
+def squared_relu(x):
+    """relu(x)^2 (Megatron's squared_relu; transformers' "relu2")."""
+    return torch.pow(F.relu(x), 2)
 
 
 def bias_activation(x, bias, activation_func, gated: bool, glu_linear_offset: float,

@@ -245,5 +245,5 @@ def test_trained_recipe_model_exports_and_generates_with_transformers(tmp_path, 
     trained = storage.read_metadata(storage.resolve_checkpoint_dir(ckpt))["model_args"]
     back = storage.read_metadata(storage.resolve_checkpoint_dir(str(tmp_path / "back")))["model_args"]
     back = {**VARIANT_DEFAULTS, "mtp_num_layers": None, "multi_latent_attention": False, "quick_geglu": False,
-            **back}  # an import leaves out what is absent
+            "squared_relu": False, **back}  # an import leaves out what is absent
     assert {k: back[k] for k in trained} == trained

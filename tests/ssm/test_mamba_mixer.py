@@ -100,3 +100,13 @@ def test_sizes_that_do_not_split_are_refused():
 
     with pytest.raises(ValueError, match="do not split into 3 groups"):
         MambaMixer(_config(), d_state=4, head_dim=4, ngroups=3)
+
+
+def test_it_builds_on_the_meta_device():
+    """Shape checks (the Hugging Face import's) build models under torch.device("meta"): the
+    mixer's own parameters stay there (no data), every shape as on the CPU."""
+    with torch.device("meta"):
+        meta = MambaMixer(_config(), **KW)
+    real = dict(_mixer().named_parameters())
+    assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in real.items()}
+    assert all(p.is_meta for n, p in meta.named_parameters() if not n.startswith(("in_proj", "out_proj")))
