@@ -81,7 +81,10 @@ class GatedDeltaNet(nn.Module):
         A = torch.empty(self.num_value_heads).uniform_(*A_INIT_RANGE)
 
         def shard(full, parts_=1):
-            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device=device, dtype=config.params_dtype))
+            part = shard_tensor(full, 0, parts_, rank, tp)
+            # built under torch.device("meta") (shape checks): shapes only, nothing to copy
+            return nn.Parameter(part.to(dtype=config.params_dtype) if part.is_meta else
+                                part.to(device=device, dtype=config.params_dtype))
 
         # An nn.Conv1d for Megatron's parameter name and shape; causal_conv1d runs it.
         self.conv1d = nn.Conv1d(sum(conv_parts) // tp, sum(conv_parts) // tp, kernel, groups=sum(conv_parts) // tp,

@@ -170,3 +170,13 @@ def test_config_defaults_are_megatrons():
     c = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
     assert (c.linear_conv_kernel_dim, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads,
             c.linear_num_value_heads) == (4, 128, 128, 16, 32)
+
+
+def test_it_builds_on_the_meta_device():
+    """Under torch.device("meta") (shape checks of an import) the layer builds, every shape as on
+    the CPU, and the parameters it draws itself stay there."""
+    with torch.device("meta"):
+        meta = GatedDeltaNet(_config())
+    real = dict(GatedDeltaNet(_config()).named_parameters())
+    assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in real.items()}
+    assert all(p.is_meta for n, p in meta.named_parameters() if n in ("conv1d.weight", "dt_bias", "A_log"))
