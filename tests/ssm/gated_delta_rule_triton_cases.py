@@ -5,9 +5,10 @@ tensors that it runs in a subprocess (Triton reads TRITON_INTERPRET when kernels
 
 compares `gated_delta_rule_triton`, run by Triton's interpreter, with `gated_delta_rule_chunked` in
 float64 on the same values: outputs, final states and the gradients of every input, for each of
-CASES, for 16-bit inputs, through `gated_delta_rule` on strided views (as GatedDeltaNet passes v),
-and GatedDeltaNet's layer (forward and backward, and a state carried across two calls) against the
-layer on the PyTorch path; prints how many it checked.
+CASES, for 16-bit inputs, through `gated_delta_rule` on strided views (as GatedDeltaNet passes v)
+and past the largest key head dim (the PyTorch path), and GatedDeltaNet's layer (forward and
+backward, and a state carried across two calls) against the layer on the PyTorch path; prints how
+many it checked.
 """
 
 import os
@@ -124,6 +125,18 @@ def main() -> None:
     rule_module.gated_delta_rule_chunked = chunked
     assert_close_to(got, want, ["o", "final state", "d fused qkv", "dg", "dbeta", "d initial state"], 1e-5,
                     "strided views")
+    checked += 1
+
+    # Key heads over MAX_KEY_DIM take gated_delta_rule_chunked (the kernels' state tile holds dk whole).
+    def triton_must_not_run(*args, **kwargs):
+        raise AssertionError("gated_delta_rule took the Triton kernels for dk over MAX_KEY_DIM")
+
+    inputs = make_inputs(1, 20, 1, kernels.MAX_KEY_DIM + 8, 8, True, seed=11)
+    rule_module.gated_delta_rule_triton = triton_must_not_run
+    o, final = rule_module.gated_delta_rule(*inputs, chunk_size=16)
+    rule_module.gated_delta_rule_triton = gated_delta_rule_triton
+    o_ref, final_ref = chunked(*inputs, chunk_size=16)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
     checked += 1
     check_the_layer(rule_module, chunked_must_not_run)
     checked += 1

@@ -22,7 +22,7 @@ def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
     result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 5} cases on the Triton path"
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 6} cases on the Triton path"
 
 
 def test_gated_delta_rule_on_the_cpu_runs_gated_delta_rule_chunked(monkeypatch):
