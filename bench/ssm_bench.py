@@ -1,16 +1,22 @@
-"""Mamba-2's chunked scan against causal attention: forward + backward time of the sequence mixing
-alone (issue 24's targets: the Triton scan faster than causal attention with as many heads of the
-same size, and at least 5x faster than the plain-PyTorch scan).
+"""Mamba-2's chunked scan and Gated DeltaNet's chunked gated delta rule against causal attention:
+forward + backward time of the sequence mixing alone (issue 24's targets: each Triton path faster
+than causal attention with as many heads of the same size, and at least 5x faster than its
+plain-PyTorch path).
 
     python bench/ssm_bench.py [--seq-length 8192] [--heads 32] [--head-dim 64] [--d-state 128]
+                              [--rule-heads 32] [--rule-head-dim 128]
 
 One GPU, bf16 activations. Cases: `ssd_triton` (teratron.ssm.ssd_triton, what MambaMixer runs on
 GPUs), `ssd_chunked` (the plain-PyTorch path), and causal SDPA over q, k, v of --heads x
---head-dim pinned to cuDNN's fused kernel and to flash attention. The scans take x [b, s, h, p]
-and B, C [b, s, g, n] in bf16 and dt, A, D in fp32, as MambaMixer passes them. Each case runs
---warmup steps first (Triton's compilation included), then --iters timed steps between CUDA
-events. Prints one RESULT line per case (ms per forward + backward, peak memory), the largest
-difference between the two scans' outputs, and the ratios against the targets.
+--head-dim pinned to cuDNN's fused kernel and to flash attention; then `gated_delta_rule_triton`
+(teratron.ssm.gated_delta_rule_triton, what GatedDeltaNet runs on GPUs), `gated_delta_rule_chunked`
+and the same two SDPA kernels, over --rule-heads heads of dk = dv = --rule-head-dim (chunks of 64,
+GatedDeltaNet's). The scans take x [b, s, h, p] and B, C [b, s, g, n] in bf16 and dt, A, D in fp32,
+as MambaMixer passes them; the delta rules L2-normalised q, k and g in fp32 and v, beta in bf16,
+as GatedDeltaNet passes them. Each case runs --warmup steps first (Triton's compilation included),
+then --iters timed steps between CUDA events. Prints one RESULT line per case (ms per forward +
+backward, peak memory), the largest difference between each Triton path's outputs and its
+PyTorch path's, and the ratios against the targets.
 """
 
 import argparse
@@ -19,8 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
+from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
+
+RULE_CHUNK = 64  # GatedDeltaNet's chunk size
 
 
 def scan_inputs(args):
@@ -36,27 +46,46 @@ def scan_inputs(args):
     return x, dt, A, B, C, D
 
 
-def attention_inputs(args):
-    shape = (args.batch, args.heads, args.seq_length, args.head_dim)
+def rule_inputs(args):
+    """q, k, v, g, beta as GatedDeltaNet passes them (q, k L2-normalised in fp32, g = -exp(A_log)
+    softplus(.) in fp32, v and beta = sigmoid(.) in bf16)."""
+    b, s, h, d = args.batch, args.seq_length, args.rule_heads, args.rule_head_dim
+    fp32 = dict(device="cuda", dtype=torch.float32)
+    q, k = (F.normalize(torch.randn(b, s, h, d, **fp32), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = (-F.softplus(torch.randn(b, s, h, **fp32))).requires_grad_()
+    beta = torch.sigmoid(torch.randn(b, s, h, **fp32)).bfloat16().requires_grad_()
+    return q, k, v, g, beta
+
+
+def attention_inputs(args, heads, head_dim):
+    shape = (args.batch, heads, args.seq_length, head_dim)
     return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
 
 
-def scan_step(scan, args):
-    inputs = scan_inputs(args)
-    upstream = torch.randn(args.batch, args.seq_length, args.heads, args.head_dim, device="cuda",
-                           dtype=torch.bfloat16)
+def mixing_step(mix, inputs, chunk_size, heads, head_dim, args):
+    """One forward + backward of mix(*inputs) -> (out [b, s, heads, head_dim], state)."""
+    upstream = torch.randn(args.batch, args.seq_length, heads, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        y, _ = scan(*inputs, chunk_size=args.chunk_size)
-        y.backward(upstream)
+        out, _ = mix(*inputs, chunk_size=chunk_size)
+        out.backward(upstream)
         for t in inputs:
             t.grad = None
 
     return step
 
 
-def attention_step(backend, args):
-    q, k, v = attention_inputs(args)
+def scan_step(scan, args):
+    return mixing_step(scan, scan_inputs(args), args.chunk_size, args.heads, args.head_dim, args)
+
+
+def rule_step(rule, args):
+    return mixing_step(rule, rule_inputs(args), RULE_CHUNK, args.rule_heads, args.rule_head_dim, args)
+
+
+def attention_step(backend, heads, head_dim, args):
+    q, k, v = attention_inputs(args, heads, head_dim)
     upstream = torch.randn_like(q)
 
     def step():
@@ -83,13 +112,41 @@ def time_step(step, args):
     return start.elapsed_time(end) / args.iters, torch.cuda.max_memory_allocated() / 2**30
 
 
-def largest_difference(args) -> float:
-    """max |y_triton - y_chunked| over max |y_chunked|, on one set of inputs."""
-    inputs = [t.detach() for t in scan_inputs(args)]
+def largest_difference(triton_path, torch_path, inputs, chunk_size) -> float:
+    """max |out_triton - out_torch| over max |out_torch|, on one set of inputs."""
+    inputs = [t.detach() for t in inputs]
     with torch.no_grad():
-        y, _ = ssd_triton(*inputs, chunk_size=args.chunk_size)
-        y_ref, _ = ssd_chunked(*inputs, chunk_size=args.chunk_size)
-    return ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+        out, _ = triton_path(*inputs, chunk_size=chunk_size)
+        out_ref, _ = torch_path(*inputs, chunk_size=chunk_size)
+    return ((out.float() - out_ref.float()).abs().max() / out_ref.float().abs().max()).item()
+
+
+def run_cases(cases, shape, args):
+    """{name: ms} of the cases that ran, each printed as a RESULT line."""
+    times = {}
+    for name, make in cases.items():
+        try:
+            ms, peak = time_step(make(), args)
+        except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
+            print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
+            continue
+        times[name] = ms
+        print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB ({shape})", flush=True)
+    return times
+
+
+def report_targets(triton_name, torch_name, times):
+    """The Triton path against the fastest causal attention (target < 1) and its PyTorch path (>= 5x)."""
+    if triton_name not in times:
+        return
+    attention = {name: ms for name, ms in times.items() if name.startswith("causal attention")}
+    if attention:
+        fastest = min(attention, key=attention.get)
+        print(f"RESULT {triton_name} / causal attention: {times[triton_name] / attention[fastest]:.3f} "
+              f"(vs the fastest, {fastest}); target < 1", flush=True)
+    if torch_name in times:
+        print(f"RESULT {torch_name} / {triton_name}: {times[torch_name] / times[triton_name]:.2f}x; "
+              "target >= 5x", flush=True)
 
 
 def main():
@@ -100,43 +157,42 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64, help="The scan's p, and attention's head size.")
     parser.add_argument("--groups", type=int, default=1, help="The scan's B/C groups.")
     parser.add_argument("--d-state", type=int, default=128)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=128, help="The scan's chunk size.")
+    parser.add_argument("--rule-heads", type=int, default=32, help="Delta-rule heads, and attention heads.")
+    parser.add_argument("--rule-head-dim", type=int, default=128,
+                        help="The delta rule's dk = dv, and attention's head size.")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ssm_bench: needs a CUDA GPU")
     torch.manual_seed(0)
-    cases = {
+    common = (f"seq {args.seq_length}, batch {args.batch}, bf16, {torch.cuda.get_device_name()}, "
+              f"torch {torch.__version__}")
+
+    h, p = args.heads, args.head_dim
+    times = run_cases({
         "ssd_triton": lambda: scan_step(ssd_triton, args),
         "ssd_chunked (PyTorch)": lambda: scan_step(ssd_chunked, args),
-        "causal attention, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, args),
-        "causal attention, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, args),
-    }
-    shape = (f"seq {args.seq_length}, batch {args.batch}, heads {args.heads} x {args.head_dim}, d_state "
-             f"{args.d_state}, groups {args.groups}, chunk {args.chunk_size}, bf16, {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}")
-    times = {}
-    for name, make in cases.items():
-        try:
-            ms, peak = time_step(make(), args)
-        except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
-            print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
-            continue
-        times[name] = ms
-        print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB ({shape})", flush=True)
-    print(f"RESULT ssd_triton vs ssd_chunked: largest output difference {largest_difference(args):.2e} "
+        "causal attention, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, h, p, args),
+        "causal attention, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, p, args),
+    }, f"heads {h} x {p}, d_state {args.d_state}, groups {args.groups}, chunk {args.chunk_size}, {common}", args)
+    difference = largest_difference(ssd_triton, ssd_chunked, scan_inputs(args), args.chunk_size)
+    print(f"RESULT ssd_triton vs ssd_chunked: largest output difference {difference:.2e} of the largest output",
+          flush=True)
+    report_targets("ssd_triton", "ssd_chunked (PyTorch)", times)
+
+    h, d = args.rule_heads, args.rule_head_dim
+    times = run_cases({
+        "gated_delta_rule_triton": lambda: rule_step(gated_delta_rule_triton, args),
+        "gated_delta_rule_chunked (PyTorch)": lambda: rule_step(gated_delta_rule_chunked, args),
+        f"causal attention {h} x {d}, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, h, d, args),
+        f"causal attention {h} x {d}, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, d, args),
+    }, f"heads {h}, dk = dv = {d}, chunk {RULE_CHUNK}, {common}", args)
+    difference = largest_difference(gated_delta_rule_triton, gated_delta_rule_chunked, rule_inputs(args), RULE_CHUNK)
+    print(f"RESULT gated_delta_rule_triton vs gated_delta_rule_chunked: largest output difference {difference:.2e} "
           "of the largest output", flush=True)
-    if "ssd_triton" not in times:
-        return
-    attention = {name: ms for name, ms in times.items() if name.startswith("causal attention")}
-    if attention:
-        fastest = min(attention, key=attention.get)
-        print(f"RESULT ssd_triton / causal attention: {times['ssd_triton'] / attention[fastest]:.3f} "
-              f"(vs the fastest, {fastest}); target < 1", flush=True)
-    if "ssd_chunked (PyTorch)" in times:
-        print(f"RESULT ssd_chunked / ssd_triton: {times['ssd_chunked (PyTorch)'] / times['ssd_triton']:.2f}x; "
-              "target >= 5x", flush=True)
+    report_targets("gated_delta_rule_triton", "gated_delta_rule_chunked (PyTorch)", times)
 
 
 if __name__ == "__main__":

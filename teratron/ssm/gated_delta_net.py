@@ -37,8 +37,8 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.gated_delta_rule import gated_delta_rule
 from teratron.ssm.recurrence import mix_tokens
-from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
@@ -122,9 +122,8 @@ class GatedDeltaNet(nn.Module):
         q = self._value_heads(q) / math.sqrt(self.key_head_dim)  # [b, s, value heads / tp, dk]
         k = self._value_heads(k)
         g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
-        o, rule_state = gated_delta_rule_chunked(q, k, v.reshape(b, s, self.num_value_heads_local,
-                                                                 self.value_head_dim), g, torch.sigmoid(beta),
-                                                 initial_state=rule_state, chunk_size=self.chunk_size)
+        o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
+                                         torch.sigmoid(beta), initial_state=rule_state, chunk_size=self.chunk_size)
         y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
         return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
 

@@ -21,10 +21,17 @@ so the chunk's U solves one unit lower-triangular system, (I + diag(beta) M) U =
 Shapes: q, k [b, s, h, dk], v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or
 None -> (o [b, s, h, dv], final state [b, h, dv, dk]). Computed in fp32 (or wider), returned in v's
 dtype. Layers normalise q and k (as Gated DeltaNet does) before calling this.
+
+`gated_delta_rule` is what layers call: the same computation by Triton kernels
+(`gated_delta_rule_triton`, teratron.ssm.gated_delta_rule_triton) on CUDA tensors, by
+`gated_delta_rule_chunked` elsewhere.
 """
 
 import torch
 import torch.nn.functional as F
+
+from teratron.ssm.gated_delta_rule_triton import (INTERPRETED, MAX_KEY_DIM, SUPPORTED_DTYPES,
+                                                  gated_delta_rule_triton, triton)
 
 
 def _compute_dtype(t):
@@ -83,3 +90,14 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
         state = torch.exp(log_gamma[:, c, :, -1])[..., None, None] * state + (to_end * u).transpose(-1, -2) @ kc
     o = torch.stack(outputs, dim=1).transpose(2, 3).reshape(b, m * L, h, dv)[:, :s]
     return o.to(out_dtype), state.to(out_dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """`gated_delta_rule_triton` for float32, bfloat16 and float16 v on CUDA when Triton is installed
+    (and on CPU tensors under TRITON_INTERPRET=1) with dk up to 128, else `gated_delta_rule_chunked`:
+    the same results and gradients."""
+    args = (q, k, v, g, beta, initial_state)
+    if (triton is not None and (v.is_cuda or INTERPRETED) and v.dtype in SUPPORTED_DTYPES
+            and k.shape[-1] <= MAX_KEY_DIM):
+        return gated_delta_rule_triton(*args, chunk_size=chunk_size)
+    return gated_delta_rule_chunked(*args, chunk_size=chunk_size)

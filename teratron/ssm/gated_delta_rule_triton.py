@@ -1,0 +1,505 @@
+"""Gated DeltaNet's chunked gated delta rule (`gated_delta_rule_chunked` in teratron.ssm.gated_delta_rule:
+read its docstring for the recurrence and shapes) as Triton kernels, forward and backward.
+`gated_delta_rule_triton` returns what `gated_delta_rule_chunked` returns and autograd gives the same
+gradients; it runs on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, the way the CPU tests
+check the kernels' code).
+
+Per chunk c of L tokens and head h, with G the running sum of the log gates g in the chunk, gamma =
+exp(G), D_tj = exp(G_t - G_j) for j <= t (else 0), w_j = exp(G_L - G_j) (G_L the last entry), H the
+state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product by rows (x [L]):
+
+    A    = strictly lower part of beta o (D * K K^T)       T = (I + A)^-1 (unit lower triangular)
+    W    = T (beta gamma o K)        Ub = T (beta o V)      (WY form: no dependence on H)
+    U    = Ub - W H^T = T rhs,  rhs = beta o (V - gamma o K H^T)
+    O    = gamma o (Q H^T) + (D * Q K^T) U
+    H'   = gamma_L H + U^T (w o K)
+
+    forward, three kernels
+      G, T, W, Ub    per (batch, chunk, head); T by forward substitution, a row at a time
+                                                                          (_chunk_solve_kernel)
+      H_c, U         H_0 = initial, then the recurrence above, a loop over chunks per
+                     (batch, head, STATE_ROWS rows of dv): those columns of U and rows of H'
+                     need only those rows of H                            (_state_passing_kernel)
+      O              per (batch, chunk, head, block of dv)                (_chunk_output_kernel)
+
+    backward: G, T, W, U and the H_c are recomputed (only the inputs are saved); with dO the output's
+    gradient and dH' the leaving state's (the final state's gradient for the last chunk),
+      dU    = (D * Q K^T)^T dO + (w o K) dH'^T        drhs = T^T dU
+      dH    = gamma_L dH' + (gamma o dO)^T Q - (beta gamma o drhs)^T K, backwards over chunks per
+              (batch, head, STATE_ROWS rows of dv); d initial = dH_0 (_chunk_output_backward_kernel, then
+                                                                 _state_passing_backward_kernel)
+      then per (batch, chunk, head), from U = T rhs: dA = -(drhs U^T) (strictly lower), and
+      dV    = beta o drhs
+      dbeta = rowsum(drhs * (V - gamma o K H^T)) + rowsum(dA * D * K K^T)
+      dQ    = gamma o (dO H) + P K,           P = D * (dO U^T)
+      dK    = M K + M^T K + P^T Q - beta gamma o (drhs H) + w o (U dH'),   M = beta o (dA * D)
+      dG    = rowsum(R) - colsum(R) for R = dA * A and for R = P * Q K^T (the D factors)
+              + gamma o (rowsum(dO * Q H^T) - beta o rowsum(drhs * K H^T))  (gamma in O and rhs)
+              - e, e = w o rowsum(U * K dH'^T);  dG_L += sum(e) + gamma_L <dH', H>   (w and gamma_L)
+      dg    = reverse running sum of dG in the chunk                      (_chunk_backward_kernel)
+
+Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
+tf32 when v is bf16 or fp16 (q and k, fp32 from GatedDeltaNet, then round to tf32's 10-bit
+mantissa, finer than v's) and in full fp32 ("ieee") when v is fp32: correct, but that variant's
+state passings spill several KiB of registers a thread on sm_90 (fp32 FMA products), so it is
+slow. The chunk kernels tile dk and dv in blocks of at most MAX_BLOCK and loop over them beside the
+[L, L] fp32 tiles; the two state passings keep a [STATE_ROWS, dk] state tile (dk up to
+MAX_KEY_DIM) across the chunk loop.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path serves without Triton
+    triton = None
+# Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Chunk sizes the kernels take (T's forward substitution is L steps over an [L, L] tile).
+CHUNK_SIZES = (16, 32, 64)
+# Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this). For sm_90
+# (16-bit v, chunk 64) ptxas spills nothing in the forward ones and 456 bytes a thread in
+# _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips; to be timed).
+MAX_BLOCK = 32
+# The state passings hold a [STATE_ROWS, dk] fp32 tile of the state and [L, dk] tiles of K, Q and W
+# whole: rows of 16 keep ptxas's register spills for sm_90 (16-bit v, 8 warps, chunk 64, dk 128)
+# under 128 bytes a thread (32: 336), and all six kernels' shared memory within an H100's 227 KiB
+# (tests/ssm/test_gated_delta_rule_triton.py compiles them).
+MAX_KEY_DIM = 128
+STATE_ROWS = 16
+
+
+def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """`gated_delta_rule_chunked` by the Triton kernels (the module docstring): q, k [b, s, h, dk],
+    v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or None -> (o [b, s, h, dv],
+    final state [b, h, dv, dk]), both in v's dtype. chunk_size: 16, 32 or 64; dk at most 128."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"gated_delta_rule_triton: chunk_size {chunk_size} must be one of "
+                         f"{', '.join(map(str, CHUNK_SIZES))} (the kernels' tile sizes; GatedDeltaNet uses 64)")
+    if v.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"gated_delta_rule_triton: v is {v.dtype}; the kernels take float32, bfloat16 or "
+                         "float16 (gated_delta_rule_chunked computes other dtypes)")
+    if k.shape[-1] > MAX_KEY_DIM:
+        raise ValueError(f"gated_delta_rule_triton: key head dim {k.shape[-1]} is over {MAX_KEY_DIM}, the "
+                         "kernels' state tile (gated_delta_rule_chunked takes any)")
+    return _GatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, chunk_size)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Sizes every kernel takes, and their tiles' padded sides."""
+    batch: int
+    seq: int
+    heads: int
+    key_dim: int    # dk
+    value_dim: int  # dv
+    chunk: int      # L
+    chunks: int     # m
+
+    @classmethod
+    def of(cls, k, v, chunk_size):
+        b, s, h, dk = k.shape
+        return cls(b, s, h, dk, v.shape[-1], chunk_size, -(-s // chunk_size))
+
+    def sizes(self):
+        return dict(s=self.seq, heads=self.heads, m=self.chunks, dk=self.key_dim, dv=self.value_dim)
+
+    def meta(self, dtype):
+        return dict(L=self.chunk, BLOCK_K=self.block_k, BLOCK_V=self.block_v, KEY_TILE=self.key_tile,
+                    num_warps=4 if self.chunk <= 32 else 8,
+                    # fp32 v needs "ieee" to match the PyTorch path to fp32 rounding; 16-bit v takes tf32
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+    @property
+    def block_k(self):  # 16 at least: tl.dot's smallest tile side
+        return min(max(16, triton.next_power_of_2(self.key_dim)), MAX_BLOCK)
+
+    @property
+    def block_v(self):
+        return min(max(16, triton.next_power_of_2(self.value_dim)), MAX_BLOCK)
+
+    @property
+    def key_tile(self):  # dk whole, for the state passings
+        return max(16, triton.next_power_of_2(self.key_dim))
+
+    @property
+    def v_blocks(self):
+        return triton.cdiv(self.value_dim, self.block_v)
+
+    @property
+    def state_grid(self):  # (batch, head, block of STATE_ROWS rows of the state)
+        return self.batch, self.heads, triton.cdiv(self.value_dim, STATE_ROWS)
+
+
+class _GatedDeltaRuleFunction(torch.autograd.Function):
+    """Saves only the inputs: the backward recomputes the chunks' solves, U and entering states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size):
+        shape = _Shape.of(k, v, chunk_size)
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        cum, solve, u, states, final = _forward_states(k, v, g, beta, initial_state, shape)
+        o = torch.empty_like(v)
+        _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads, shape.v_blocks)](
+            q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.shape = shape
+        return o, final.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        shape = ctx.shape
+        b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(v.dtype)
+        do = do.contiguous()
+        cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape)
+        drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
+        _chunk_output_backward_kernel[(b * m, h, shape.v_blocks)](
+            q, k, do, cum, drhs, **shape.sizes(), **meta)
+        dstates = torch.empty_like(states)
+        dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
+        _state_passing_backward_kernel[shape.state_grid](
+            q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
+            STATE_ROWS=STATE_ROWS, **meta)
+        dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
+        _chunk_backward_kernel[(b * m, h)](
+            q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
+        dinitial = dinitial.to(initial_state.dtype) if initial_state is not None else None
+        return dq, dk, dv, dg, dbeta, dinitial, None
+
+
+def _forward_states(k, v, g, beta, initial_state, shape):
+    """fp32: G [b, h, m * L], T [b, m, h, L, L], U [b, m, h, L, dv], the states entering each chunk
+    [b, m, h, dv, dk] and the final state [b, h, dv, dk]."""
+    b, h, m, L, dk, dv = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.key_dim, shape.value_dim
+    meta = shape.meta(v.dtype)
+    fp32 = dict(device=v.device, dtype=torch.float32)
+    cum = torch.empty(b, h, m * L, **fp32)
+    solve = torch.empty(b, m, h, L, L, **fp32)
+    w = torch.empty(b, m, h, L, dk, **fp32)
+    u = torch.empty(b, m, h, L, dv, **fp32)  # Ub, then U in place
+    _chunk_solve_kernel[(b * m, h)](k, v, g, beta, cum, solve, w, u, **shape.sizes(), **meta)
+    states = torch.empty(b, m, h, dv, dk, **fp32)
+    final = torch.empty(b, h, dv, dk, **fp32)
+    initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
+    _state_passing_kernel[shape.state_grid](
+        k, w, u, cum, states, initial, final, **shape.sizes(), HAS_INITIAL=initial_state is not None,
+        STATE_ROWS=STATE_ROWS, **meta)
+    return cum, solve, u, states, final
+
+
+if triton is not None:
+    @triton.jit
+    def _program_chunk(m):
+        """(batch, chunk, head) of a program on grid (b * m, h, ...); batch in int64 (offsets of
+        [b, s, h, d] tensors can pass 2**31)."""
+        pid = tl.program_id(0)
+        return (pid // m).to(tl.int64), pid % m, tl.program_id(1)
+
+    @triton.jit
+    def _token_offsets(bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """Offsets and mask of the [L, WIDTH] tile of chunk c, lanes first .. first + WIDTH - 1, of a
+        contiguous [b, s, heads, width] tensor at (bi, :, head); masked past the sequence and width."""
+        t = c * L + tl.arange(0, L)
+        lanes = first + tl.arange(0, WIDTH)
+        offsets = ((bi * s + t[:, None]) * heads + head) * width + lanes[None, :]
+        return offsets, (t[:, None] < s) & (lanes[None, :] < width)
+
+    @triton.jit
+    def _load_tokens(ptr, bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """The tile of `_token_offsets` in fp32, zeros where masked."""
+        offsets, mask = _token_offsets(bi, c, head, s, heads, width, first, L, WIDTH)
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_tokens(ptr, tile, bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        offsets, mask = _token_offsets(bi, c, head, s, heads, width, first, L, WIDTH)
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _token_scalars_offsets(bi, c, head, s, heads, L: tl.constexpr):
+        t = c * L + tl.arange(0, L)
+        return (bi * s + t) * heads + head, t < s
+
+    @triton.jit
+    def _load_scalars(ptr, bi, c, head, s, heads, L: tl.constexpr):
+        """[L] fp32: chunk c's entries of a [b, s, h] tensor (g or beta) at (bi, head), 0 past the end
+        (no decay, no update)."""
+        offsets, mask = _token_scalars_offsets(bi, c, head, s, heads, L)
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _chunk_tile_offsets(bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """Offsets and mask of an [L, WIDTH] tile of a [b, m, h, L, width] buffer at chunk c."""
+        rows = tl.arange(0, L)
+        lanes = first + tl.arange(0, WIDTH)
+        offsets = ((bi * m + c) * heads + head) * L * width + rows[:, None] * width + lanes[None, :]
+        return offsets, (rows[:, None] < L) & (lanes[None, :] < width)
+
+    @triton.jit
+    def _load_chunk_tile(ptr, bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        offsets, mask = _chunk_tile_offsets(bi, c, head, heads, m, width, first, L, WIDTH)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def _store_chunk_tile(ptr, tile, bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        offsets, mask = _chunk_tile_offsets(bi, c, head, heads, m, width, first, L, WIDTH)
+        tl.store(ptr + offsets, tile, mask=mask)
+
+    @triton.jit
+    def _state_offsets(bi, c, head, heads, m, dk, dv, v0, k0, ROWS: tl.constexpr, LANES: tl.constexpr):
+        """Offsets and mask of the [ROWS, LANES] tile at (v0, k0) of chunk c's state in [b, m, h, dv, dk]
+        (c = 0, m = 1 for a [b, h, dv, dk] state)."""
+        rows = v0 + tl.arange(0, ROWS)
+        lanes = k0 + tl.arange(0, LANES)
+        offsets = ((bi * m + c) * heads + head) * dv * dk + rows[:, None] * dk + lanes[None, :]
+        return offsets, (rows[:, None] < dv) & (lanes[None, :] < dk)
+
+    @triton.jit
+    def _load_state(ptr, bi, c, head, heads, m, dk, dv, v0, k0, ROWS: tl.constexpr, LANES: tl.constexpr):
+        offsets, mask = _state_offsets(bi, c, head, heads, m, dk, dv, v0, k0, ROWS, LANES)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def _store_state(ptr, tile, bi, c, head, heads, m, dk, dv, v0, k0, ROWS: tl.constexpr, LANES: tl.constexpr):
+        offsets, mask = _state_offsets(bi, c, head, heads, m, dk, dv, v0, k0, ROWS, LANES)
+        tl.store(ptr + offsets, tile, mask=mask)
+
+    @triton.jit
+    def _load_cum(cum, bi, c, head, heads, m, L: tl.constexpr):
+        """[L] running sums G of the log gates in chunk c, and the last (the whole chunk's)."""
+        row = cum + ((bi * heads + head) * m + c) * L
+        return tl.load(row + tl.arange(0, L)), tl.load(row + L - 1)
+
+    @triton.jit
+    def _decay(cum, STRICT: tl.constexpr, L: tl.constexpr):
+        """[L, L]: exp(G_t - G_j) for j <= t (j < t if STRICT), else 0 (masked before exp: no overflow)."""
+        rows = tl.arange(0, L)
+        if STRICT:
+            kept = rows[:, None] > rows[None, :]
+        else:
+            kept = rows[:, None] >= rows[None, :]
+        return tl.exp(tl.where(kept, cum[:, None] - cum[None, :], float("-inf")))
+
+    @triton.jit
+    def _products(x, y, bi, c, head, s, heads, dk, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+        """[L, L]: X Y^T over dk, of two [b, s, h, dk] tensors in chunk c."""
+        out = tl.zeros([L, L], tl.float32)
+        for k0 in range(0, dk, BLOCK_K):
+            x_tile = _load_tokens(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            y_tile = _load_tokens(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            out += tl.dot(x_tile, tl.trans(y_tile), input_precision=PRECISION)
+        return out
+
+    @triton.jit
+    def _unit_lower_inverse(a, L: tl.constexpr):
+        """(I + a)^-1 for a strictly lower [L, L]: row t is e_t - sum_{j < t} a_tj (row j), rows in order."""
+        rows = tl.arange(0, L)
+        is_row = rows[:, None] == rows[None, :]
+        inverse = tl.where(is_row, 1.0, 0.0)
+        for t in range(1, L):
+            a_row = tl.sum(tl.where(rows[:, None] == t, a, 0.0), 0)  # [L] over j
+            row = tl.where(rows == t, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
+            inverse = tl.where(rows[:, None] == t, row[None, :], inverse)
+        return inverse
+
+    @triton.jit
+    def _chunk_solve_kernel(k, v, g, beta, cum, solve, w, u, s, heads, m, dk, dv, L: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """Program (bi * m + c, head): G, T = (I + A)^-1, W = T (beta gamma o K), Ub = T (beta o V)."""
+        bi, c, head = _program_chunk(m)
+        G = tl.cumsum(_load_scalars(g, bi, c, head, s, heads, L), 0)
+        tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
+        beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
+        a = beta_c[:, None] * _decay(G, True, L) * _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
+        inverse = _unit_lower_inverse(a, L)
+        rows = tl.arange(0, L)
+        tl.store(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :], inverse)
+        key_weight = beta_c * tl.exp(G)
+        for k0 in range(0, dk, BLOCK_K):
+            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]
+            _store_chunk_tile(w, tl.dot(inverse, k_tile, input_precision=PRECISION), bi, c, head, heads, m, dk, k0,
+                              L, BLOCK_K)
+        for v0 in range(0, dv, BLOCK_V):
+            v_tile = _load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V) * beta_c[:, None]
+            _store_chunk_tile(u, tl.dot(inverse, v_tile, input_precision=PRECISION), bi, c, head, heads, m, dv, v0,
+                              L, BLOCK_V)
+
+    @triton.jit
+    def _state_passing_kernel(k, w, u, cum, states, initial, final, s, heads, m, dk, dv, HAS_INITIAL: tl.constexpr,
+                              L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                              KEY_TILE: tl.constexpr, STATE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi, head, k): rows v0 .. v0 + STATE_ROWS - 1 of the state, over the chunks in order:
+        stores H_c, replaces Ub by U = Ub - W H_c^T and steps H_{c+1} = gamma_L H_c + U^T (w o K)."""
+        bi = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        v0 = tl.program_id(2) * STATE_ROWS
+        if HAS_INITIAL:
+            state = _load_state(initial, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+        else:
+            state = tl.zeros([STATE_ROWS, KEY_TILE], tl.float32)
+        for c in range(m):
+            _store_state(states, state, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            w_tile = _load_chunk_tile(w, bi, c, head, heads, m, dk, 0, L, KEY_TILE)
+            u_tile = (_load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
+                      - tl.dot(w_tile, tl.trans(state), input_precision=PRECISION))
+            _store_chunk_tile(u, u_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
+            G, last = _load_cum(cum, bi, c, head, heads, m, L)
+            to_end = tl.exp(last - G)
+            state = tl.exp(last) * state + tl.dot(tl.trans(u_tile * to_end[:, None]), k_tile, input_precision=PRECISION)
+        _store_state(final, state, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+
+    @triton.jit
+    def _chunk_output_kernel(q, k, u, cum, states, o, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi * m + c, head, k): O's block k of dv in chunk c, gamma o (Q H^T) + (D * Q K^T) U."""
+        bi, c, head = _program_chunk(m)
+        v0 = tl.program_id(2) * BLOCK_V
+        scores = tl.zeros([L, L], tl.float32)
+        earlier = tl.zeros([L, BLOCK_V], tl.float32)
+        for k0 in range(0, dk, BLOCK_K):
+            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+            scores += tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
+            earlier += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
+        G, _ = _load_cum(cum, bi, c, head, heads, m, L)
+        u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+        out = tl.exp(G)[:, None] * earlier + tl.dot(scores * _decay(G, False, L), u_tile, input_precision=PRECISION)
+        _store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+
+    @triton.jit
+    def _chunk_output_backward_kernel(q, k, do, cum, du, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                                      BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi * m + c, head, k): O's pull on U, (D * Q K^T)^T dO, block k of dv in chunk c."""
+        bi, c, head = _program_chunk(m)
+        v0 = tl.program_id(2) * BLOCK_V
+        G, _ = _load_cum(cum, bi, c, head, heads, m, L)
+        scores = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION) * _decay(G, False, L)
+        do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+        _store_chunk_tile(du, tl.dot(tl.trans(scores), do_tile, input_precision=PRECISION), bi, c, head, heads, m,
+                          dv, v0, L, BLOCK_V)
+
+    @triton.jit
+    def _state_passing_backward_kernel(q, k, beta, do, cum, solve, drhs, dstates, dfinal, dinitial, s, heads, m, dk,
+                                       dv, L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                       KEY_TILE: tl.constexpr, STATE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi, head, k): rows v0 .. of the state's gradient, the chunks in reverse: stores dH'
+        (the leaving state's gradient) of each chunk, completes dU with (w o K) dH'^T, replaces it by
+        drhs = T^T dU, and steps dH = gamma_L dH' + (gamma o dO)^T Q - (beta gamma o drhs)^T K."""
+        bi = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        v0 = tl.program_id(2) * STATE_ROWS
+        dstate = _load_state(dfinal, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+        rows = tl.arange(0, L)
+        for i in range(m):
+            c = m - 1 - i
+            _store_state(dstates, dstate, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+            G, last = _load_cum(cum, bi, c, head, heads, m, L)
+            gamma = tl.exp(G)
+            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
+                  + tl.dot(k_tile * tl.exp(last - G)[:, None], tl.trans(dstate), input_precision=PRECISION))
+            inverse = tl.load(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :])
+            drhs_tile = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+            _store_chunk_tile(drhs, drhs_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
+            do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)
+            key_weight = _load_scalars(beta, bi, c, head, s, heads, L) * gamma
+            dstate = (tl.exp(last) * dstate
+                      + tl.dot(tl.trans(do_tile * gamma[:, None]), q_tile, input_precision=PRECISION)
+                      - tl.dot(tl.trans(drhs_tile * key_weight[:, None]), k_tile, input_precision=PRECISION))
+        _store_state(dinitial, dstate, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
+
+    @triton.jit
+    def _chunk_backward_kernel(q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk_out, dv_out, dg, dbeta, s,
+                               heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                               KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi * m + c, head): dQ, dK, dV, dg and dbeta of chunk c (the module docstring)."""
+        bi, c, head = _program_chunk(m)
+        G, last = _load_cum(cum, bi, c, head, heads, m, L)
+        gamma = tl.exp(G)
+        to_end = tl.exp(last - G)
+        beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
+        key_keys = _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
+        query_keys = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
+
+        # Sums over dv: dO U^T and drhs U^T [L, L], and the row sums of the H terms.
+        do_u = tl.zeros([L, L], tl.float32)
+        drhs_u = tl.zeros([L, L], tl.float32)
+        dbeta_c = tl.zeros([L], tl.float32)
+        dG = tl.zeros([L], tl.float32)
+        pull_to_end = tl.zeros([L], tl.float32)  # rowsum(U * K dH'^T)
+        dstate_state = tl.sum(tl.zeros([L], tl.float32), 0)  # <dH', H>
+        for v0 in range(0, dv, BLOCK_V):
+            drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+            u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+            do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            v_tile = _load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            _store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            k_entering = tl.zeros([L, BLOCK_V], tl.float32)  # K H^T
+            q_entering = tl.zeros([L, BLOCK_V], tl.float32)  # Q H^T
+            k_dleaving = tl.zeros([L, BLOCK_V], tl.float32)  # K dH'^T
+            for k0 in range(0, dk, BLOCK_K):
+                k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+                dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+                k_entering += tl.dot(k_tile, tl.trans(entering), input_precision=PRECISION)
+                q_entering += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
+                k_dleaving += tl.dot(k_tile, tl.trans(dleaving), input_precision=PRECISION)
+                dstate_state += tl.sum(tl.sum(entering * dleaving, 1), 0)
+            dbeta_c += tl.sum(drhs_tile * (v_tile - gamma[:, None] * k_entering), 1)
+            dG += gamma * (tl.sum(do_tile * q_entering, 1) - beta_c * tl.sum(drhs_tile * k_entering, 1))
+            pull_to_end += tl.sum(u_tile * k_dleaving, 1)
+            do_u += tl.dot(do_tile, tl.trans(u_tile), input_precision=PRECISION)
+            drhs_u += tl.dot(drhs_tile, tl.trans(u_tile), input_precision=PRECISION)
+
+        strict = _decay(G, True, L)
+        d_a = -drhs_u * strict  # dA * D (dA strictly lower)
+        dbeta_c += tl.sum(d_a * key_keys, 1)
+        key_pairs = beta_c[:, None] * d_a  # M = d(K K^T)
+        pair_grads = key_pairs * key_keys  # dA * A
+        dG += tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
+        out_pairs = do_u * _decay(G, False, L)  # P = d(Q K^T)
+        pair_grads = out_pairs * query_keys
+        dG += tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
+        ends = to_end * pull_to_end
+        dG -= ends
+        dG += tl.where(tl.arange(0, L) == L - 1, tl.sum(ends, 0) + tl.exp(last) * dstate_state, 0.0)
+        offsets, mask = _token_scalars_offsets(bi, c, head, s, heads, L)
+        tl.store(dg + offsets, tl.cumsum(dG, 0, reverse=True).to(dg.dtype.element_ty), mask=mask)
+        tl.store(dbeta + offsets, dbeta_c.to(dbeta.dtype.element_ty), mask=mask)
+
+        # Per block of dk: dQ and dK, with sums over dv of dO H, drhs H and U dH'.
+        key_weight = beta_c * gamma
+        for k0 in range(0, dk, BLOCK_K):
+            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            do_entering = tl.zeros([L, BLOCK_K], tl.float32)
+            drhs_entering = tl.zeros([L, BLOCK_K], tl.float32)
+            u_dleaving = tl.zeros([L, BLOCK_K], tl.float32)
+            for v0 in range(0, dv, BLOCK_V):
+                drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+                u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+                do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+                entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+                dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+                do_entering += tl.dot(do_tile, entering, input_precision=PRECISION)
+                drhs_entering += tl.dot(drhs_tile, entering, input_precision=PRECISION)
+                u_dleaving += tl.dot(u_tile, dleaving, input_precision=PRECISION)
+            dq_tile = gamma[:, None] * do_entering + tl.dot(out_pairs, k_tile, input_precision=PRECISION)
+            dk_tile = (tl.dot(key_pairs, k_tile, input_precision=PRECISION)
+                       + tl.dot(tl.trans(key_pairs), k_tile, input_precision=PRECISION)
+                       + tl.dot(tl.trans(out_pairs), q_tile, input_precision=PRECISION)
+                       - key_weight[:, None] * drhs_entering + to_end[:, None] * u_dleaving)
+            _store_tokens(dq, dq_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            _store_tokens(dk_out, dk_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)

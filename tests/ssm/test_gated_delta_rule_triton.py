@@ -1,0 +1,122 @@
+"""gated_delta_rule_triton, the Triton kernels of Gated DeltaNet's chunked gated delta rule, against
+gated_delta_rule_chunked (in Triton's interpreter on the CPU, compiled on a GPU: outputs, final
+states and every gradient), and `gated_delta_rule`'s choice of path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import teratron.ssm.gated_delta_rule as rule_module
+import teratron.ssm.gated_delta_rule_triton as kernels
+from ssm.gated_delta_rule_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
+from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
+from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
+
+
+def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
+    script = os.path.join(os.path.dirname(__file__), "gated_delta_rule_triton_cases.py")
+    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 6} cases on the Triton path"
+
+
+def test_gated_delta_rule_on_the_cpu_runs_gated_delta_rule_chunked(monkeypatch):
+    """No CUDA and no interpreter here: `gated_delta_rule` never reaches the kernels."""
+    def triton_must_not_run(*args, **kwargs):
+        raise AssertionError("gated_delta_rule took the Triton kernels on CPU tensors")
+
+    monkeypatch.setattr(rule_module, "gated_delta_rule_triton", triton_must_not_run)
+    inputs = make_inputs(2, 37, 2, 16, 8, with_state=True)
+    o, final = rule_module.gated_delta_rule(*inputs, chunk_size=16)
+    o_ref, final_ref = gated_delta_rule_chunked(*inputs, chunk_size=16)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+@pytest.mark.parametrize("chunk_size,dtype,dk", [(8, torch.float32, 16), (48, torch.float32, 16),
+                                                 (128, torch.float32, 16), (64, torch.float64, 16),
+                                                 (64, torch.float32, 256)])
+def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype, dk):
+    q, k, v, g, beta, _ = make_inputs(1, 20, 2, dk, 8)
+    with pytest.raises(ValueError, match="^gated_delta_rule_triton: ") as error:
+        gated_delta_rule_triton(q, k, v.to(dtype), g, beta, chunk_size=chunk_size)
+    assert "\n" not in str(error.value)
+
+
+# Each kernel's tensors: those of the inputs' dtype (q, k, v, beta, dO and their gradients), the others fp32.
+KERNEL_TENSORS = {
+    "_chunk_solve_kernel": ("k v beta", "g cum solve w u"),
+    "_state_passing_kernel": ("k", "w u cum states initial final"),
+    "_chunk_output_kernel": ("q k o", "u cum states"),
+    "_chunk_output_backward_kernel": ("q k do", "cum du"),
+    "_state_passing_backward_kernel": ("q k beta do", "cum solve drhs dstates dfinal dinitial"),
+    "_chunk_backward_kernel": ("q k v beta do dq dk_out dv_out dbeta", "cum u states dstates drhs dg"),
+}
+H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
+    """Triton and ptxas compile for sm_90 without a GPU: the six kernels at GatedDeltaNet's chunk of
+    64 and the largest dk, in the 16-bit (tf32) and the fp32 ("ieee") variants."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    chunk = max(kernels.CHUNK_SIZES)
+    for name, (activations, fp32) in KERNEL_TENSORS.items():
+        kernel = getattr(kernels, name)
+        constexprs = dict(L=chunk, BLOCK_K=kernels.MAX_BLOCK, BLOCK_V=kernels.MAX_BLOCK, KEY_TILE=kernels.MAX_KEY_DIM,
+                          STATE_ROWS=kernels.STATE_ROWS, PRECISION="ieee" if dtype == "fp32" else "tf32",
+                          HAS_INITIAL=True)
+        constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
+        types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
+        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+        source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
+                                                          for arg, value in constexprs.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+
+
+def gpu_test(test):
+    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [1000, 4096])
+def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, monkeypatch):
+    """A Gated DeltaNet layer's head shape (dk = dv = 128, 8 heads, chunk 64), a ragged last chunk
+    at 1,000 tokens. fp32: against the float64 rule, to 1e-4 of each tensor's largest entry (the
+    sums run over thousands of terms); bf16 v, beta and state (fp32 q, k, g, as GatedDeltaNet passes
+    them): against gated_delta_rule_chunked on the same inputs (fp32 there, tf32 products here), to
+    a bf16 rounding."""
+    q, k, v, g, beta, state = make_inputs(2, seq, 8, 128, 128, True, seed=seq, device="cuda")
+    inputs = [q, k, v.to(dtype), g, beta.to(dtype), state.to(dtype)]
+    if dtype == torch.float32:
+        want, rtol = outputs_and_grads(gated_delta_rule_chunked, [t.double() for t in inputs], 64), 1e-4
+    else:
+        want, rtol = outputs_and_grads(gated_delta_rule_chunked, inputs, 64), 2 ** -7
+
+    def chunked_must_not_run(*args, **kwargs):
+        raise AssertionError("gated_delta_rule took gated_delta_rule_chunked on CUDA tensors")
+
+    monkeypatch.setattr(rule_module, "gated_delta_rule_chunked", chunked_must_not_run)
+    got = outputs_and_grads(rule_module.gated_delta_rule, inputs, 64)
+    assert got[0].dtype == dtype and got[0].is_cuda
+    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}")
+
+
+@gpu_test
+def test_triton_gradients_on_a_gpu_are_reproducible():
+    """No atomics: two runs give the same bits (docs/design.md)."""
+    q, k, v, g, beta, state = make_inputs(1, 2000, 8, 128, 128, True, seed=3, device="cuda")
+    inputs = [q, k, v.bfloat16(), g, beta.bfloat16(), state]
+    first, second = (outputs_and_grads(gated_delta_rule_triton, inputs, 64) for _ in range(2))
+    for name, a, b in zip(result_names(), first, second):
+        assert torch.equal(a, b), name
