@@ -7,7 +7,8 @@
                                                      (the tokenizer the model was trained with: `hf_tokenizer`)
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`; GPT-2: `hf_gpt2`). The vocabulary of `from_hf` is
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`; Qwen3-Next, a hybrid model: `hf_qwen3_next`;
+GPT-2: `hf_gpt2`). The vocabulary of `from_hf` is
 exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
 training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 

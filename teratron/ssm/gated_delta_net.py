@@ -79,8 +79,9 @@ class GatedDeltaNet(nn.Module):
         conv_weight = torch.empty(sum(conv_parts), 1, kernel).uniform_(-bound, bound)
         A = torch.empty(self.num_value_heads).uniform_(*A_INIT_RANGE)
 
-        def shard(full, parts_=1):
-            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(device=device, dtype=config.params_dtype))
+        def shard(full, parts_=1):  # drawn on the meta device when built under it (conversion's shape checks)
+            return nn.Parameter(shard_tensor(full, 0, parts_, rank, tp).to(
+                device=full.device if full.is_meta else device, dtype=config.params_dtype))
 
         # An nn.Conv1d for Megatron's parameter name and shape; causal_conv1d runs it.
         self.conv1d = nn.Conv1d(sum(conv_parts) // tp, sum(conv_parts) // tp, kernel, groups=sum(conv_parts) // tp,
