@@ -54,6 +54,15 @@ def test_import_export_round_trip(tmp_path):
         model, config = from_hf(str(src), moe_grouped_gemm=grouped)
         with torch.no_grad():
             assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    # Each Gated DeltaNet over 150 tokens (several of the delta rule's 64-token chunks) equals
+    # transformers' layer (|output| up to ~20). Whole random models over so long a sequence drift
+    # apart by ~1e-4 through amplified fp32 rounding (each drifts more from its own float64 run).
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    x = torch.randn(2, 150, 32, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for i in (0, 1, 3):
+            ours, _ = model.decoder.layers[2 * i].self_attention(x.transpose(0, 1).contiguous())
+            assert_close(ours.transpose(0, 1), hf_model.model.layers[i].linear_attn(x), rtol=0, atol=1e-4)
     assert (config.hybrid_layer_pattern, config.num_layers) == (PATTERN, 8)
     assert config.layernorm_zero_centered_gamma and config.attention_output_gate and config.qk_layernorm
     assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim) == (2, 4, 12)
