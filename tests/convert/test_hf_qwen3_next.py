@@ -2,8 +2,9 @@
 gated-attention layers, MoE with a gated shared expert and one dense MLP layer; every weight
 random) built offline with transformers. Imported logits equal transformers' (fp32) with either
 expert class; import-hf -> export-hf gives back the same tensors and config, and transformers
-loads the export with the same logits; a TP 2 load of the import gives them too; configs
-teratron cannot convert are refused with one line."""
+loads the export with the same logits; a TP 2 load of the import gives them too; the inference
+engine decodes transformers' greedy tokens; configs teratron cannot convert are refused with one
+line."""
 
 import pytest
 import torch
@@ -18,7 +19,11 @@ from teratron.convert.hf import from_hf
 from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
 from teratron.dist_checkpointing import load_checkpoint, storage
 from teratron.dist_checkpointing.model_args import gpt_config_from_model_args
+from teratron.inference.config import InferenceConfig
+from teratron.inference.engines import DynamicInferenceEngine
+from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
+from teratron.tokenizers.null_tokenizer import NullTokenizer
 
 # 4 layers: DeltaNet, DeltaNet, attention, DeltaNet; layer 1 a dense MLP, the others MoE.
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -108,6 +113,26 @@ def test_tensor_parallel_load_of_the_import(tmp_path):
     convert("import-hf", "--hf-path", str(src), "--save", str(ckpt), "--tensor-model-parallel-size", "2")
     for logits in run_distributed(_tensor_parallel_logits, 2, str(ckpt)):
         assert_close(logits, reference, rtol=0, atol=1e-4)
+
+
+def test_engine_greedy_output_equals_transformers_generate(tmp_path):
+    """The imported model served by the inference engine (paged KV cache for the gated attention,
+    a recurrent state per request for the DeltaNets, two requests batched) decodes transformers'
+    greedy tokens."""
+    src = tmp_path / "hf"
+    make_qwen3_next(src)
+    model, _ = from_hf(str(src))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id, hf_model.generation_config.pad_token_id = None, 0
+    prompts = [[5, 17, 3, 59, 42, 7], [8, 2]]
+    with torch.no_grad():
+        expected = [hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(p):].tolist()
+                    for p in prompts]
+    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), InferenceConfig(buffer_size_gb=0.01, block_size=4,
+                                                                                 max_seq_length=64))
+    greedy = SamplingParams(temperature=0, num_tokens_to_generate=8, ignore_eod=True)
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == expected
 
 
 def test_derived_layer_types_tied_embeddings_and_refusals(tmp_path):
