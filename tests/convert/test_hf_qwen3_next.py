@@ -1,6 +1,6 @@
 """Hugging Face conversion of Qwen3-Next: a tiny random Qwen3NextForCausalLM (Gated DeltaNet and
 gated-attention layers, MoE with a gated shared expert and one dense MLP layer; every weight
-random) built offline with transformers. Imported logits equal transformers' (fp32) with either
+random; and one without experts) built offline with transformers. Imported logits equal transformers' (fp32) with either
 expert class; import-hf -> export-hf gives back the same tensors and config, and transformers
 loads the export with the same logits; a TP 2 load of the import gives them too; the inference
 engine decodes transformers' greedy tokens; configs teratron cannot convert are refused with one
@@ -147,6 +147,14 @@ def test_derived_layer_types_tied_embeddings_and_refusals(tmp_path):
     assert not args["untie_embeddings_and_output_weights"]
     exported = hf_config_from_model_args(args, None)
     assert (exported["layer_types"], exported["tie_word_embeddings"]) == (hf["layer_types"], True)
+
+    dense = tmp_path / "dense"  # no experts: every MLP dense
+    reference = make_qwen3_next(dense, num_experts=0)
+    model, config = from_hf(str(dense))
+    assert (config.hybrid_layer_pattern, config.num_moe_experts) == ("G-G-*-G-", None)
+    with torch.no_grad():
+        assert_close(model(*ids_and_positions()), reference, rtol=0, atol=1e-4)
+    assert hf_config_from_model_args(model_args_from_hf(read_config(dense), "cfg"), None)["num_experts"] == 0
 
     for change, message in [(dict(attention_bias=True), "^cfg: attention_bias=true; teratron's Qwen3-Next has no"),
                             (dict(layer_types=["linear_attention"]), "^cfg: layer_types must give one of"),
