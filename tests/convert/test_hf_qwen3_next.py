@@ -1,10 +1,10 @@
 """Hugging Face conversion of Qwen3-Next: a tiny random Qwen3NextForCausalLM (Gated DeltaNet and
 gated-attention layers, MoE with a gated shared expert and one dense MLP layer; every weight
-random; and one without experts) built offline with transformers. Imported logits equal transformers' (fp32) with either
-expert class; import-hf -> export-hf gives back the same tensors and config, and transformers
-loads the export with the same logits; a TP 2 load of the import gives them too; the inference
-engine decodes transformers' greedy tokens; configs teratron cannot convert are refused with one
-line."""
+random; and one without experts) built offline with transformers. Imported logits equal
+transformers' (fp32) with either expert class; import-hf -> export-hf gives back the same tensors
+and config, and transformers loads the export with the same logits; a TP 2 load of the import
+gives them too; the inference engine decodes transformers' greedy tokens; configs teratron
+cannot convert are refused with one line."""
 
 import pytest
 import torch
