@@ -7,10 +7,10 @@
                                                      (the tokenizer the model was trained with: `hf_tokenizer`)
 
 Weights map through the tables of `hf_mapping`; the config through `hf_config` (MoE fields:
-`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`; GPT-2: `hf_gpt2`; Nemotron-H's hybrid
-models: `hf_nemotron_h`). The vocabulary of `from_hf` is exactly the HF one (no padding), so
-logits compare one to one; checkpoints are padded like a training run
-(`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
+`hf_moe`; DeepSeek-V3: `hf_deepseek`; gpt-oss: `hf_gpt_oss`; GPT-2: `hf_gpt2`; the hybrid models of
+Nemotron-H: `hf_nemotron_h` and Qwen3-Next: `hf_qwen3_next`). The vocabulary of `from_hf` is
+exactly the HF one (no padding), so logits compare one to one; checkpoints are padded like a
+training run (`make_vocab_size_divisible_by` x TP) and exports cut the padding off.
 
 Reading streams the files shard by shard (`hf_mapping.stream_hf_to_teratron`), dtypes as stored:
 `load_hf_weights` copies each converted tensor's boxes into the rank's parameters and drops it,

@@ -7,11 +7,11 @@ biases (Qwen2: QKV only; Llama/Qwen3 `attention_bias`: QKV and output projection
 `qkv_bias`) and Qwen3-MoE (Qwen3's) replace MLPs by MoE layers; their MoE fields map in `hf_moe`.
 Mistral's and Mixtral's sliding window becomes `window_size` on every layer, Qwen2-MoE's
 per-layer windows (`layer_types`) window_size with window_attn_skip_freq. DeepSeek-V3
-(`hf_deepseek`), gpt-oss (`hf_gpt_oss`), GPT-2 (`hf_gpt2`: learned positions, LayerNorm, GeLU)
-and Nemotron-H (`hf_nemotron_h`: hybrid Mamba-2 models) map in their own modules; the fields
-the RMSNorm families share (sizes, RMSNorm, vocabulary, tied embeddings) here. Features teratron
-does not convert (other RoPE scalings, other families' sliding windows, other activations,
-quantized weights) are refused with the field's name.
+(`hf_deepseek`), gpt-oss (`hf_gpt_oss`), GPT-2 (`hf_gpt2`: learned positions, LayerNorm, GeLU),
+Nemotron-H (`hf_nemotron_h`: Mamba-2 hybrids) and Qwen3-Next (`hf_qwen3_next`: a Gated DeltaNet
+hybrid) map in their own modules; the fields the RMSNorm families share (sizes, RMSNorm,
+vocabulary, tied embeddings) here. Features teratron does not convert (other RoPE scalings, other
+families' sliding windows, other activations, quantized weights) are refused with the field's name.
 """
 
 from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
@@ -19,6 +19,7 @@ from teratron.convert.hf_fields import (FULL, SLIDING, layer_types, layer_window
                                         rope_args_from_hf, rope_of_model_args, set_rope_fields)
 from teratron.convert.hf_gpt2 import FAMILY as GPT2, gpt2_args, gpt2_hf_config
 from teratron.convert.hf_gpt_oss import gpt_oss_args, gpt_oss_hf_fields
+from teratron.convert.hf_qwen3_next import ARCHITECTURE, qwen3_next_args, qwen3_next_hf_config
 from teratron.convert.hf_moe import (MOE_FAMILIES, MOE_REQUIRED_FIELDS, moe_args_from_hf, moe_export_family,
                                      moe_hf_fields)
 from teratron.convert.hf_nemotron_h import FAMILY as NEMOTRON_H, nemotron_h_args, nemotron_h_hf_config
@@ -26,7 +27,8 @@ from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULT
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 OWN_MODULE_FAMILIES = {"deepseek_v3": (deepseek_args, "DeepseekV3ForCausalLM"),
-                       "gpt_oss": (gpt_oss_args, "GptOssForCausalLM")}
+                       "gpt_oss": (gpt_oss_args, "GptOssForCausalLM"),
+                       "qwen3_next": (qwen3_next_args, ARCHITECTURE)}
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + tuple(OWN_MODULE_FAMILIES) + (GPT2, NEMOTRON_H)
 
 
@@ -241,13 +243,27 @@ def _own_module_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict
     return fields
 
 
+def _hybrid_hf_config(a: dict, base: dict | None, aux_loss_coeff) -> dict:
+    """A hybrid model's HF family: the imported one (`base`), else Nemotron-H for Mamba-2 layers,
+    Qwen3-Next for Gated DeltaNet ones (each refuses, in one line, a pattern it cannot hold)."""
+    family, pattern = (base or {}).get("model_type"), a["hybrid_layer_pattern"]
+    if family not in (NEMOTRON_H, "qwen3_next"):
+        if "G" in pattern and "M" in pattern:
+            raise ValueError(f"the checkpoint's hybrid pattern {pattern!r} has both Mamba-2 (M) and Gated DeltaNet (G) "
+                             "layers; no Hugging Face family holds both (nemotron_h has M, qwen3_next G)")
+        family = "qwen3_next" if "G" in pattern else NEMOTRON_H
+    if family == NEMOTRON_H:
+        return nemotron_h_hf_config(a, base)
+    return qwen3_next_hf_config(a, base, aux_loss_coeff)
+
+
 def hf_config_from_model_args(a: dict, base: dict | None = None, aux_loss_coeff: float | None = None) -> dict:
     """An HF config dict for the model; `base` (the imported config) keeps the model type and its
     extra fields (token ids, ...); `aux_loss_coeff` (a training run's) becomes an MoE model's
     router_aux_loss_coef."""
     a = {**MOE_DEFAULTS, **VARIANT_DEFAULTS, **a}
     if a["hybrid_layer_pattern"]:
-        return nemotron_h_hf_config(a, base)
+        return _hybrid_hf_config(a, base, aux_loss_coeff)
     if a["position_embedding_type"] == "learned_absolute":
         return gpt2_hf_config(a, base)
     if a["normalization"] != "RMSNorm" or a["rotary_interleaved"] or a["rotary_percent"] != 1.0:

@@ -27,6 +27,8 @@ gpt-oss's sinks, `core_attention.softmax_offset`) or DeepSeek's multi-latent att
 Nemotron-H's hybrid layers take their rows from `hf_nemotron_h` (one table per layer symbol).
 DeepSeek's MTP layers (HF layers L, L + 1, ...) map their own tensors and, through the same
 rows as a decoder layer, their transformer layer's (`mtp.layers.{k}.transformer_layer.*`).
+Qwen3-Next's rows (a hybrid model: two teratron layers per HF layer) come from `hf_qwen3_next`,
+built on these tables; a row's transform may be such a module's own (to teratron, to HF) pair.
 
 No RoPE permutation: HF Llama-style checkpoints and teratron both rotate halves (i, i + d/2), and
 DeepSeek's (2i, 2i + 1) pairs are MLA's (a rotate-half DeepSeek checkpoint is reordered on
@@ -132,6 +134,7 @@ HF_MOE_NAMES = {
     "mixtral": dict(moe="block_sparse_moe.", router="block_sparse_moe.gate", gate="w1", up="w3", down="w2"),
     "qwen2_moe": dict(_Q, shared="mlp.shared_expert."), "qwen3_moe": _Q,
     "deepseek_v3": dict(_Q, shared="mlp.shared_experts."), "gpt_oss": dict(moe="mlp.", router="mlp.router"),
+    "qwen3_next": dict(_Q, shared="mlp.shared_expert."),
 }
 # GPT-2 (model_type gpt2): learned positions (wpe), LayerNorms with biases, biases on every
 # linear layer; Conv1D weights [in, out].
@@ -160,8 +163,8 @@ GPT2_LAYER_TABLE = [  # every layer
 # The input embedding's HF name, whose copy a tied model's files may hold as lm_head.weight.
 _EMBEDDING = {"gpt2": "transformer.wte.weight"}
 # Buffers some HF checkpoints carry that hold no weights: RoPE's frequencies, older GPT-2 saves'
-# causal masks (attn.bias, attn.masked_bias).
-_IGNORED_HF = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+# causal masks (attn.bias, attn.masked_bias); Qwen3-Next's MTP layer (mtp.*, which transformers ignores).
+_IGNORED_HF = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$|^mtp\.")
 
 
 def _qkv_shape(a):
@@ -218,6 +221,11 @@ TRANSFORMS = {  # name -> (HF tensors -> teratron tensor, teratron tensor -> HF 
     "packed_qkv": (lambda ts, a: fuse_qkv(*ts[0].chunk(3), a), lambda t, a: [torch.cat(split_qkv(t, a))]),
     "conv1d_qkv": (lambda ts, a: fuse_qkv(*ts[0].t().chunk(3), a), lambda t, a: [torch.cat(split_qkv(t, a)).t()]),
 }
+
+
+def _pair(transform) -> tuple:
+    """A row's (to teratron, to HF) functions: a TRANSFORMS name, or a family module's own pair."""
+    return transform if isinstance(transform, tuple) else TRANSFORMS[transform]
 
 
 def _expand(table, experts=None, **words):
@@ -297,6 +305,11 @@ def _mtp_rows(a, family, moe: bool):
             yield name.replace(decoder, mtp), hf_names, transform
 
 
+# family -> rows(model args) for families whose module builds its rows on this module's tables and
+# registers them when imported (hf_qwen3_next; hf_config imports it with the other families).
+FAMILY_ROWS = {}
+
+
 def _all_rows(a, family):
     if family == NEMOTRON_H:
         yield from nemotron_h_rows(a)
@@ -305,6 +318,9 @@ def _all_rows(a, family):
         yield from GPT2_TABLE
         for i in range(a["num_layers"]):
             yield from _expand(GPT2_LAYER_TABLE, i=i)
+        return
+    if family in FAMILY_ROWS:  # a family whose own module builds its rows on these tables
+        yield from FAMILY_ROWS[family](a)
         return
     yield from TABLE
     moe = moe_layer_pattern(a["num_layers"], moe_arg(a, "moe_layer_freq")) if moe_arg(a, "num_experts") else []
@@ -411,7 +427,7 @@ def stream_hf_to_teratron(weights, a, family: str, fix=None, meta: bool = False)
         for name, hf_names, transform in done:
             sources = [_source(n, family) for n in hf_names]
             inputs = [held[tensor_name] if e is None else held[tensor_name][e] for tensor_name, e in sources]
-            tensor = TRANSFORMS[transform][0](inputs, a).contiguous()
+            tensor = _pair(transform)[0](inputs, a).contiguous()
             if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a stacked tensor: not all of it
                 tensor = tensor.clone()
             del inputs
@@ -430,7 +446,7 @@ def teratron_to_hf(state: dict, a, family: str) -> dict:
         if name not in left:
             raise ValueError(f"checkpoint tensor {name} is missing (the model args say the model has it); "
                              "the checkpoint is incomplete or its metadata.json does not match it")
-        out.update(zip(names, TRANSFORMS[transform][1](left.pop(name), a)))
+        out.update(zip(names, _pair(transform)[1](left.pop(name), a)))
     if left:
         raise ValueError(f"checkpoint tensor {sorted(left)[0]} has no Hugging Face counterpart; "
                          "the model has parts the converter does not know")

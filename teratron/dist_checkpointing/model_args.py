@@ -29,6 +29,7 @@ MOE_DEFAULTS = {
 VARIANT_DEFAULTS = {
     "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "no_rope_freq": None,
     "activation_func_clamp_value": None, "glu_linear_offset": 0.0,
+    "layernorm_zero_centered_gamma": False, "attention_output_gate": False,  # Qwen3-Next's norms and attention
     # hybrid models: the layer pattern (None: GPT) and the Mamba-2 sizes
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
     "mamba_num_heads": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,

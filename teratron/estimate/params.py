@@ -74,9 +74,10 @@ def attention_params(config) -> list:
         return mla_params(config)
     tp, h, hn = config.tensor_model_parallel_size, config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * hn, config.num_query_groups * hn
-    sizes = [(q + 2 * kv) // tp * h, h * (q // tp)]
+    qkv = q * (2 if config.attention_output_gate else 1) + 2 * kv  # the gates are projected with q
+    sizes = [qkv // tp * h, h * (q // tp)]
     if config.add_bias_linear or config.add_qkv_bias:
-        sizes.append((q + 2 * kv) // tp)
+        sizes.append(qkv // tp)
     if config.add_bias_linear:
         sizes.append(h)
     if config.qk_layernorm:

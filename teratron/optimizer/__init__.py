@@ -120,7 +120,8 @@ def _torch_optimizer_factory(config, kind, pg_collection):
 
 
 def _mark_qkv_layouts(model_chunks):
-    """Tell Muon how to split fused QKV weights: [groups, (heads per group + 2) * head dim, h]."""
+    """Tell Muon how to split fused QKV weights: [groups, (heads per group (x2 with gates) + 2) *
+    head dim, h]."""
     for chunk in model_chunks:
         tf_config = getattr(_unwrap(chunk), "config", None)
         if tf_config is None:
@@ -130,7 +131,9 @@ def _mark_qkv_layouts(model_chunks):
         head_dim = getattr(tf_config, "kv_channels", None) or tf_config.hidden_size // heads
         for name, param in chunk.named_parameters():
             if name.endswith("linear_qkv.weight") and param.dim() == 2:
-                param.muon_qkv_layout = (heads // query_groups, head_dim)
+                per_group = heads // query_groups
+                gates = (per_group,) if getattr(tf_config, "attention_output_gate", False) else ()
+                param.muon_qkv_layout = ((per_group, *gates, 1, 1), head_dim)
 
 
 def _grid_groups(pg):

@@ -13,7 +13,8 @@ NS always sees the full matrix, whatever the layout:
   orthogonalises each shard on its own (cheapest, not the full-matrix update).
 Orthogonalisation commutes with row/column permutations, so gathered shards need no reordering
 (strided shards such as SwiGLU's [gate; up] included). A fused QKV weight (attribute
-`muon_qkv_layout = (query heads per group, head dim)`) is orthogonalised per Q, K and V.
+`muon_qkv_layout = (heads of each part per group, head dim)`: parts Q, K, V, or Q, gates, K, V
+with gated attention) is orthogonalised per part.
 """
 
 import contextlib
@@ -165,10 +166,8 @@ class Muon(torch.optim.Optimizer):
         layout = getattr(p, "muon_qkv_layout", None)
         if layout is None:
             return self._orthogonalize_block(matrix, partition_dim, tp_group)
-        heads_per_group, head_dim = layout
-        groups = matrix.view(-1, heads_per_group + 2, head_dim, matrix.shape[-1])
-        parts = [groups[:, :heads_per_group], groups[:, heads_per_group:heads_per_group + 1],
-                 groups[:, heads_per_group + 1:]]
+        part_heads, head_dim = layout
+        parts = matrix.view(-1, sum(part_heads), head_dim, matrix.shape[-1]).split(part_heads, dim=1)
         out = [self._orthogonalize_block(part.reshape(-1, matrix.shape[-1]), partition_dim, tp_group)
                .view(part.shape) for part in parts]
         return torch.cat(out, dim=1).view_as(matrix)

@@ -133,6 +133,8 @@ def _add_network_args(parser):
     g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                    help="Add the residual to the normed input instead of the input (BERT's order).")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="Gated attention (Qwen3-Next): each head's output times sigmoid of a gate projected with q.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU).")
     g.add_argument("--quick-geglu", action="store_true",
                    help="Gated MLP with quick GELU, x * sigmoid(1.702 x) (gpt-oss's experts).")

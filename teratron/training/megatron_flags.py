@@ -243,7 +243,6 @@ REFUSED = {
                                                "--moe-paged-stash-buffer-size-factor-cuda= "
                                                "--moe-paged-stash-buffer-size-factor-cpu=",
     Refused("L2-normalised queries and keys", "use --qk-layernorm for normalised queries and keys"): "--qk-l2-norm",
-    Refused("gated attention output"): "--attention-output-gate",
     Refused("an experimental attention variant in a GPT model (DeepSeek sparse attention, linear attention "
             "layers); Gated DeltaNet layers come through --hybrid-layer-pattern (G)"):
         "--experimental-attention-variant= --dsa-indexer-n-heads= --dsa-indexer-head-dim= --dsa-indexer-topk= "

@@ -7,6 +7,11 @@ linear_qkv is column-parallel and its output rows are interleaved per query grou
 contiguous TP shard holds whole groups (MHA: ng = np; MQA: ng = 1 with TP = 1). linear_proj is
 row-parallel: each rank's heads feed its shard of the input dimension.
 
+Gated attention (`attention_output_gate`, Megatron's layout): each group also projects one gate per
+query head, [ng, (2 np/ng + 2) * hn] = its query heads, their gates, its key and value head (the
+gate rows travel with their group under TP); each head's output is multiplied by sigmoid(gate)
+before linear_proj.
+
 QK-clip (`qk_clip_scales`, applied by `teratron.optimizer.qk_clip`) scales the query and key rows
 of linear_qkv per query group, by Megatron's rule.
 """
@@ -70,9 +75,11 @@ class SelfAttention(torch.nn.Module):
         self.np = heads // tp_size  # query heads on this rank
         self.ng = groups // tp_size  # query groups on this rank
         query_size, kv_size = heads * self.hn, groups * self.hn
+        self.output_gate = config.attention_output_gate
+        gate_size = query_size if self.output_gate else 0
 
         self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, query_size + 2 * kv_size, config=config,
+            submodules.linear_qkv, config.hidden_size, query_size + gate_size + 2 * kv_size, config=config,
             init_method=config.init_method, gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, tp_group=tp,
         )
@@ -114,28 +121,32 @@ class SelfAttention(torch.nn.Module):
         alpha, per_group = self.config.qk_clip_alpha, self.np // self.ng
         eta = qk_clip_eta(max_logits.float().view(self.ng, per_group).amax(dim=1), self.config.qk_clip_threshold)
         eta = eta[:, None]  # [ng, 1]
-        rows = torch.cat([eta.pow(alpha).expand(-1, per_group * self.hn), eta.pow(1 - alpha).expand(-1, self.hn),
-                          torch.ones_like(eta).expand(-1, self.hn)], dim=1)  # [ng, (np/ng + 2) * hn]
+        gate = [torch.ones_like(eta).expand(-1, per_group * self.hn)] if self.output_gate else []
+        rows = torch.cat([eta.pow(alpha).expand(-1, per_group * self.hn), *gate, eta.pow(1 - alpha).expand(-1, self.hn),
+                          torch.ones_like(eta).expand(-1, self.hn)], dim=1)  # [ng, (np/ng (x2 gated) + 2) * hn]
         qkv = self.linear_qkv
         return {param: rows.reshape(-1) for param in (qkv.weight, qkv.bias) if param is not None}
 
     def get_query_key_value_tensors(self, hidden_states):
-        """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied."""
+        """[s, b, h] -> q [s, b, np, hn], k and v [s, b, ng, hn], qk-norm applied, and the output
+        gate [s, b, np * hn] (None without attention_output_gate)."""
         with activation_offload.offload("qkv_linear"):
             mixed_qkv, _ = self.linear_qkv(hidden_states)
         s, b = mixed_qkv.shape[:2]
-        per_group = self.np // self.ng
-        mixed_qkv = mixed_qkv.view(s, b, self.ng, (per_group + 2) * self.hn)
-        query, key, value = mixed_qkv.split([per_group * self.hn, self.hn, self.hn], dim=-1)
+        query_width = self.np // self.ng * self.hn
+        gate_width = query_width if self.output_gate else 0
+        mixed_qkv = mixed_qkv.view(s, b, self.ng, query_width + gate_width + 2 * self.hn)
+        query, gate, key, value = mixed_qkv.split([query_width, gate_width, self.hn, self.hn], dim=-1)
         query = query.reshape(s, b, self.np, self.hn)
-        return self.q_layernorm(query), self.k_layernorm(key), value
+        gate = gate.reshape(s, b, self.np * self.hn) if self.output_gate else None
+        return self.q_layernorm(query), self.k_layernorm(key), value, gate
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] -> output [s, b, h] (and the bias linear_proj kept apart). With
         `inference_context` the new keys and values go to its KV cache and the queries attend
         over the cache (`inference_context.attend(layer_number, q, k, v)`, Megatron's
         inference_context), instead of core_attention over this call's tokens."""
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        query, key, value, gate = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None and self.apply_rope:
             interleaved = self.config.rotary_interleaved
             rope = fusions.fused(apply_rotary_pos_emb) if self.config.apply_rope_fusion else apply_rotary_pos_emb
@@ -148,5 +159,7 @@ class SelfAttention(torch.nn.Module):
         else:
             with activation_offload.offload("core_attn"):
                 context = self.core_attention(query, key, value, attention_mask)
+        if gate is not None:
+            context = context * torch.sigmoid(gate)  # [s, b, np * hn]
         with activation_offload.offload("attn_proj"):
             return self.linear_proj(context)

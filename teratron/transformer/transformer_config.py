@@ -85,6 +85,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
                          "offload_modules", "min_offloaded_tensor_size", "hybrid_layer_pattern",
                          "freeze_base_model_for_mtp", "moe_shared_expert_gate",  # Megatron's, newer than the reference
+                         "attention_output_gate",
                          "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",  # so are these
                          "linear_num_key_heads", "linear_num_value_heads",
                          *YARN_FIELDS)
@@ -232,6 +233,10 @@ class TransformerConfig(ModelParallelConfig):
 
     qk_layernorm: bool = False
     """Normalise queries and keys per head (with `normalization`)."""
+
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3-Next): linear_qkv also projects a gate per query head, and each head's
+    output is multiplied by sigmoid(gate) before linear_proj."""
 
     qk_clip: bool = False
     """QK-clip (MuonClip): after each optimizer step, scale the query and key weights of every head
@@ -883,6 +888,9 @@ class TransformerConfig(ModelParallelConfig):
         if not self.qk_clip and (self.qk_clip_alpha != 0.5 or self.qk_clip_threshold != 100):
             raise ValueError("qk_clip_alpha or qk_clip_threshold is set but qk_clip is off; turn on qk_clip or "
                              "leave them at their defaults")
+        if self.attention_output_gate and self.multi_latent_attention:
+            raise NotImplementedError("attention_output_gate with multi_latent_attention is not supported yet; "
+                                      "gated attention is grouped-query attention's")
         if self.qk_clip and self.qk_layernorm and not self.multi_latent_attention:
             raise ValueError("qk_clip with qk_layernorm: the per-head norms undo any scaling of the query and key "
                              "weights, so the clip would do nothing; turn one of them off")

@@ -215,7 +215,7 @@ def test_refusals(tmp_path):
     args = model_args_from_hf(hf, "cfg")
     for change, message in [
         (dict(hybrid_layer_pattern="MG*-"),
-         "the checkpoint's hybrid model has Gated DeltaNet layers \\(G in 'MG\\*-'\\)"),
+         "the checkpoint's hybrid pattern 'MG\\*-' has both Mamba-2 \\(M\\) and Gated DeltaNet \\(G\\) layers"),
         (dict(squared_relu=False, swiglu=True), "the checkpoint's hybrid model has squared_relu=False; nemotron_h "
                                                 "needs True"),
         (dict(position_embedding_type="rope"), "the checkpoint's hybrid model has position_embedding_type='rope'"),

@@ -28,6 +28,7 @@ SHAPES = [
     "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear",
     "--group-query-attention --num-query-groups 2 --add-qkv-bias --disable-bias-linear",
     "--group-query-attention --num-query-groups 1 --qk-layernorm --ffn-hidden-size 96",
+    "--group-query-attention --num-query-groups 2 --attention-output-gate --apply-layernorm-1p --qk-layernorm",
     "--num-experts 4 --moe-router-topk 2",
     "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --swiglu --moe-ffn-hidden-size 48 "
     "--moe-shared-expert-intermediate-size 32",

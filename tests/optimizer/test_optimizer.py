@@ -125,19 +125,22 @@ def test_muon_matches_formula(nesterov):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
-def test_muon_splits_fused_qkv():
+@pytest.mark.parametrize("gated", [False, True])
+def test_muon_splits_fused_qkv(gated):
     """A weight named linear_qkv with layout [groups, (heads/group + 2) * head_dim, h] is
-    orthogonalised per Q, K and V."""
+    orthogonalised per Q, K and V; with attention_output_gate, [groups, (2 heads/group + 2) *
+    head_dim, h] per Q, gates, K and V."""
     heads, groups, head_dim, hidden = 4, 2, 2, 8
+    per_group_heads = [heads // groups] * (2 if gated else 1) + [1, 1]
 
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.linear_qkv = torch.nn.Linear(hidden, (heads + 2 * groups) * head_dim, bias=False)
+            self.linear_qkv = torch.nn.Linear(hidden, groups * sum(per_group_heads) * head_dim, bias=False)
 
     class Model(torch.nn.Module):
         config = type("C", (), dict(num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim,
-                                    hidden_size=hidden))()
+                                    hidden_size=hidden, attention_output_gate=gated))()
 
         def __init__(self):
             super().__init__()
@@ -152,8 +155,9 @@ def test_muon_splits_fused_qkv():
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=lr, weight_decay=0.0, muon_momentum=0.0,
                                                  muon_fp32_matmul_prec="highest", clip_grad=0.0), [model])
     opt.step()
-    per_group = grad.view(groups, heads // groups + 2, head_dim, hidden)
-    parts = [per_group[:, :heads // groups], per_group[:, -2:-1], per_group[:, -1:]]
+    per_group = grad.view(groups, sum(per_group_heads), head_dim, hidden)
+    bounds = [sum(per_group_heads[:i]) for i in range(len(per_group_heads) + 1)]
+    parts = [per_group[:, start:end] for start, end in zip(bounds, bounds[1:])]
     expected = []
     for part in parts:
         flat = part.reshape(-1, hidden)

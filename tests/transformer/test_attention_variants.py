@@ -406,3 +406,72 @@ def test_gpu_flex_attention_matches_the_reference_forward_and_backward(dtype, so
             torch.testing.assert_close(ours.float(), reference.float(), **tolerance)
     if softmax_type == "vanilla":
         assert block_mask_for(s, s, True, (37, 0), "cuda") is block_mask_for(s, s, True, (37, 0), "cuda")
+
+
+def _gated_attention(pg_collection=None, **fields):
+    from teratron.transformer.attention import SelfAttention
+
+    torch.manual_seed(11)
+    config = make_config(attention_output_gate=True, add_bias_linear=False, **fields)
+    spec = get_gpt_layer_local_spec().submodules.self_attention
+    return SelfAttention(config, spec.submodules, 1, pg_collection=pg_collection)
+
+
+def test_output_gate_multiplies_each_head_by_sigmoid_of_its_gate_rows():
+    """linear_qkv's rows per group are [its 2 query heads, their 2 gates, key, value] (Megatron's
+    layout); the output is linear_proj(attention * sigmoid(gate)), written out here."""
+    attention = _gated_attention()
+    hn, heads, groups = 8, 4, 2
+    assert attention.linear_qkv.weight.shape == (groups * (2 * 2 + 2) * hn, 32)
+    torch.manual_seed(12)
+    x = torch.randn(6, 2, 32)
+    rows = attention.linear_qkv.weight.view(groups, 6, hn, 32)  # per group: q0 q1 g0 g1 k v
+    project = lambda w: torch.einsum("sbh,gnch->sbgnc", x, w)  # noqa: E731
+    q, gate = project(rows[:, 0:2]).flatten(2, 3), project(rows[:, 2:4]).flatten(2, 3)
+    k, v = project(rows[:, 4:5]).flatten(2, 3), project(rows[:, 5:6]).flatten(2, 3)
+    context = looped_attention(q, k, v, 1 / math.sqrt(hn)).float()
+    expected = (context * torch.sigmoid(gate.flatten(2))) @ attention.linear_proj.weight.t()
+    out, _ = attention(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    ungated = attention.linear_proj(context)[0]
+    assert not torch.allclose(out, ungated, atol=1e-3)
+    with pytest.raises(NotImplementedError, match="^attention_output_gate with multi_latent_attention") as error:
+        make_config(attention_output_gate=True, multi_latent_attention=True)
+    assert "\n" not in str(error.value)
+
+
+def test_output_gate_under_tensor_parallelism_equals_one_process():
+    """The gate rows split with their group: TP 2 (each rank one group) gives one process's output."""
+    import torch.distributed as dist
+
+    from dist import run_distributed
+    from teratron.process_groups import ProcessGroupCollection
+
+    torch.manual_seed(13)
+    x = torch.randn(5, 2, 32)
+    expected, _ = _gated_attention()(x)
+
+    def body():
+        attention = _gated_attention(ProcessGroupCollection(tp=dist.group.WORLD), tensor_model_parallel_size=2)
+        out, _ = attention(x)
+        return attention.linear_qkv.weight.shape[0], out
+
+    for rows, out in run_distributed(body, 2):
+        assert rows == (2 * 2 + 2) * 8
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_output_gate_flag_and_checkpoint_record():
+    from teratron.dist_checkpointing.model_args import gpt_config_from_model_args, model_args_from_config
+    from teratron.training.arguments import parse_train_args
+    from teratron.training.config import run_config_from_args
+
+    flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+             "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--swiglu",
+             "--attention-output-gate", "--apply-layernorm-1p"]
+    model = run_config_from_args(parse_train_args(flags), 1, vocab_size=64, cuda=False).model
+    assert model.transformer.attention_output_gate and model.transformer.layernorm_zero_centered_gamma
+    record = model_args_from_config(model)
+    assert record["attention_output_gate"] and record["layernorm_zero_centered_gamma"]
+    rebuilt = gpt_config_from_model_args(record).transformer
+    assert rebuilt.attention_output_gate and rebuilt.layernorm_zero_centered_gamma

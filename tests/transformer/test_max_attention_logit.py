@@ -139,6 +139,19 @@ def test_qk_clip_factors_per_query_group(qkv_bias):
         assert torch.equal(rows[32:], torch.ones(32))  # exactly 1 where nothing is clipped
 
 
+def test_qk_clip_factors_leave_the_output_gates_alone():
+    """Gated attention's rows per group: 2 query heads, their 2 gates (factor 1), key, value."""
+    alpha, threshold = 0.3, 100.0
+    config = _config(qk_clip=True, qk_clip_alpha=alpha, qk_clip_threshold=threshold, add_bias_linear=False,
+                     kv_channels=HN, attention_output_gate=True)
+    attention = _self_attention(config)
+    (rows,) = attention.qk_clip_scales(torch.tensor([150.0, 50.0, 80.0, 90.0])).values()
+    eta = threshold / 150.0
+    expected = torch.tensor([eta ** alpha] * 16 + [1.0] * 16 + [eta ** (1 - alpha)] * 8 + [1.0] * 8 + [1.0] * 48)
+    assert rows.shape == attention.linear_qkv.weight.shape[:1]
+    torch.testing.assert_close(rows, expected, rtol=1e-6, atol=0)
+
+
 def test_compiled_layers_record_what_eager_layers_record():
     """--torch-compile compiles each layer whole, the record's update included."""
     from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
