@@ -56,6 +56,7 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     by_key = saved_state_names(saved)
     refresh_masters = False
     for opt in optimizer.chained_optimizers:
+        on_device = _stepped_on_device(opt)
         for param, main, _ in opt.main_param_shards():
             names = by_key.get(layouts[param].key, {})
             if main is not param and "fp32_param" not in names:
@@ -67,19 +68,22 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
                 if shape is None:
                     state[name] = None
                 elif len(shape) == 0:  # a step count
-                    state[name] = _step_tensor(opt, main, 0.0)
+                    state[name] = _step_tensor(main, 0.0, on_device)
                 else:
                     state[name] = torch.zeros_like(main)
     items = [i for i in optimizer_sharded_items(optimizer, layouts) if i.key in saved]
     return items, refresh_masters
 
 
-def _step_tensor(opt, main, value: float) -> torch.Tensor:
-    """A step count for `main`'s state: on the CPU unless torch's fused (or capturable) kernel
-    steps `main`, which keeps it on the parameter's device."""
-    on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups
-                    if any(p is main for p in g["params"]))
-    return torch.tensor(value, dtype=torch.float32, device=main.device if on_device else "cpu")
+def _stepped_on_device(opt) -> set:
+    """ids of the parameters torch's fused (or capturable) kernels step: their step counts live on
+    the parameter's device, the others' on the CPU."""
+    return {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
+
+
+def _step_tensor(main, value: float, on_device: set) -> torch.Tensor:
+    """A step count for `main`'s state (`on_device`: `_stepped_on_device` of its optimizer)."""
+    return torch.tensor(value, dtype=torch.float32, device=main.device if id(main) in on_device else "cpu")
 
 
 def step_count(optimizer) -> float:
@@ -93,9 +97,10 @@ def set_step_count(optimizer, step: float) -> None:
     """Give every parameter with state (Adam's moments) the step count `step`: a checkpoint that
     keeps one count for all (Megatron-LM's param groups) restored into torch's per-parameter one."""
     for opt in optimizer.chained_optimizers:
+        on_device = _stepped_on_device(opt)
         for main, state in opt.state.items():
             if state and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values()):
-                state["step"] = _step_tensor(opt, main, step)
+                state["step"] = _step_tensor(main, step, on_device)
 
 
 # Param groups are matched by what they mean, not by position: the split into chained

@@ -57,6 +57,8 @@ try:
     import triton.language as tl
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
+if triton is not None:
+    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -195,33 +197,6 @@ def _forward_states(k, v, g, beta, initial_state, shape):
 
 if triton is not None:
     @triton.jit
-    def _program_chunk(m):
-        """(batch, chunk, head) of a program on grid (b * m, h, ...); batch in int64 (offsets of
-        [b, s, h, d] tensors can pass 2**31)."""
-        pid = tl.program_id(0)
-        return (pid // m).to(tl.int64), pid % m, tl.program_id(1)
-
-    @triton.jit
-    def _token_offsets(bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """Offsets and mask of the [L, WIDTH] tile of chunk c, lanes first .. first + WIDTH - 1, of a
-        contiguous [b, s, heads, width] tensor at (bi, :, head); masked past the sequence and width."""
-        t = c * L + tl.arange(0, L)
-        lanes = first + tl.arange(0, WIDTH)
-        offsets = ((bi * s + t[:, None]) * heads + head) * width + lanes[None, :]
-        return offsets, (t[:, None] < s) & (lanes[None, :] < width)
-
-    @triton.jit
-    def _load_tokens(ptr, bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """The tile of `_token_offsets` in fp32, zeros where masked."""
-        offsets, mask = _token_offsets(bi, c, head, s, heads, width, first, L, WIDTH)
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _store_tokens(ptr, tile, bi, c, head, s, heads, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        offsets, mask = _token_offsets(bi, c, head, s, heads, width, first, L, WIDTH)
-        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _token_scalars_offsets(bi, c, head, s, heads, L: tl.constexpr):
         t = c * L + tl.arange(0, L)
         return (bi * s + t) * heads + head, t < s
@@ -292,8 +267,8 @@ if triton is not None:
         """[L, L]: X Y^T over dk, of two [b, s, h, dk] tensors in chunk c."""
         out = tl.zeros([L, L], tl.float32)
         for k0 in range(0, dk, BLOCK_K):
-            x_tile = _load_tokens(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            y_tile = _load_tokens(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            x_tile = load_tokens(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            y_tile = load_tokens(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             out += tl.dot(x_tile, tl.trans(y_tile), input_precision=PRECISION)
         return out
 
@@ -314,7 +289,7 @@ if triton is not None:
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr,
                             PRECISION: tl.constexpr):
         """Program (bi * m + c, head): G, T = (I + A)^-1, W = T (beta gamma o K), Ub = T (beta o V)."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         G = tl.cumsum(_load_scalars(g, bi, c, head, s, heads, L), 0)
         tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
         beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
@@ -324,11 +299,11 @@ if triton is not None:
         tl.store(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :], inverse)
         key_weight = beta_c * tl.exp(G)
         for k0 in range(0, dk, BLOCK_K):
-            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]
+            k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]
             _store_chunk_tile(w, tl.dot(inverse, k_tile, input_precision=PRECISION), bi, c, head, heads, m, dk, k0,
                               L, BLOCK_K)
         for v0 in range(0, dv, BLOCK_V):
-            v_tile = _load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V) * beta_c[:, None]
+            v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V) * beta_c[:, None]
             _store_chunk_tile(u, tl.dot(inverse, v_tile, input_precision=PRECISION), bi, c, head, heads, m, dv, v0,
                               L, BLOCK_V)
 
@@ -347,7 +322,7 @@ if triton is not None:
             state = tl.zeros([STATE_ROWS, KEY_TILE], tl.float32)
         for c in range(m):
             _store_state(states, state, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
-            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             w_tile = _load_chunk_tile(w, bi, c, head, heads, m, dk, 0, L, KEY_TILE)
             u_tile = (_load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
                       - tl.dot(w_tile, tl.trans(state), input_precision=PRECISION))
@@ -361,30 +336,30 @@ if triton is not None:
     def _chunk_output_kernel(q, k, u, cum, states, o, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi * m + c, head, k): O's block k of dv in chunk c, gamma o (Q H^T) + (D * Q K^T) U."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         v0 = tl.program_id(2) * BLOCK_V
         scores = tl.zeros([L, L], tl.float32)
         earlier = tl.zeros([L, BLOCK_V], tl.float32)
         for k0 in range(0, dk, BLOCK_K):
-            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
             scores += tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
             earlier += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
         G, _ = _load_cum(cum, bi, c, head, heads, m, L)
         u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
         out = tl.exp(G)[:, None] * earlier + tl.dot(scores * _decay(G, False, L), u_tile, input_precision=PRECISION)
-        _store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+        store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
 
     @triton.jit
     def _chunk_output_backward_kernel(q, k, do, cum, du, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
                                       BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi * m + c, head, k): O's pull on U, (D * Q K^T)^T dO, block k of dv in chunk c."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         v0 = tl.program_id(2) * BLOCK_V
         G, _ = _load_cum(cum, bi, c, head, heads, m, L)
         scores = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION) * _decay(G, False, L)
-        do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+        do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
         _store_chunk_tile(du, tl.dot(tl.trans(scores), do_tile, input_precision=PRECISION), bi, c, head, heads, m,
                           dv, v0, L, BLOCK_V)
 
@@ -405,14 +380,14 @@ if triton is not None:
             _store_state(dstates, dstate, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
             G, last = _load_cum(cum, bi, c, head, heads, m, L)
             gamma = tl.exp(G)
-            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
-            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
+            q_tile = load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
                   + tl.dot(k_tile * tl.exp(last - G)[:, None], tl.trans(dstate), input_precision=PRECISION))
             inverse = tl.load(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :])
             drhs_tile = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
             _store_chunk_tile(drhs, drhs_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
-            do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)
+            do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)
             key_weight = _load_scalars(beta, bi, c, head, s, heads, L) * gamma
             dstate = (tl.exp(last) * dstate
                       + tl.dot(tl.trans(do_tile * gamma[:, None]), q_tile, input_precision=PRECISION)
@@ -424,7 +399,7 @@ if triton is not None:
                                heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi * m + c, head): dQ, dK, dV, dg and dbeta of chunk c (the module docstring)."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         G, last = _load_cum(cum, bi, c, head, heads, m, L)
         gamma = tl.exp(G)
         to_end = tl.exp(last - G)
@@ -442,15 +417,15 @@ if triton is not None:
         for v0 in range(0, dv, BLOCK_V):
             drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-            do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-            v_tile = _load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-            _store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             k_entering = tl.zeros([L, BLOCK_V], tl.float32)  # K H^T
             q_entering = tl.zeros([L, BLOCK_V], tl.float32)  # Q H^T
             k_dleaving = tl.zeros([L, BLOCK_V], tl.float32)  # K dH'^T
             for k0 in range(0, dk, BLOCK_K):
-                k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-                q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 k_entering += tl.dot(k_tile, tl.trans(entering), input_precision=PRECISION)
@@ -482,15 +457,15 @@ if triton is not None:
         # Per block of dk: dQ and dK, with sums over dv of dO H, drhs H and U dH'.
         key_weight = beta_c * gamma
         for k0 in range(0, dk, BLOCK_K):
-            k_tile = _load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            q_tile = _load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             do_entering = tl.zeros([L, BLOCK_K], tl.float32)
             drhs_entering = tl.zeros([L, BLOCK_K], tl.float32)
             u_dleaving = tl.zeros([L, BLOCK_K], tl.float32)
             for v0 in range(0, dv, BLOCK_V):
                 drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
                 u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-                do_tile = _load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+                do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 do_entering += tl.dot(do_tile, entering, input_precision=PRECISION)
@@ -501,5 +476,5 @@ if triton is not None:
                        + tl.dot(tl.trans(key_pairs), k_tile, input_precision=PRECISION)
                        + tl.dot(tl.trans(out_pairs), q_tile, input_precision=PRECISION)
                        - key_weight[:, None] * drhs_entering + to_end[:, None] * u_dleaving)
-            _store_tokens(dq, dq_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            _store_tokens(dk_out, dk_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            store_tokens(dq, dq_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            store_tokens(dk_out, dk_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)

@@ -48,6 +48,8 @@ try:
     import triton.language as tl
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
+if triton is not None:
+    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,33 +201,6 @@ def _state_grads(dy, dt, C, cum, states, dfinal, shape):
 
 if triton is not None:
     @triton.jit
-    def _program_chunk(m):
-        """(batch, chunk, head or group) of a program on grid (b * m, h or g, ...); batch in int64
-        (offsets of [b, s, h, p] tensors can pass 2**31)."""
-        pid = tl.program_id(0)
-        return (pid // m).to(tl.int64), pid % m, tl.program_id(1)
-
-    @triton.jit
-    def _token_offsets(bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """Offsets and mask of the [L, WIDTH] tile of chunk c, lanes first .. first + WIDTH - 1, of a
-        contiguous [b, s, columns, width] tensor at (bi, :, column); masked past the sequence and width."""
-        t = c * L + tl.arange(0, L)
-        lanes = first + tl.arange(0, WIDTH)
-        offsets = ((bi * s + t[:, None]) * columns + column) * width + lanes[None, :]
-        return offsets, (t[:, None] < s) & (lanes[None, :] < width)
-
-    @triton.jit
-    def _load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """The tile of `_token_offsets` in fp32, zeros where masked."""
-        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _store_tokens(ptr, tile, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        offsets, mask = _token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
-        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _load_dt(dt, bi, c, head, s, heads, L: tl.constexpr):
         """[L] fp32: chunk c's dt of (bi, head), 0 past the end (no decay, nothing added)."""
         t = c * L + tl.arange(0, L)
@@ -254,7 +229,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk_cumsum_kernel(dt, A, cum, s, heads, m, L: tl.constexpr):
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         a = _load_dt(dt, bi, c, head, s, heads, L) * tl.load(A + head)
         tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), tl.cumsum(a, 0))
 
@@ -265,7 +240,7 @@ if triton is not None:
         """Block k (of p x n) of states[bi, c, head] = (u o w)^T v over the chunk's tokens: u [b, s, h, p],
         v [b, s, g, n] (the head's group); w = exp(Lam - cum) dt (the chunk's own state: u = x, v = B)
         or, FROM_START, exp(cum) (the output gradient's pull on the entering state: u = dY, v = C)."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         n_blocks = tl.cdiv(n, BLOCK_N)
         p0 = tl.program_id(2) // n_blocks * BLOCK_P
         n0 = tl.program_id(2) % n_blocks * BLOCK_N
@@ -274,8 +249,8 @@ if triton is not None:
             weight = tl.exp(cum_c)
         else:
             weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
-        u_tile = _load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
-        v_tile = _load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
+        u_tile = load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
+        v_tile = load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
         state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
         rows = p0 + tl.arange(0, BLOCK_P)
         lanes = n0 + tl.arange(0, BLOCK_N)
@@ -335,8 +310,8 @@ if triton is not None:
         earlier = tl.zeros([L, BLOCK_P], tl.float32)
         B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-            C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
             entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
             scores += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
             earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
@@ -350,18 +325,18 @@ if triton is not None:
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                            HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): y's block k of p in chunk c, M (dt o x) + exp(cum) o (C H_c^T) + D x."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         p0 = tl.program_id(2) * BLOCK_P
         scores, earlier, _ = _scores_and_state_terms(
             B, C, states, states, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
             p0, L, BLOCK_P, BLOCK_N, PRECISION, False)
-        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
         scores *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
         out = tl.dot(scores, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
         if HAS_D:
             out += tl.load(D + head) * x_tile
-        _store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
     @triton.jit
     def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts,
@@ -370,14 +345,14 @@ if triton is not None:
                                        HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
         ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p."""
-        bi, c, head = _program_chunk(m)
+        bi, c, head = program_chunk(m)
         block = tl.program_id(2)
         p0 = block * BLOCK_P
         scores, earlier, B_dstate = _scores_and_state_terms(
             B, C, states, dstates, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
             p0, L, BLOCK_P, BLOCK_N, PRECISION, True)
-        x_tile = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
-        dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
         scores *= _causal_decay(cum_c, L)  # M
@@ -389,7 +364,7 @@ if triton is not None:
         if HAS_D:
             dx_tile += tl.load(D + head) * dy_tile
             tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
-        _store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
         pair_grads = scores * tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)  # R
         dcum = tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
@@ -410,11 +385,11 @@ if triton is not None:
                                         PRECISION: tl.constexpr):
         """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c, summed over the
         group's heads (each a loop over blocks of p)."""
-        bi, c, group = _program_chunk(m)
+        bi, c, group = program_chunk(m)
         groups = heads // heads_per_group
         n0 = tl.program_id(2) * BLOCK_N
-        B_tile = _load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-        C_tile = _load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
         dB_tile = tl.zeros([L, BLOCK_N], tl.float32)
         dC_tile = tl.zeros([L, BLOCK_N], tl.float32)
         for k in range(heads_per_group):
@@ -424,8 +399,8 @@ if triton is not None:
             dy_entering = tl.zeros([L, BLOCK_N], tl.float32)
             xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
             for p0 in range(0, p, BLOCK_P):
-                xw = _load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
-                dy_tile = _load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                xw = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
                 entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
@@ -436,5 +411,5 @@ if triton is not None:
             dC_tile += tl.dot(pair_grads, B_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * dy_entering
             dB_tile += (tl.dot(tl.trans(pair_grads), C_tile, input_precision=PRECISION)
                         + tl.exp(last - cum_c)[:, None] * xw_dstate)
-        _store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-        _store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
