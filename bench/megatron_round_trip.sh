@@ -9,7 +9,9 @@
 # 3. teratron resumes Megatron's iteration 4: its losses 5-8 are Megatron's; 4. teratron trains 8 saving
 # --ckpt-format torch_dist at 4, and Megatron-LM resumes that: its losses 5-8 should be teratron's.
 # Megatron runs through bench/megatron_lm_pretrain.py (two fixes for resuming without Transformer Engine).
-# Vocabulary 128, no padding column: Megatron-LM counts padding columns in its loss, teratron does not.
+# Megatron-LM prints a run's second iteration as the mean of its first two (after a resume: iteration 6 is
+# (loss 5 + loss 6) / 2; docs/checkpoints.md). Vocabulary 128, no padding column: Megatron-LM counts
+# padding columns in its loss, teratron does not.
 ROOT=$PWD
 export PYTHONPATH=$ROOT NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=4
 OUT=${OUT:-$ROOT/out}; mkdir -p $OUT

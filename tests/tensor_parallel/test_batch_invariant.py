@@ -17,23 +17,26 @@ from teratron.tokenizers.null_tokenizer import NullTokenizer
 from teratron.transformer.transformer_config import TransformerConfig
 
 VOCAB, SEQ = 64, 2
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # CUDA: cuBLAS picks its kernel by row count too
 
 
-def make_model(moe: bool, batch_invariant: bool = True):
+def make_model(moe: bool, batch_invariant: bool = True, device: str = "cpu"):
     moe_fields = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True) if moe else {}
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                                batch_invariant_mode=batch_invariant, **moe_fields)
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True) if moe else get_gpt_layer_local_spec()
-    return GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope").eval()
+    return GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope").to(device).eval()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_a_samples_logits_do_not_depend_on_its_batch(moe):
-    model = make_model(moe)
-    ids = torch.randint(0, VOCAB, (9, SEQ), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(SEQ).expand(9, SEQ)
+def test_a_samples_logits_do_not_depend_on_its_batch(moe, device):
+    model = make_model(moe, device=device)
+    ids = torch.randint(0, VOCAB, (9, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+    positions = torch.arange(SEQ, device=device).expand(9, SEQ)
     with torch.no_grad():
         full = model(ids, positions, None)  # [9, SEQ, V]
         for sample in (0, 4, 8):
@@ -43,8 +46,9 @@ def test_a_samples_logits_do_not_depend_on_its_batch(moe):
             assert torch.equal(model(ids[:size], positions[:size], None), full[:size]), size
 
 
-def test_the_engines_log_probs_do_not_depend_on_the_other_requests():
-    model = make_model(moe=False)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_engines_log_probs_do_not_depend_on_the_other_requests(device):
+    model = make_model(moe=False, device=device)
     prompts = [[5, 17, 3, 9, 42, 7], [8, 2], [30, 31, 32], [60] * 5]
     params = SamplingParams(temperature=0, num_tokens_to_generate=6, ignore_eod=True, return_log_probs=True)
 

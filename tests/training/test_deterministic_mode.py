@@ -1,4 +1,4 @@
-"""--deterministic-mode: two CPU runs (DP = 1, dropout on) give bit-identical per-iteration losses
+"""--deterministic-mode: two runs (DP = 1, dropout on; on the CPU and, bf16, on one GPU) give bit-identical per-iteration losses
 and final weights; its environment (NCCL ring, cuBLAS workspace) is filled in and a
 non-deterministic value is refused in one line."""
 
@@ -17,21 +17,23 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
         "--attention-dropout", "0.1", "--deterministic-mode"]
 
 
-def _run():
+def _run(extra=()):
     weights = {}
 
     def keep_weights(trainer):
         weights.update({k: v.detach().clone() for k, v in trainer.model[0].state_dict().items()
                         if isinstance(v, torch.Tensor)})
-    state = pretrain(build_run_config(parse_train_args(TINY), 1), after_training=keep_weights)
+    state = pretrain(build_run_config(parse_train_args(TINY + list(extra)), 1), after_training=keep_weights)
     return state.loss_history, weights
 
 
-def test_two_runs_are_bit_identical(monkeypatch):
+@pytest.mark.parametrize("extra", [[], pytest.param(["--bf16"], id="cuda-bf16", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_two_runs_are_bit_identical(monkeypatch, extra):
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    losses_a, weights_a = _run()
-    losses_b, weights_b = _run()
+    losses_a, weights_a = _run(extra)
+    losses_b, weights_b = _run(extra)
     assert len(losses_a) == 5 and losses_a == losses_b  # floats compared exactly
     assert weights_a.keys() == weights_b.keys() and weights_a
     for name in weights_a:
