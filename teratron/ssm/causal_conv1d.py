@@ -4,18 +4,27 @@ channel, each output seeing only its own and earlier tokens.
 x [b, s, c], weight [c, k], bias [c] or None, initial_state [b, c, k - 1] or None (the last k - 1
 inputs before this sequence; zeros when None) -> (y [b, s, c], final state [b, c, k - 1]: the last
 k - 1 inputs, what the next call of a decoding step continues from).
+
+Computed as k shifted multiply-adds in fp32 (as cuDNN accumulates; wider dtypes stay wider), in x's [b, s, c] layout: under
+`--torch-compile` Inductor fuses them with the bias and the SiLU after into one kernel each way,
+where a depthwise F.conv1d would need transposes and runs slow kernels both ways.
 """
 
-import torch
 import torch.nn.functional as F
+import torch
 
 
 def causal_conv1d(x, weight, bias=None, initial_state=None):
-    k = weight.shape[-1]
-    channels_first = x.transpose(1, 2)  # [b, c, s]
+    k, s = weight.shape[-1], x.shape[1]
     if initial_state is None:
-        padded = F.pad(channels_first, (k - 1, 0))
+        padded = F.pad(x, (0, 0, k - 1, 0))  # [b, k - 1 + s, c]
     else:
-        padded = torch.cat([initial_state.to(x.dtype), channels_first], dim=-1)
-    y = F.conv1d(padded, weight.unsqueeze(1), bias, groups=weight.shape[0])
-    return y.transpose(1, 2), padded[..., padded.shape[-1] - (k - 1):]
+        padded = torch.cat([initial_state.transpose(1, 2).to(x.dtype), x], dim=1)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    taps = weight.to(dtype)
+    y = padded[:, :s].to(dtype) * taps[:, 0]
+    for i in range(1, k):
+        y = y + padded[:, i:i + s].to(dtype) * taps[:, i]
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return y.to(x.dtype), padded[:, s:].transpose(1, 2)

@@ -76,6 +76,7 @@ MAX_KEY_DIM = 128
 STATE_ROWS = 16
 
 
+@torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
 def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
     """`gated_delta_rule_chunked` by the Triton kernels (the module docstring): q, k [b, s, h, dk],
     v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or None -> (o [b, s, h, dv],

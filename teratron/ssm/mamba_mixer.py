@@ -121,10 +121,11 @@ class MambaMixer(nn.Module):
         x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
-        y, scan_state = ssd(x.reshape(b, s, self.nheads_local, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                            B.reshape(b, s, self.ngroups_local, self.d_state),
-                            C.reshape(b, s, self.ngroups_local, self.d_state), self.D,
-                            initial_state=scan_state, chunk_size=self.chunk_size)
+        # Contiguous here, where --torch-compile writes them so from the convolution's kernel.
+        x = x.reshape(b, s, self.nheads_local, self.head_dim).contiguous()
+        B, C = (t.reshape(b, s, self.ngroups_local, self.d_state).contiguous() for t in (B, C))
+        y, scan_state = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, initial_state=scan_state,
+                            chunk_size=self.chunk_size)
         return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)
 
 

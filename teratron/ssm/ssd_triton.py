@@ -14,8 +14,8 @@ M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c t
                  chunks per (batch, head, block of the p x n state)          (_state_passing_kernel)
       y          M (dt o x) + exp(cum) o (C H_c^T) + D x                     (_chunk_scan_kernel)
 
-    backward: the forward's cum and H_c are recomputed (three light kernels; only the inputs are
-    saved), then with dY the output's gradient and dH_m the final state's,
+    backward: with the forward's cum and H_c (saved), dY the output's gradient and dH_m the final
+    state's,
       G_c        sum_i exp(cum_i) dY_i C_i^T: the chunk's direct pull on H_c (_chunk_state_kernel)
       dH_c       exp(Lam_c) dH_{c+1} + G_c, backwards over chunks; dS_c = dH_{c+1};
                  dLam_c += exp(Lam_c) <dH_{c+1}, H_c>; d initial = dH_0     (_state_passing_backward_kernel)
@@ -64,6 +64,7 @@ CHUNK_SIZES = (16, 32, 64, 128)
 MAX_BLOCK = 32
 
 
+@torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """`ssd_chunked` by the Triton kernels (the module docstring): x [b, s, h, p], dt [b, s, h],
     A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p],
@@ -122,7 +123,7 @@ class _Shape:
 
 
 class _SSDFunction(torch.autograd.Function):
-    """Saves only the inputs: the backward recomputes the chunks' cumulative decays and states."""
+    """Saves the inputs, the chunks' cumulative decays and the states entering each chunk."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, chunk_size):
@@ -134,19 +135,21 @@ class _SSDFunction(torch.autograd.Function):
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
         _chunk_scan_kernel[(shape.batch * shape.chunks, shape.heads, shape.p_blocks)](
             x, dt, B, C, D32, cum, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
+        # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
+        # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape).
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, states)
         ctx.shape = shape
         return y, final.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        x, dt, A, B, C, D, initial_state, cum, states = ctx.saved_tensors
         shape = ctx.shape
         b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
         dy = dy.contiguous()
         A32 = A.float().contiguous()
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        cum, states, _ = _scan_states(x, dt, A32, B, initial_state, shape)
         dstates, dinitial, dlast = _state_grads(dy, dt, C, cum, states, dfinal, shape)
 
         fp32 = dict(device=x.device, dtype=torch.float32)
