@@ -49,9 +49,27 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
     assert_same_losses(reference, resumed, "tp1-from-tp2")
 
 
+def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_path):
+    """'/' depths (Mamba + MLP layers each) on the last stage: LM and MTP losses equal the single
+    process's under TP 2 + SP and PP 2 (the layout puts the depths after the last segment)."""
+    keys = ("lm_loss", "mtp_loss", "grad_norm")
+    reference = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/M-/M-"], tmp_path, "mtp-single")
+    assert all(r["mtp_loss"] > 0 for r in reference)
+    tp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/M-/M-", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel"], tmp_path, "mtp-tp2-sp", 2)
+    pp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E/M-/M-", "--pipeline-model-parallel-size", "2"],
+                 tmp_path, "mtp-pp2", 2)
+    for name, run in (("mtp-tp2-sp", tp2), ("mtp-pp2", pp2)):
+        assert_same_losses(reference, run, name, keys)
+
+
 @pytest.mark.parametrize("flags, phrase", [
     (["--hybrid-layer-pattern", "M*X"], "'X' is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*+"], "multi-latent attention layers (+) are not supported yet"),
+    (["--hybrid-layer-pattern", "M*/M-/-M"], "every multi-token-prediction depth after '/' must repeat one"),
+    (["--hybrid-layer-pattern", "/M-"], "has no decoder layers before '/'"),
+    (["--hybrid-layer-pattern", "M*/M-", "--mtp-num-layers", "2"], "--mtp-num-layers 2 but --hybrid-layer-pattern "
+                                                                     "has 1 depths after '/'"),
     (["--hybrid-layer-pattern", "M||*", "--pipeline-model-parallel-size", "2"], "a pipeline segment between '|' has"),
     (["--hybrid-layer-pattern", "M*-"], "--num-experts is set but --hybrid-layer-pattern has no MoE layer (E)"),
     (["--hybrid-layer-pattern", "M*|-E", "--pipeline-model-parallel-layout", "Et|ttL",

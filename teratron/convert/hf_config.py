@@ -247,6 +247,9 @@ def _hybrid_hf_config(a: dict, base: dict | None, aux_loss_coeff) -> dict:
     """A hybrid model's HF family: the imported one (`base`), else Nemotron-H for Mamba-2 layers,
     Qwen3-Next for Gated DeltaNet ones (each refuses, in one line, a pattern it cannot hold)."""
     family, pattern = (base or {}).get("model_type"), a["hybrid_layer_pattern"]
+    if "/" in pattern:
+        raise ValueError(f"the checkpoint's hybrid pattern {pattern!r} has multi-token-prediction depths ('/'); "
+                         "the nemotron_h and qwen3_next exports do not carry them")
     if family not in (NEMOTRON_H, "qwen3_next"):
         if "G" in pattern and "M" in pattern:
             raise ValueError(f"the checkpoint's hybrid pattern {pattern!r} has both Mamba-2 (M) and Gated DeltaNet (G) "

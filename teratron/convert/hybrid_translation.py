@@ -105,6 +105,9 @@ def gpt_to_hybrid(load: str, save: str, pattern: str, mamba: dict | None = None,
     (mamba_state_dim, ...; Megatron's defaults otherwise). Returns its folder."""
     folder, metadata, model_args = _source(load)
     _check_gpt(model_args, folder)
+    if Symbols.MTP_SEPARATOR in pattern:
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: multi-token-prediction depths ('/') are not "
+                         "translated; give the decoder's layers only")
     layers = parse_hybrid_pattern(pattern).layers
     attention, mlp = _gpt_layer_places(layers, model_args, f"--hybrid-layer-pattern {pattern!r}")
     hybrid_args = {**model_args, **{name: VARIANT_DEFAULTS[name] for name in _HYBRID_FIELDS[1:]}, **(mamba or {}),
@@ -128,6 +131,9 @@ def hybrid_to_gpt(load: str, save: str) -> str:
     layers = model_args.get("hybrid_layer_pattern")
     if not layers:
         raise ValueError(f"--load {folder}: not a hybrid model (no hybrid_layer_pattern); nothing to translate")
+    if Symbols.MTP_SEPARATOR in layers:
+        raise ValueError(f"--load {folder}: the hybrid pattern {layers!r} has multi-token-prediction depths ('/'), "
+                         "which a GPT model cannot take in this translation")
     gpt_layers = layers.count(Symbols.ATTENTION)
     attention, mlp = _gpt_layer_places(layers, {**model_args, "num_layers": gpt_layers}, f"--load {folder}")
     gpt_layer_of = {**{place: i for i, place in enumerate(attention)}, **{place: i for i, place in enumerate(mlp)}}

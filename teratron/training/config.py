@@ -781,14 +781,19 @@ def _check_mla_flags(args, compiled_on_cpu: bool) -> None:
 
 def _with_hybrid_pattern(args):
     """A hybrid pattern's flags as the config takes them: its layers set --num-layers (Megatron
-    ignores a --num-layers that differs, saying so; so does teratron) and its '|' the pipeline
-    layout; the config keeps the layers only."""
+    ignores a --num-layers that differs, saying so; so does teratron), its '/' depths
+    --mtp-num-layers and its '|' the pipeline layout; the config keeps the layers and MTP depths."""
     if args.hybrid_layer_pattern is None:
         return args
     from teratron.models.hybrid import parse_hybrid_pattern, pipeline_layout
 
     pattern = parse_hybrid_pattern(args.hybrid_layer_pattern)
-    changed = dict(hybrid_layer_pattern=pattern.layers, num_layers=pattern.num_layers, is_hybrid_model=True)
+    changed = dict(hybrid_layer_pattern=pattern.model_pattern, num_layers=pattern.num_layers, is_hybrid_model=True)
+    if pattern.mtp_depths:
+        if args.mtp_num_layers not in (None, pattern.mtp_depths):
+            raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} but --hybrid-layer-pattern has "
+                             f"{pattern.mtp_depths} depths after '/'; drop --mtp-num-layers (the pattern sets it)")
+        changed["mtp_num_layers"] = pattern.mtp_depths
     if args.num_layers is not None and args.num_layers != pattern.num_layers:
         print(f"NOTE: --hybrid-layer-pattern has {pattern.num_layers} layers; --num-layers {args.num_layers} is "
               "ignored", flush=True)

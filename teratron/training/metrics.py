@@ -81,7 +81,8 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
               (in and out projections; the scan, Megatron's rough 7 FLOPs per channel and state)
       Gated DeltaNet = 6 * (h * (2 qk + 2 v + 2 v_heads) + conv * (2 qk + v) + 4 v_heads * v_head^2 + v * h)
               (qk = key heads * key head size, v = value heads * value head size)
-    plus the output layer, 6 * h * padded_vocab."""
+    plus the output layer, 6 * h * padded_vocab; each MTP depth ('/') adds its layers, its eh_proj
+    and the output layer as a GPT model's depth does."""
     from teratron.models.hybrid import Symbols, parse_hybrid_pattern
 
     t, h, s = model.transformer, model.transformer.hidden_size, seq_length
@@ -105,8 +106,10 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
         per_layer[Symbols.GDN] = fb_fma * (h * (2 * qk + 2 * v + 2 * t.linear_num_value_heads)
                                            + t.linear_conv_kernel_dim * (2 * qk + v)
                                            + 4 * t.linear_num_value_heads * t.linear_value_head_dim ** 2 + v * h)
-    layers = sum(per_layer[symbol] for symbol in parse_hybrid_pattern(t.hybrid_layer_pattern).layers)
-    return batch_size * s * (layers + fb_fma * h * model.padded_vocab_size)
+    pattern = parse_hybrid_pattern(t.hybrid_layer_pattern)
+    layers = sum(per_layer[symbol] for symbol in pattern.layers + pattern.mtp_layers * pattern.mtp_depths)
+    mtp_projection = fb_fma * pattern.mtp_depths * (2 * h * h + 3 * h)  # as a GPT model's MTP depths
+    return batch_size * s * (layers + mtp_projection + fb_fma * h * model.padded_vocab_size * (1 + pattern.mtp_depths))
 
 
 def _mla_attention_flops(t, s: int) -> float:

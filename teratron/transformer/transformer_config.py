@@ -716,8 +716,11 @@ class TransformerConfig(ModelParallelConfig):
         if self.moe_layer_freq != 1:
             raise ValueError("moe_layer_freq with hybrid_layer_pattern: the pattern places the MoE layers (E); drop "
                              "--moe-layer-freq")
-        if self.mtp_num_layers:
-            raise NotImplementedError("multi-token prediction (mtp_num_layers) in a hybrid model is not supported yet")
+        depths = self.hybrid_layer_pattern.count("/")
+        if (self.mtp_num_layers or 0) != depths:
+            raise ValueError(f"mtp_num_layers is {self.mtp_num_layers} but hybrid_layer_pattern has {depths} "
+                             "multi-token-prediction depths after '/'; a hybrid model's MTP depths come from the "
+                             "pattern (e.g. 'M*M*/M-/M-')")
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -164,6 +164,8 @@ def test_derived_layer_types_tied_embeddings_and_refusals(tmp_path):
         assert "\n" not in str(error.value)
     for change, message in [
         (dict(hybrid_layer_pattern="GEG"), "^the checkpoint's hybrid pattern 'GEG' is not Qwen3-Next's"),
+        (dict(hybrid_layer_pattern="GE*E/GE", mtp_num_layers=1),
+         "^the checkpoint's hybrid pattern 'GE\*E/GE' has multi-token-prediction depths \('/'\); the nemotron_h"),
         (dict(hybrid_layer_pattern="MEGE"), "^the checkpoint's hybrid pattern 'MEGE' has both Mamba-2 \\(M\\) and "
                                             "Gated DeltaNet \\(G\\) layers; no Hugging Face family holds both"),
         (dict(layernorm_zero_centered_gamma=False),

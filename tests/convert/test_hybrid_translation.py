@@ -89,6 +89,7 @@ def test_mamba_layers_are_new_and_the_rest_round_trips(gpt_checkpoint, tmp_path)
     ("*-*E", "the pattern has MoE (E) layers but the GPT model's MLPs are dense; use '-'"),
     ("*-G*-", "Gated DeltaNet layers (G), which a GPT layer cannot hold"),
     ("*-Q*-", "'Q' is not a layer symbol"),
+    ("*-*-/M-", "multi-token-prediction depths ('/') are not translated; give the decoder's layers only"),
 ])
 def test_patterns_that_do_not_fit_are_one_line(gpt_checkpoint, tmp_path, capsys, pattern, phrase):
     assert cli.main(["convert", "gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "out"),

@@ -137,7 +137,7 @@ def test_hybrid_model_counts_each_layer_by_its_kind():
                 linear_conv_kernel_dim=4)
 
     def flops(pattern, **kw):
-        config = TransformerConfig(num_layers=len(pattern), hybrid_layer_pattern=pattern, **{**base, **kw})
+        config = TransformerConfig(num_layers=len(pattern.split("/")[0]), hybrid_layer_pattern=pattern, **{**base, **kw})
         model = GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
                                position_embedding_type="rope")
         return num_floating_point_operations(model, s, batch)
@@ -150,3 +150,8 @@ def test_hybrid_model_counts_each_layer_by_its_kind():
     qk, v = 8 * 2, 16 * 4
     gdn = 3 * 2 * (h * (2 * qk + 2 * v + 2 * 4) + 4 * (2 * qk + v) + 4 * 16 ** 2 * 4 + h * v)
     assert math.isclose(flops("G*-*-") - gpt, batch * s * gdn, rel_tol=1e-12)
+    # '/' depths: '*-' per depth is GPT's MTP depth (a layer, eh_proj, the output layer again).
+    gpt_mtp = _flops(_args(num_layers=2, hidden_size=h, seq_length=s, padded_vocab_size=vocab, mtp_num_layers=2), batch)
+    assert math.isclose(flops("*-*-/*-/*-", mtp_num_layers=2), gpt_mtp, rel_tol=1e-12)
+    assert math.isclose(flops("*-*-/M*-", mtp_num_layers=1) - flops("*-*-/*-", mtp_num_layers=1), batch * s * mamba,
+                        rel_tol=1e-12)

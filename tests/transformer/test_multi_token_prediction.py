@@ -134,6 +134,39 @@ def test_mtp_equals_the_plain_pytorch_computation(depths):
     torch.testing.assert_close(lm_loss, without(ids, None, labels=labels))
 
 
+@pytest.mark.parametrize("depths", [1, 2])
+def test_hybrid_mtp_depths_equal_the_plain_pytorch_computation(depths):
+    """A hybrid pattern's '/' depths: "*-/*-" runs an attention layer then an MLP layer per depth, the
+    computation of the reference's one transformer layer (weights renamed from the stack's)."""
+    config = make_config(num_layers=2, hybrid_layer_pattern="*-" + "/*-" * depths, mtp_num_layers=depths)
+    model = build(config)
+    ids, labels, mask = batch()
+    h0 = {}
+    model.decoder.register_forward_hook(lambda module, args, output: h0.setdefault("h", output))
+    MoEAuxLossAutoScaler.set_loss_scale(None)
+    pop_mtp_losses()
+    lm_loss = model(ids, None, labels=labels, loss_mask=mask)
+    logged = pop_mtp_losses()
+    (lm_loss * mask).sum().backward()
+
+    stack = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()
+             if name.startswith("mtp.")}
+    as_one_layer = {name.replace("transformer_layer.layers.0.", "transformer_layer.")
+                    .replace("transformer_layer.layers.1.", "transformer_layer."): w for name, w in stack.items()}
+    assert len(as_one_layer) == len(stack)  # the two layers' weights do not overlap
+    embedding = model.embedding.word_embeddings.weight.detach()
+    reference = reference_mtp(as_one_layer, embedding, h0["h"].detach().transpose(0, 1), ids, labels, mask, depths)
+    assert len(logged) == depths
+    for (ref_sum, ref_count), report in zip(reference, logged):
+        assert report[1].item() == ref_count.item()
+        torch.testing.assert_close(report[0], ref_sum.detach(), rtol=1e-5, atol=1e-5)
+    total = sum(loss_sum / count for loss_sum, count in reference) * (config.mtp_loss_scaling_factor / depths)
+    total.backward()
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            torch.testing.assert_close(p.grad, stack[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_mtp_reaches_the_main_model_and_not_without_its_loss():
     """With labels the MTP loss trains the main model too (h_0 and the shared embedding);
     without labels the model returns the main logits and runs no MTP layer."""

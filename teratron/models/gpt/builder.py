@@ -7,13 +7,13 @@ Layers are placed by `transformer.get_num_layers_to_build` / `get_transformer_la
 from the config's pipeline settings; MoE layers go where `moe_layer_freq` puts them; the
 multi-token-prediction layers (config.mtp_num_layers) on the last stage. A hybrid config
 (`hybrid_layer_pattern`) gets its pattern's layers (`models.hybrid`) around GPT's embedding,
-output layer and loss: Megatron's HybridModel.
+output layer and loss, and its MTP depths the layers after the pattern's '/': Megatron's HybridModel.
 """
 
 from teratron.models.gpt.gpt_config import GPTModelConfig
 from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from teratron.models.gpt.gpt_model import GPTModel
-from teratron.models.hybrid.hybrid_layer_specs import get_hybrid_decoder_block_spec
+from teratron.models.hybrid.hybrid_layer_specs import get_hybrid_decoder_block_spec, hybrid_mtp_layer_spec
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.topology import resolve_pg_collection
 
@@ -27,6 +27,7 @@ def build_gpt_model(model: GPTModelConfig, pre_process: bool = True, post_proces
                      pp_size=get_pg_size(pg.pp))
     block_spec = get_hybrid_decoder_block_spec if config.hybrid_layer_pattern else get_gpt_decoder_block_spec
     spec = block_spec(config, **placement)
+    mtp_layer = hybrid_mtp_layer_spec(config, config.normalization) if config.hybrid_layer_pattern else None
     return GPTModel(
         config, spec, vocab_size=model.padded_vocab_size, max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
@@ -37,7 +38,7 @@ def build_gpt_model(model: GPTModelConfig, pre_process: bool = True, post_proces
         rope_scaling_high_freq_factor=model.rope_scaling_high_freq_factor,
         rope_scaling_original_max_position_embeddings=model.rope_scaling_original_max_position_embeddings,
         pg_collection=pg, vp_stage=vp_stage,
-        unpadded_vocab_size=model.vocab_size, mtp_block_spec=get_gpt_mtp_block_spec(config, **placement),
+        unpadded_vocab_size=model.vocab_size, mtp_block_spec=get_gpt_mtp_block_spec(config, mtp_layer, **placement),
     )
 
 

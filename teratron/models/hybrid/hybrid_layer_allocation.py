@@ -6,12 +6,14 @@
     -  MLP layer            (norm, MLP, residual)
     E  MoE layer            (norm, MoE, residual)
     |  a pipeline-stage boundary (not a layer)
+    /  multi-token prediction: "M*M*/M-/M-" is the model M*M* and two MTP depths, each of layers M-
 
 "M-M*-" is five layers. The pattern's layers are the model's (`num_layers` is their count); its
 `|` place them on pipeline stages, which the run turns into a pipeline layout (`pipeline_layout`),
-so the model itself (and what a checkpoint records) is the pattern without them. Megatron's `D`
-(DeepSeek sparse attention), `+` (multi-latent attention) and `/` (hybrid MTP depths) are refused
-with one line.
+so the model itself (and what a checkpoint records) is the pattern without them. After `/`, every
+MTP depth repeats one pattern (Megatron's rule); each depth wraps its layers as a GPT MTP depth wraps
+its one layer (`mtp_num_layers` is the count of depths; they sit on the last stage). Megatron's `D`
+(DeepSeek sparse attention) and `+` (multi-latent attention) are refused with one line.
 """
 
 from dataclasses import dataclass
@@ -28,21 +30,27 @@ class Symbols:
     VALID_LAYERS = frozenset({MAMBA, GDN, ATTENTION, MLP, MOE})
 
 
-_NOT_YET = {"D": "DeepSeek sparse attention layers (D)", "+": "multi-latent attention layers (+)",
-            "/": "multi-token prediction depths in the pattern (/)"}
+_NOT_YET = {"D": "DeepSeek sparse attention layers (D)", "+": "multi-latent attention layers (+)"}
 
 
 @dataclass(frozen=True)
 class HybridPattern:
-    """A parsed --hybrid-layer-pattern: the layers in order, and the layers of each pipeline
-    segment (one segment when the pattern has no `|`)."""
+    """A parsed --hybrid-layer-pattern: the layers in order, the layers of each pipeline segment
+    (one segment when the pattern has no `|`), and each MTP depth's layers with the depth count."""
 
     layers: str
     segments: tuple
+    mtp_layers: str = ""
+    mtp_depths: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def model_pattern(self) -> str:
+        """What the config records: the layers, then each MTP depth's after '/' (no '|')."""
+        return self.layers + f"{Symbols.MTP_SEPARATOR}{self.mtp_layers}" * self.mtp_depths
 
 
 def parse_hybrid_pattern(pattern: str) -> HybridPattern:
@@ -54,21 +62,30 @@ def parse_hybrid_pattern(pattern: str) -> HybridPattern:
         if symbol in _NOT_YET:
             raise NotImplementedError(f"--hybrid-layer-pattern {pattern!r}: {_NOT_YET[symbol]} are not supported "
                                       "yet; use M, G, *, - and E layers")
-        if symbol not in Symbols.VALID_LAYERS and symbol != Symbols.PIPE:
+        if symbol not in Symbols.VALID_LAYERS and symbol not in (Symbols.PIPE, Symbols.MTP_SEPARATOR):
             raise ValueError(f"--hybrid-layer-pattern {pattern!r}: {symbol!r} is not a layer symbol; use M (Mamba), "
-                             "G (Gated DeltaNet), * (attention), - (MLP), E (MoE) and | (pipeline boundary)")
-    segments = tuple(pattern.split(Symbols.PIPE))
+                             "G (Gated DeltaNet), * (attention), - (MLP), E (MoE), | (pipeline boundary) and / "
+                             "(multi-token prediction depths)")
+    main, *depths = pattern.split(Symbols.MTP_SEPARATOR)
+    if depths and (not all(depths) or len(set(depths)) > 1 or Symbols.PIPE in depths[0]):
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: every multi-token-prediction depth after '/' must "
+                         "repeat one non-empty pattern without '|' (e.g. 'M*M*/M-/M-')")
+    if not main.strip(Symbols.PIPE):
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no decoder layers before '/'; give the model's "
+                         "layers first (e.g. 'M*M*/M-')")
+    segments = tuple(main.split(Symbols.PIPE))
     if len(segments) > 1 and not all(segments):
         raise ValueError(f"--hybrid-layer-pattern {pattern!r}: a pipeline segment between '|' has no layers; "
                          "give every stage at least one layer")
-    return HybridPattern(layers="".join(segments), segments=segments)
+    return HybridPattern(layers="".join(segments), segments=segments, mtp_layers=depths[0] if depths else "",
+                         mtp_depths=len(depths))
 
 
 def pipeline_layout(pattern: HybridPattern):
     """Megatron's --pipeline-model-parallel-layout for the pattern's `|` (embedding on the first
-    segment, loss on the last), or None without them."""
+    segment, MTP depths and loss on the last), or None without them."""
     if len(pattern.segments) == 1:
         return None
     last = len(pattern.segments) - 1
-    return "|".join(("E" if i == 0 else "") + "t" * len(segment) + ("L" if i == last else "")
+    return "|".join(("E" if i == 0 else "") + "t" * len(segment) + ("m" * pattern.mtp_depths + "L" if i == last else "")
                     for i, segment in enumerate(pattern.segments))

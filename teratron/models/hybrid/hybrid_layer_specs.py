@@ -11,6 +11,7 @@ import dataclasses
 from teratron.models.gpt.gpt_layer_specs import _norm_class, get_gpt_layer_local_spec
 from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_transformer_layer_offset
 from teratron.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+from teratron.models.hybrid.hybrid_stack import HybridStack
 from teratron.models.hybrid.mamba_layer import MambaLayer, MambaLayerSubmodules
 from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.transformer.identity_op import IdentityOp
@@ -56,11 +57,22 @@ _LAYER_SPECS = {Symbols.ATTENTION: _attention_layer, Symbols.MLP: _mlp_layer, Sy
                 Symbols.MAMBA: _mamba_layer, Symbols.GDN: _gated_delta_net_layer}
 
 
+def _specs(symbols: str, config, normalization) -> list:
+    built = {symbol: _LAYER_SPECS[symbol](config, normalization) for symbol in set(symbols)}
+    return [built[symbol] for symbol in symbols]
+
+
 def hybrid_layer_specs(config, normalization=None) -> list:
-    """The spec of every layer of the hybrid model, in the pattern's order."""
-    layers = parse_hybrid_pattern(config.hybrid_layer_pattern).layers
-    built = {symbol: _LAYER_SPECS[symbol](config, normalization) for symbol in set(layers)}
-    return [built[symbol] for symbol in layers]
+    """The spec of every decoder layer of the hybrid model, in the pattern's order."""
+    return _specs(parse_hybrid_pattern(config.hybrid_layer_pattern).layers, config, normalization)
+
+
+def hybrid_mtp_layer_spec(config, normalization=None):
+    """What each multi-token-prediction depth runs: the layers after '/' (None without them)."""
+    mtp_layers = parse_hybrid_pattern(config.hybrid_layer_pattern).mtp_layers
+    if not mtp_layers:
+        return None
+    return ModuleSpec(module=HybridStack, params={"layer_specs": _specs(mtp_layers, config, normalization)})
 
 
 def get_hybrid_decoder_block_spec(config, normalization=None, vp_stage=None, pp_rank=None,
