@@ -97,3 +97,13 @@ def test_patterns_that_do_not_fit_are_one_line(gpt_checkpoint, tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_hybrid_with_mtp_depths_is_not_translated_to_gpt(tmp_path, capsys):
+    hybrid = tmp_path / "hybrid"
+    train(GPT + MAMBA + ["--hybrid-layer-pattern", "M*-/*-", "--train-iters", "1", "--save", str(hybrid),
+                         "--save-interval", "1"], tmp_path, "hybrid-mtp")
+    assert cli.main(["convert", "hybrid-to-gpt", "--load", str(hybrid), "--save", str(tmp_path / "gpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the hybrid pattern 'M*-/*-' has multi-token-prediction depths ('/')" in err[0], err
+    assert not (tmp_path / "gpt").exists()
