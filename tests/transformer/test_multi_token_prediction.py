@@ -9,6 +9,7 @@ cross entropy against the labels k ahead, the last k positions masked. The model
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -102,9 +103,9 @@ def reference_mtp(weights, embedding, h0, ids, labels, mask, depths):
 
 # ----- tests ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("depths", [1, 2])
-def test_mtp_equals_the_plain_pytorch_computation(depths):
-    config = make_config(mtp_num_layers=depths)
+def check_against_reference(config, depths, reference_name=lambda name: name):
+    """The model's logged [sum, count] per depth and its MTP gradients equal the reference's, whose
+    weights are the model's MTP parameters under `reference_name`; returns (LM loss, ids, labels)."""
     model = build(config)
     ids, labels, mask = batch()
     h0 = {}
@@ -117,8 +118,10 @@ def test_mtp_equals_the_plain_pytorch_computation(depths):
 
     weights = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()
                if name.startswith("mtp.")}
+    renamed = {reference_name(name): w for name, w in weights.items()}
+    assert len(renamed) == len(weights)  # no two parameters under one reference name
     embedding = model.embedding.word_embeddings.weight.detach()
-    reference = reference_mtp(weights, embedding, h0["h"].detach().transpose(0, 1), ids, labels, mask, depths)
+    reference = reference_mtp(renamed, embedding, h0["h"].detach().transpose(0, 1), ids, labels, mask, depths)
     assert len(logged) == depths
     for k, ((ref_sum, ref_count), report) in enumerate(zip(reference, logged), 1):
         assert report[1].item() == ref_count.item() == mask[:, k:].sum().item()
@@ -129,6 +132,13 @@ def test_mtp_equals_the_plain_pytorch_computation(depths):
     for name, p in model.named_parameters():
         if name.startswith("mtp."):
             torch.testing.assert_close(p.grad, weights[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    return lm_loss, ids, labels
+
+
+@pytest.mark.parametrize("depths", [1, 2])
+def test_mtp_equals_the_plain_pytorch_computation(depths):
+    config = make_config(mtp_num_layers=depths)
+    lm_loss, ids, labels = check_against_reference(config, depths)
     # The LM loss itself is the plain one: the MTP loss joins only its backward.
     without = build(dataclasses.replace(config, mtp_num_layers=None, mtp_loss_scaling_factor=None))
     torch.testing.assert_close(lm_loss, without(ids, None, labels=labels))
@@ -139,32 +149,8 @@ def test_hybrid_mtp_depths_equal_the_plain_pytorch_computation(depths):
     """A hybrid pattern's '/' depths: "*-/*-" runs an attention layer then an MLP layer per depth, the
     computation of the reference's one transformer layer (weights renamed from the stack's)."""
     config = make_config(num_layers=2, hybrid_layer_pattern="*-" + "/*-" * depths, mtp_num_layers=depths)
-    model = build(config)
-    ids, labels, mask = batch()
-    h0 = {}
-    model.decoder.register_forward_hook(lambda module, args, output: h0.setdefault("h", output))
-    MoEAuxLossAutoScaler.set_loss_scale(None)
-    pop_mtp_losses()
-    lm_loss = model(ids, None, labels=labels, loss_mask=mask)
-    logged = pop_mtp_losses()
-    (lm_loss * mask).sum().backward()
-
-    stack = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()
-             if name.startswith("mtp.")}
-    as_one_layer = {name.replace("transformer_layer.layers.0.", "transformer_layer.")
-                    .replace("transformer_layer.layers.1.", "transformer_layer."): w for name, w in stack.items()}
-    assert len(as_one_layer) == len(stack)  # the two layers' weights do not overlap
-    embedding = model.embedding.word_embeddings.weight.detach()
-    reference = reference_mtp(as_one_layer, embedding, h0["h"].detach().transpose(0, 1), ids, labels, mask, depths)
-    assert len(logged) == depths
-    for (ref_sum, ref_count), report in zip(reference, logged):
-        assert report[1].item() == ref_count.item()
-        torch.testing.assert_close(report[0], ref_sum.detach(), rtol=1e-5, atol=1e-5)
-    total = sum(loss_sum / count for loss_sum, count in reference) * (config.mtp_loss_scaling_factor / depths)
-    total.backward()
-    for name, p in model.named_parameters():
-        if name.startswith("mtp."):
-            torch.testing.assert_close(p.grad, stack[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    check_against_reference(config, depths, lambda name: re.sub(r"transformer_layer\.layers\.[01]\.",
+                                                                 "transformer_layer.", name))
 
 
 def test_mtp_reaches_the_main_model_and_not_without_its_loss():
