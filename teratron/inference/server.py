@@ -29,6 +29,9 @@ from teratron.inference.openai_api import (GenerationRequest, RequestError, Resp
                                            parse_chat, parse_completion)
 
 MAX_REQUEST_BYTES = 4 << 20  # a request body of at most 4 MiB: prompts of a few hundred thousand tokens
+# Ctrl+C or SIGTERM: a request in flight may finish for this long; aiohttp then waits as long again
+# for its handler after cancelling the request's input, and cancels the handler (about 5 s in all).
+SHUTDOWN_TIMEOUT_S = 2.5
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 logger = logging.getLogger(__name__)
@@ -69,10 +72,14 @@ async def _json_body(request: web.Request) -> dict:
 
 
 async def serve(app: web.Application, host: str, port: int, on_listening=None) -> None:
-    """Serve `app` on host:port until cancelled, then shut it down (requests in flight are
-    cancelled, which aborts them, and the engine stops). `on_listening(addresses)` is called once
-    the socket listens (port 0: a free port, which the addresses show)."""
-    runner = web.AppRunner(app, handler_cancellation=True)  # a client that disconnects cancels its handler
+    """Serve `app` on host:port until cancelled, then shut it down (requests in flight get
+    SHUTDOWN_TIMEOUT_S to finish, then are cancelled, which aborts them, by 2 x SHUTDOWN_TIMEOUT_S;
+    the engine stops).
+    `on_listening(addresses)` is called once the socket listens (port 0: a free port, which the
+    addresses show)."""
+    # handler_cancellation: a client that disconnects cancels its handler. shutdown_timeout: aiohttp's
+    # default, 60 s (twice over), kept a stopped server alive two minutes behind a running request.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
         try:

@@ -12,7 +12,7 @@ from inference.server_testing import FakeEngine, running_server, write_byte_toke
 from teratron.inference.async_engine import AsyncInferenceEngine
 from teratron.inference.chat_template import ChatTemplate
 from teratron.inference.openai_api import ServedModel
-from teratron.inference.server import MAX_REQUEST_BYTES, OpenAIServer
+from teratron.inference.server import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT_S, OpenAIServer
 from teratron.tokenizers import HuggingFaceTokenizer
 
 MODEL_ID = "tiny-ckpt"
@@ -331,3 +331,23 @@ def test_disconnecting_client_frees_its_request(tokenizer_dir, stream):
         assert engine.steps < 60
         with _client(url) as client:
             assert client.completions.create(model=MODEL_ID, prompt="ok", max_tokens=2).choices[0].text
+
+
+def test_a_stop_cancels_a_request_still_running_after_the_grace_period(tokenizer_dir):
+    """Ctrl+C or SIGTERM while a long request runs: the server stops within 2 x SHUTDOWN_TIMEOUT_S (and
+    an engine step), not aiohttp's default two minutes; the request is aborted in the engine and its
+    client sees the connection end."""
+    engine, _, app = _server(tokenizer_dir, step_seconds=1.0)  # 60 tokens: a minute to finish
+    with running_server(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "abc", "max_tokens": 60}),
+                     headers={"Content-Type": "application/json"})
+        _wait_until(lambda: engine.steps >= 1)
+        stopping = time.monotonic()
+    stopped_after = time.monotonic() - stopping
+    assert SHUTDOWN_TIMEOUT_S - 0.5 < stopped_after < 2 * SHUTDOWN_TIMEOUT_S + 3, stopped_after
+    assert engine.aborted == [0] and engine.steps < 60
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        conn.getresponse()
+    conn.close()
