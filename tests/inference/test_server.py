@@ -346,7 +346,8 @@ def test_a_stop_cancels_a_request_still_running_after_the_grace_period(tokenizer
         _wait_until(lambda: engine.steps >= 1)
         stopping = time.monotonic()
     stopped_after = time.monotonic() - stopping
-    assert SHUTDOWN_TIMEOUT_S - 0.5 < stopped_after < 2 * SHUTDOWN_TIMEOUT_S + 3, stopped_after
+    # The documented "about 5 s" (2 x SHUTDOWN_TIMEOUT_S), plus up to 3 s for the engine's step and load.
+    assert SHUTDOWN_TIMEOUT_S - 0.5 < stopped_after < 5 + 3, stopped_after
     assert engine.aborted == [0] and engine.steps < 60
     with pytest.raises((http.client.HTTPException, ConnectionError)):
         conn.getresponse()
