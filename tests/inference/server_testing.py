@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -156,6 +157,12 @@ class FakeEngine:
             top = dict(list({token: -(k + 1) / 10, runner_up: -(k + 1) / 10 - 1}.items())[:params.top_n_logprobs])
             out.top_n_logprobs = (out.top_n_logprobs or []) + [top]
         return out
+
+
+def default_ctrl_c() -> None:
+    """Popen's preexec_fn for a server a test stops with SIGINT: a shell that starts the suite in
+    the background (without job control) ignores SIGINT, and processes inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ import torch
 import transformers
 
 from convert.hf_testing import save_random_hf_model
-from inference.server_testing import WORD_VOCAB, running_server, write_byte_tokenizer, write_word_tokenizer
+from inference.server_testing import (WORD_VOCAB, default_ctrl_c, running_server, write_byte_tokenizer,
+                                     write_word_tokenizer)
 from teratron import cli
 from teratron.inference import cli as inference_cli
 from teratron.inference.async_engine import AsyncInferenceEngine
@@ -249,7 +250,8 @@ def test_serve_command(imported, stop, returncode, last_words):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "teratron", "serve", "--load", ckpt, "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                               preexec_fn=default_ctrl_c)
     try:
         line = process.stdout.readline()
         assert f"at http://127.0.0.1:{port}/v1" in line and "'tiny-llama'" in line, process.stderr.read()

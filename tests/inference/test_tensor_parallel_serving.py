@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from dist import run_distributed
+from inference.server_testing import default_ctrl_c
 from inference.test_inference_cli import ENGINE, _free_port, _post, drafts, imported, served  # noqa: F401 - fixtures
 from teratron import cli
 from teratron import parallel_state as ps
@@ -106,7 +107,7 @@ def _launch_tp2_server(ckpt, port):
     master = str(_free_port())
     argv = [sys.executable, "-m", "teratron", "serve", "--load", ckpt, "--port", str(port),
             "--tensor-model-parallel-size", "2", *SMALL]
-    return [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_ctrl_c,
                              env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=master,
                                       WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)))
             for rank in range(2)]
