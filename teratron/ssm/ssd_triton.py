@@ -7,35 +7,44 @@ Per chunk c of L tokens and head h, with a_t = dt_t A_h, cum_i its running sum i
 last entry Lam = cum_{L-1}, xw_j = dt_j x_j, decay_ij = exp(cum_i - cum_j) for j <= i (else 0),
 M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c the one entering it:
 
-    forward, four kernels, each program one (batch, chunk, head) unless said
+    forward, each program one (batch, chunk, head) unless said
       cum        cumsum of a in the chunk                                    (_chunk_cumsum_kernel)
       S_c        sum_j exp(Lam - cum_j) xw_j B_j^T = (x o w)^T B             (_chunk_state_kernel)
       H_c        H_0 = initial; H_{c+1} = exp(Lam_c) H_c + S_c, a loop over
                  chunks per (batch, head, block of the p x n state)          (_state_passing_kernel)
+      CB         C B^T [L, L], once per (batch, chunk, group): its heads share it (_chunk_scores_kernel)
       y          M (dt o x) + exp(cum) o (C H_c^T) + D x                     (_chunk_scan_kernel)
 
-    backward: with the forward's cum and H_c (saved), dY the output's gradient and dH_m the final
-    state's,
+    backward: with the forward's cum, CB and H_c (saved), dY the output's gradient and dH_m the
+    final state's, in this order
       G_c        sum_i exp(cum_i) dY_i C_i^T: the chunk's direct pull on H_c (_chunk_state_kernel)
       dH_c       exp(Lam_c) dH_{c+1} + G_c, backwards over chunks; dS_c = dH_{c+1};
-                 dLam_c += exp(Lam_c) <dH_{c+1}, H_c>; d initial = dH_0     (_state_passing_backward_kernel)
-      dxw        M^T dY + exp(Lam - cum) o (B dS_c^T)     -> dx = dt o dxw + D dY, ddt = rowsum(x o dxw) + A da
-      dcum       rowsum(R) - colsum(R), R = M o (dY xw^T)                     (intra-chunk)
-                 + exp(cum) o rowsum(dY o (C H_c^T))                          (from earlier chunks)
+                 d initial = dH_0                                             (_state_passing_backward_kernel)
+      dCB        sum over a group's heads of Q = (dY xw^T) o decay; per head, the decay's pull
+                 dcum = rowsum(R) - colsum(R), R = Q o CB     (_chunk_scan_backward_dcb_kernel)
+      dC, dB     per (batch, chunk, group): dC = dCB B + sum over heads exp(cum) o (dY H_c),
+                 dB = dCB^T C + sum over heads exp(Lam - cum) o (xw dS_c); per head, from the
+                 same state tiles, the state passing's dLam_c = exp(Lam_c) <dS_c, H_c>
+                                                                              (_chunk_scan_backward_dbc_kernel)
+      dxw        M^T dY + exp(Lam - cum) o (B dS_c^T)   -> dx = dt o dxw + D dY, ddt = rowsum(x o dxw) + A da
+      dcum       + exp(cum) o rowsum(dY o (C H_c^T))                          (from earlier chunks)
                  - e, e_j = exp(Lam - cum_j) xw_j . (B dS_c^T)_j; dLam += sum(e)  (the chunk's state)
                  dcum_{L-1} += dLam; da = reverse cumsum of dcum; dA = sum dt o da; dD = sum dY o x
                                                                               (_chunk_scan_backward_dx_kernel)
-      dC, dB     per (batch, chunk, group), summed over the group's heads: Q = (dY xw^T) o decay,
-                 dC = Q B + exp(cum) o (dY H_c),  dB = Q^T C + exp(Lam - cum) o (xw dS_c)
-                                                                              (_chunk_scan_backward_dbc_kernel)
+
+A group's heads share B and C, so C B^T and the products with dCB are computed once per group,
+not once per head (a Mamba-2 layer has 8 or 16 heads a group). The dCB sum over a group's heads
+is split over programs (each a slice of the heads, `_Shape.heads_per_split`) when there are
+too few (batch, chunk, group) programs to fill the GPU; their partial sums are added in a fixed
+order (deterministic).
 
 Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
 tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
 Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
 power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per program and
-loop over n (C B^T and C H^T are sums over n; ddt, dA and dD sum the p blocks' shares
-afterwards), dB and dC one block of n and loop over p: a program's registers stay near what the
-[L, L] tiles take whatever p and n are.
+loop over n (C H^T and B dS^T are sums over n; ddt, dA and dD sum the p blocks' shares
+afterwards), dB and dC one block of n and loop over p, CB and dCB loop over n and p: a program's
+registers stay near what the [L, L] tiles take whatever p and n are.
 """
 
 import os
@@ -62,6 +71,9 @@ CHUNK_SIZES = (16, 32, 64, 128)
 # inputs, 8 warps) under 1 KiB a thread at L = 128 and 150 bytes at 64, and every kernel's shared
 # memory within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 32
+# (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
+# over several programs (an H200 has 132 SMs; a few programs each keep them busy).
+DCB_PROGRAMS = 512
 
 
 @torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
@@ -121,9 +133,21 @@ class _Shape:
     def n_blocks(self):
         return triton.cdiv(self.d_state, self.block_n)
 
+    @property
+    def heads_per_split(self):
+        """Heads per program of the dCB sum: a group's heads, or a slice of them when fewer than
+        DCB_PROGRAMS (batch, chunk, group) programs would run."""
+        heads_per_group = self.heads // self.groups
+        splits = min(heads_per_group, triton.cdiv(DCB_PROGRAMS, self.batch * self.chunks * self.groups))
+        return triton.cdiv(heads_per_group, splits)
+
+    @property
+    def splits(self):
+        return triton.cdiv(self.heads // self.groups, self.heads_per_split)
+
 
 class _SSDFunction(torch.autograd.Function):
-    """Saves the inputs, the chunks' cumulative decays and the states entering each chunk."""
+    """Saves the inputs, the chunks' cumulative decays, C B^T and the states entering each chunk."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, chunk_size):
@@ -131,38 +155,52 @@ class _SSDFunction(torch.autograd.Function):
         x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
         A32 = A.float().contiguous()
         cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
+        b, m, g, L = shape.batch, shape.chunks, shape.groups, shape.chunk
+        scores = torch.empty(b, m, g, L, L, device=x.device, dtype=torch.float32)  # C B^T per group
+        _chunk_scores_kernel[(b * m, g)](B, C, scores, **shape.sizes(), **shape.meta(x.dtype))
         y = torch.empty_like(x)
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        _chunk_scan_kernel[(shape.batch * shape.chunks, shape.heads, shape.p_blocks)](
-            x, dt, B, C, D32, cum, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
+        _chunk_scan_kernel[(b * m, shape.heads, shape.p_blocks)](
+            x, dt, C, D32, cum, scores, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
         # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
         # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
         # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape).
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, states)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, scores, states)
         ctx.shape = shape
         return y, final.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, initial_state, cum, states = ctx.saved_tensors
+        x, dt, A, B, C, D, initial_state, cum, scores, states = ctx.saved_tensors
         shape = ctx.shape
         b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
         dy = dy.contiguous()
         A32 = A.float().contiguous()
         D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        dstates, dinitial, dlast = _state_grads(dy, dt, C, cum, states, dfinal, shape)
+        dstates, dinitial = _state_grads(dy, dt, C, cum, dfinal, shape)
 
         fp32 = dict(device=x.device, dtype=torch.float32)
+        # dCB's partial sums over slices of a group's heads, and each head's dcum from the decay
+        dscores_parts = torch.empty(shape.splits, b, m, shape.groups, shape.chunk, shape.chunk, **fp32)
+        dcum_intra = torch.empty_like(cum)
+        _chunk_scan_backward_dcb_kernel[(b * m, shape.groups, shape.splits)](
+            x, dt, dy, cum, scores, dscores_parts, dcum_intra, **shape.sizes(),
+            HEADS_PER_SPLIT=shape.heads_per_split, **meta)
+        # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
+        # pull on the chunk's decay), summed here
+        dB, dC = torch.empty_like(B), torch.empty_like(C)
+        dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
+        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
+            x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **shape.sizes(),
+            SPLITS=shape.splits, **meta)
+        dlast = dlast_parts.sum(-1)
         dx = torch.empty_like(x)
         # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
         ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
         dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
         _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
-            x, dt, A32, B, C, D32, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts, dD_parts,
-            **shape.sizes(), HAS_D=D is not None, **meta)
-        dB, dC = torch.empty_like(B), torch.empty_like(C)
-        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
-            x, dt, B, C, dy, cum, states, dstates, dB, dC, **shape.sizes(), **meta)
+            x, dt, A32, B, C, D32, dy, cum, scores, states, dstates, dlast, dcum_intra, dx, ddt_parts, dA_parts,
+            dD_parts, **shape.sizes(), HAS_D=D is not None, **meta)
         ddt = ddt_parts.sum(0).to(dt.dtype)
         dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
         dD = dD_parts.sum((0, 1, 2)).to(D.dtype) if D is not None else None
@@ -186,20 +224,17 @@ def _scan_states(x, dt, A32, B, initial_state, shape):
     return cum, states, final
 
 
-def _state_grads(dy, dt, C, cum, states, dfinal, shape):
+def _state_grads(dy, dt, C, cum, dfinal, shape):
     """dS_c, the gradient of each chunk's own state (that of the state leaving it) [b, m, h, p, n],
-    the initial state's gradient [b, h, p, n], and dLam_c's part from the state passing [b, h, m]."""
+    and the initial state's gradient [b, h, p, n]."""
     b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
-    dstates = torch.empty_like(states)  # G_c, then dS_c in place
+    dstates = torch.empty(b, m, h, p, n, device=dy.device, dtype=torch.float32)  # G_c, then dS_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
         dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **shape.meta(dy.dtype))
     dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
-    blocks = triton.cdiv(p * n, STATE_BLOCK)
-    dlast = torch.empty(b, h, m, blocks, device=dy.device, dtype=torch.float32)
-    _state_passing_backward_kernel[(b, h, blocks)](
-        dstates, states, cum, dfinal.float().contiguous(), dinitial, dlast, h, m, p * n, L=shape.chunk,
-        BLOCK=STATE_BLOCK)
-    return dstates, dinitial, dlast.sum(-1).contiguous()
+    _state_passing_backward_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
+        dstates, cum, dfinal.float().contiguous(), dinitial, h, m, p * n, L=shape.chunk, BLOCK=STATE_BLOCK)
+    return dstates, dinitial
 
 
 if triton is not None:
@@ -273,95 +308,148 @@ if triton is not None:
             state = tl.load(initial + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
         else:
             state = tl.zeros([BLOCK], tl.float32)
+        # Chunk c + 1's loads are issued before chunk c's store: two chunks' reads in flight
+        # (the loop is one long chain, bound by memory latency, not bandwidth).
+        own = tl.load(states + (bi * m * heads + head) * pn + lanes, mask=ok, other=0.0)
+        decay = tl.exp(tl.load(cum + (bi * heads + head) * m * L + L - 1))
         for c in range(m):
-            slot = states + ((bi * m + c) * heads + head) * pn + lanes
-            own = tl.load(slot, mask=ok, other=0.0)
-            tl.store(slot, state, mask=ok)
-            state = tl.exp(tl.load(cum + ((bi * heads + head) * m + c) * L + L - 1)) * state + own
+            ahead = tl.minimum(c + 1, m - 1)  # the last chunk reloads itself (unused)
+            next_own = tl.load(states + ((bi * m + ahead) * heads + head) * pn + lanes, mask=ok, other=0.0)
+            next_decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + ahead) * L + L - 1))
+            tl.store(states + ((bi * m + c) * heads + head) * pn + lanes, state, mask=ok)
+            state = decay * state + own
+            own, decay = next_own, next_decay
         tl.store(final + (bi * heads + head) * pn + lanes, state, mask=ok)
 
     @triton.jit
-    def _state_passing_backward_kernel(dstates, states, cum, dfinal, dinitial, dlast, heads, m, pn,
-                                       L: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (bi, head, k), the chunks in reverse: replaces G_c by dS_c = dH_{c+1}, writes this
-        block's share of dLam_c = exp(Lam_c) <dH_{c+1}, H_c> to dlast [b, h, m, blocks], and dH_0."""
+    def _state_passing_backward_kernel(dstates, cum, dfinal, dinitial, heads, m, pn, L: tl.constexpr,
+                                       BLOCK: tl.constexpr):
+        """Program (bi, head, k), the chunks in reverse: replaces G_c by dS_c = dH_{c+1}, and writes
+        dH_0 (chunk c - 1's loads issued before chunk c's store, as in the forward)."""
         bi = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        block = tl.program_id(2)
-        lanes = block * BLOCK + tl.arange(0, BLOCK)
+        lanes = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < pn
         dstate = tl.load(dfinal + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
+        pull = tl.load(dstates + ((bi * m + m - 1) * heads + head) * pn + lanes, mask=ok, other=0.0)
+        decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + m - 1) * L + L - 1))
         for i in range(m):
             c = m - 1 - i
-            slot = ((bi * m + c) * heads + head) * pn + lanes
-            pull = tl.load(dstates + slot, mask=ok, other=0.0)
-            tl.store(dstates + slot, dstate, mask=ok)
-            entering = tl.load(states + slot, mask=ok, other=0.0)
-            decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + c) * L + L - 1))
-            tl.store(dlast + ((bi * heads + head) * m + c) * tl.num_programs(2) + block,
-                     decay * tl.sum(dstate * entering, 0))
+            ahead = tl.maximum(c - 1, 0)  # the first chunk reloads itself (unused)
+            next_pull = tl.load(dstates + ((bi * m + ahead) * heads + head) * pn + lanes, mask=ok, other=0.0)
+            next_decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + ahead) * L + L - 1))
+            tl.store(dstates + ((bi * m + c) * heads + head) * pn + lanes, dstate, mask=ok)
             dstate = decay * dstate + pull
+            pull, decay = next_pull, next_decay
         tl.store(dinitial + (bi * heads + head) * pn + lanes, dstate, mask=ok)
 
     @triton.jit
-    def _scores_and_state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
-                                L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                PRECISION: tl.constexpr, BACKWARD: tl.constexpr):
-        """Over blocks of n: C B^T [L, L], C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering
-        state) and, BACKWARD, B dS_c^T [L, BLOCK_P]."""
-        scores = tl.zeros([L, L], tl.float32)
-        earlier = tl.zeros([L, BLOCK_P], tl.float32)
-        B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
+    def _scores_offsets(bi, c, group, groups, m, L: tl.constexpr):
+        """Offsets of the [L, L] tile of (bi, c, group) in a [b, m, g, L, L] tensor."""
+        rows = tl.arange(0, L)
+        return ((bi * m + c) * groups + group) * L * L + rows[:, None] * L + rows[None, :]
+
+    @triton.jit
+    def _chunk_scores_kernel(B, C, scores, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (bi * m + c, group): C B^T [L, L] of the chunk, over blocks of n."""
+        bi, c, group = program_chunk(m)
+        groups = heads // heads_per_group
+        acc = tl.zeros([L, L], tl.float32)
         for n0 in range(0, n, BLOCK_N):
             B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
             C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-            entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-            scores += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
-            earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
-            if BACKWARD:
-                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-                B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
-        return scores, earlier, B_dstate
+            acc += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
+        tl.store(scores + _scores_offsets(bi, c, group, groups, m, L), acc)
 
     @triton.jit
-    def _chunk_scan_kernel(x, dt, B, C, D, cum, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+    def _state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+                     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                     BACKWARD: tl.constexpr):
+        """Over blocks of n: C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering state) and,
+        BACKWARD, B dS_c^T [L, BLOCK_P]."""
+        earlier = tl.zeros([L, BLOCK_P], tl.float32)
+        B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+            earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
+            if BACKWARD:
+                B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+                B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
+        return earlier, B_dstate
+
+    @triton.jit
+    def _chunk_scan_kernel(x, dt, C, D, cum, scores, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                            HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): y's block k of p in chunk c, M (dt o x) + exp(cum) o (C H_c^T) + D x."""
         bi, c, head = program_chunk(m)
+        group, groups = head // heads_per_group, heads // heads_per_group
         p0 = tl.program_id(2) * BLOCK_P
-        scores, earlier, _ = _scores_and_state_terms(
-            B, C, states, states, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
-            p0, L, BLOCK_P, BLOCK_N, PRECISION, False)
+        earlier, _ = _state_terms(C, C, states, states, bi, c, head, group, s, heads, groups, m, p, n, p0,
+                                  L, BLOCK_P, BLOCK_N, PRECISION, False)
         x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
-        scores *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
-        out = tl.dot(scores, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
+        M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
+        M *= _load_dt(dt, bi, c, head, s, heads, L)[None, :]
+        out = tl.dot(M, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
         if HAS_D:
             out += tl.load(D + head) * x_tile
         store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
     @triton.jit
-    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, states, dstates, dlast, dx, ddt_parts, dA_parts,
-                                       dD_parts, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
-                                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                       HAS_D: tl.constexpr):
+    def _chunk_scan_backward_dcb_kernel(x, dt, dy, cum, scores, dscores_parts, dcum_intra, s, heads, heads_per_group,
+                                        m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        PRECISION: tl.constexpr, HEADS_PER_SPLIT: tl.constexpr):
+        """Program (bi * m + c, group, split): the sum of Q = (dY xw^T) o decay over the split's
+        heads of the group (its part of dCB, [splits, b, m, g, L, L]), and each of those heads'
+        dcum from the decay, rowsum(R) - colsum(R) with R = Q o CB ([b, h, m * L], like cum)."""
+        bi, c, group = program_chunk(m)
+        groups = heads // heads_per_group
+        split = tl.program_id(2)
+        tile = _scores_offsets(bi, c, group, groups, m, L)
+        dscores = tl.zeros([L, L], tl.float32)
+        first = group * heads_per_group + split * HEADS_PER_SPLIT
+        last = tl.minimum(first + HEADS_PER_SPLIT, (group + 1) * heads_per_group)
+        for head in range(first, last):
+            dt_c = _load_dt(dt, bi, c, head, s, heads, L)
+            pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
+            for p0 in range(0, p, BLOCK_P):
+                xw = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
+            cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
+            pair_grads *= _causal_decay(cum_c, L)
+            dscores += pair_grads
+            decay_grads = pair_grads * tl.load(scores + tile)  # R
+            tl.store(dcum_intra + ((bi * heads + head) * m + c) * L + tl.arange(0, L),
+                     tl.sum(decay_grads, 1) - tl.sum(decay_grads, 0))
+        tl.store(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile, dscores)
+
+    @triton.jit
+    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, scores, states, dstates, dlast, dcum_intra, dx,
+                                       ddt_parts, dA_parts, dD_parts, s, heads, heads_per_group, m, p, n,
+                                       L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                       PRECISION: tl.constexpr, HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
-        ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p."""
+        ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p
+        (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, and the state passing's)."""
         bi, c, head = program_chunk(m)
+        group, groups = head // heads_per_group, heads // heads_per_group
         block = tl.program_id(2)
         p0 = block * BLOCK_P
-        scores, earlier, B_dstate = _scores_and_state_terms(
-            B, C, states, dstates, bi, c, head, head // heads_per_group, s, heads, heads // heads_per_group, m, p, n,
-            p0, L, BLOCK_P, BLOCK_N, PRECISION, True)
+        earlier, B_dstate = _state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+                                         L, BLOCK_P, BLOCK_N, PRECISION, True)
         x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
-        scores *= _causal_decay(cum_c, L)  # M
+        M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
         xw = x_tile * dt_c[:, None]
         to_end = tl.exp(last - cum_c)
-        dxw = tl.dot(tl.trans(scores), dy_tile, input_precision=PRECISION) + to_end[:, None] * B_dstate
+        dxw = tl.dot(tl.trans(M), dy_tile, input_precision=PRECISION) + to_end[:, None] * B_dstate
         dx_tile = dt_c[:, None] * dxw
         part = (block * tl.num_programs(0) + bi * m + c) * heads + head  # in [p blocks, b, m, h]
         if HAS_D:
@@ -369,13 +457,13 @@ if triton is not None:
             tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
         store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
-        pair_grads = scores * tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)  # R
-        dcum = tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
-        dcum += tl.exp(cum_c) * tl.sum(dy_tile * earlier, 1)
+        dcum = tl.exp(cum_c) * tl.sum(dy_tile * earlier, 1)
         own_state = to_end * tl.sum(xw * B_dstate, 1)
         dcum -= own_state
         dlast_c = tl.sum(own_state, 0) + tl.where(block == 0, tl.load(dlast + (bi * heads + head) * m + c), 0.0)
         dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
+        row = ((bi * heads + head) * m + c) * L + tl.arange(0, L)
+        dcum += tl.where(block == 0, tl.load(dcum_intra + row), 0.0)
         da = tl.cumsum(dcum, 0, reverse=True)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
         t = c * L + tl.arange(0, L)
@@ -383,36 +471,42 @@ if triton is not None:
         tl.store(dA_parts + part, tl.sum(dt_c * da, 0))
 
     @triton.jit
-    def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, states, dstates, dB, dC, s, heads, heads_per_group, m,
-                                        p, n, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                        PRECISION: tl.constexpr):
-        """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c, summed over the
-        group's heads (each a loop over blocks of p)."""
+    def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, s,
+                                        heads, heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
+                                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c: dCB's products
+        with C and B, and the state terms summed over the group's heads (each a loop over blocks of p);
+        and, from the same state tiles, each head's share of dLam_c of this block of n
+        ([b, h, m, n blocks])."""
         bi, c, group = program_chunk(m)
         groups = heads // heads_per_group
         n0 = tl.program_id(2) * BLOCK_N
+        tile = _scores_offsets(bi, c, group, groups, m, L)
+        dscores = tl.zeros([L, L], tl.float32)
+        for split in range(SPLITS):  # in order: the same sum every run
+            dscores += tl.load(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile)
         B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
         C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-        dB_tile = tl.zeros([L, BLOCK_N], tl.float32)
-        dC_tile = tl.zeros([L, BLOCK_N], tl.float32)
+        dC_tile = tl.dot(dscores, B_tile, input_precision=PRECISION)
+        dB_tile = tl.dot(tl.trans(dscores), C_tile, input_precision=PRECISION)
         for k in range(heads_per_group):
             head = group * heads_per_group + k
             dt_c = _load_dt(dt, bi, c, head, s, heads, L)
-            pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
             dy_entering = tl.zeros([L, BLOCK_N], tl.float32)
             xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
+            state_grads = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)  # dS_c o H_c
             for p0 in range(0, p, BLOCK_P):
                 xw = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
                 dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
                 entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-                pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
                 dy_entering += tl.dot(dy_tile, entering, input_precision=PRECISION)
                 xw_dstate += tl.dot(xw, dstate, input_precision=PRECISION)
+                state_grads += dstate * entering
             cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
-            pair_grads *= _causal_decay(cum_c, L)
-            dC_tile += tl.dot(pair_grads, B_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * dy_entering
-            dB_tile += (tl.dot(tl.trans(pair_grads), C_tile, input_precision=PRECISION)
-                        + tl.exp(last - cum_c)[:, None] * xw_dstate)
+            dC_tile += tl.exp(cum_c)[:, None] * dy_entering
+            dB_tile += tl.exp(last - cum_c)[:, None] * xw_dstate
+            tl.store(dlast_parts + ((bi * heads + head) * m + c) * tl.num_programs(2) + tl.program_id(2),
+                     tl.exp(last) * tl.sum(tl.sum(state_grads, 1), 0))
         store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
         store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)

@@ -88,6 +88,20 @@ def main() -> None:
     kernels.MAX_BLOCK = default_blocks
     checked += 1
 
+    # 5 heads a group, the backward's dCB sum split over programs of 2, 2 and 1 heads (few
+    # (batch, chunk, group) programs split it), and over programs of 1 head each.
+    default_programs = kernels.DCB_PROGRAMS
+    inputs = make_inputs(1, 40, 10, 2, 8, 16, True, True, seed=6)
+    want = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], 16)
+    for programs, heads_per_split in ((18, 2), (10 ** 6, 1)):
+        kernels.DCB_PROGRAMS = programs
+        shape = kernels._Shape.of(inputs[0], inputs[3], 16)
+        assert (shape.heads_per_split, shape.splits) == (heads_per_split, -(-5 // heads_per_split))
+        got = outputs_and_grads(ssd_triton, inputs, 16)
+        assert_close_to(got, want, result_names(), 1e-5, f"dCB over programs of {heads_per_split} heads")
+        checked += 1
+    kernels.DCB_PROGRAMS = default_programs
+
     # 16-bit x, B, C and state (dt, A, D in fp32, as the mixer passes them): results in the inputs'
     # dtypes, within one rounding of ssd_chunked's on the same inputs (both compute in fp32; the
     # upstream gradients of 16-bit outputs are 16-bit for both).

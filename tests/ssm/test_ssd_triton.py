@@ -21,7 +21,7 @@ def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
     result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 4} cases on the Triton path"
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 6} cases on the Triton path"
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
@@ -48,9 +48,12 @@ def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype):
 # Each kernel's tensors: those of the activations' dtype (x, B, C and their gradients), the others fp32.
 KERNEL_TENSORS = {
     "_chunk_state_kernel": ("u v", "dt cum states"),
-    "_chunk_scan_kernel": ("x B C y", "dt D cum states"),
-    "_chunk_scan_backward_dx_kernel": ("x B C dy dx", "dt A D cum states dstates dlast ddt_parts dA_parts dD_parts"),
-    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum states dstates"),
+    "_chunk_scores_kernel": ("B C", "scores"),
+    "_chunk_scan_kernel": ("x C y", "dt D cum scores states"),
+    "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra"),
+    "_chunk_scan_backward_dx_kernel": ("x B C dy dx",
+                                       "dt A D cum scores states dstates dlast dcum_intra ddt_parts dA_parts dD_parts"),
+    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts"),
 }
 H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 
@@ -58,7 +61,7 @@ H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
-    """Triton and ptxas compile for sm_90 without a GPU: the four kernels with [L, L] tiles at the
+    """Triton and ptxas compile for sm_90 without a GPU: the kernels with [L, L] tiles at the
     largest chunk size, in the 16-bit (tf32) and the fp32 ("ieee") variants."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -67,7 +70,8 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     for name, (activations, fp32) in KERNEL_TENSORS.items():
         kernel = getattr(kernels, name)
         constexprs = dict(L=chunk, BLOCK_P=kernels.MAX_BLOCK, BLOCK_N=kernels.MAX_BLOCK,
-                          PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True)
+                          PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True,
+                          HEADS_PER_SPLIT=4, SPLITS=2)
         constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
         types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
