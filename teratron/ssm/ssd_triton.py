@@ -43,7 +43,8 @@ tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee
 Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
 power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per program and
 loop over n (C H^T and B dS^T are sums over n; ddt, dA and dD sum the p blocks' shares
-afterwards), dB and dC one block of n and loop over p, CB and dCB loop over n and p: a program's
+afterwards), the chunk states a block of p (looping over n), dB and dC one block of n (looping
+over p), CB and dCB loop over n and p: a program's
 registers stay near what the [L, L] tiles take whatever p and n are.
 """
 
@@ -215,7 +216,7 @@ def _scan_states(x, dt, A32, B, initial_state, shape):
     cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
     _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L)
     states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
-    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+    _chunk_state_kernel[(b * m, h, shape.p_blocks)](
         x, B, dt, cum, states, **shape.sizes(), FROM_START=False, **shape.meta(x.dtype))
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
@@ -229,7 +230,7 @@ def _state_grads(dy, dt, C, cum, dfinal, shape):
     and the initial state's gradient [b, h, p, n]."""
     b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
     dstates = torch.empty(b, m, h, p, n, device=dy.device, dtype=torch.float32)  # G_c, then dS_c in place
-    _chunk_state_kernel[(b * m, h, shape.p_blocks * shape.n_blocks)](
+    _chunk_state_kernel[(b * m, h, shape.p_blocks)](
         dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **shape.meta(dy.dtype))
     dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
     _state_passing_backward_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
@@ -275,25 +276,25 @@ if triton is not None:
     def _chunk_state_kernel(u, v, dt, cum, states, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                             FROM_START: tl.constexpr):
-        """Block k (of p x n) of states[bi, c, head] = (u o w)^T v over the chunk's tokens: u [b, s, h, p],
-        v [b, s, g, n] (the head's group); w = exp(Lam - cum) dt (the chunk's own state: u = x, v = B)
-        or, FROM_START, exp(cum) (the output gradient's pull on the entering state: u = dY, v = C)."""
+        """Rows k (a block of p) of states[bi, c, head] = (u o w)^T v over the chunk's tokens, a block of
+        n at a time: u [b, s, h, p], v [b, s, g, n] (the head's group); w = exp(Lam - cum) dt (the
+        chunk's own state: u = x, v = B) or, FROM_START, exp(cum) (the output gradient's pull on the
+        entering state: u = dY, v = C)."""
         bi, c, head = program_chunk(m)
-        n_blocks = tl.cdiv(n, BLOCK_N)
-        p0 = tl.program_id(2) // n_blocks * BLOCK_P
-        n0 = tl.program_id(2) % n_blocks * BLOCK_N
+        p0 = tl.program_id(2) * BLOCK_P
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
         if FROM_START:
             weight = tl.exp(cum_c)
         else:
             weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
         u_tile = load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
-        v_tile = load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
-        state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
         rows = p0 + tl.arange(0, BLOCK_P)
-        lanes = n0 + tl.arange(0, BLOCK_N)
-        tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
-                 mask=(rows[:, None] < p) & (lanes[None, :] < n))
+        for n0 in range(0, n, BLOCK_N):
+            v_tile = load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
+            state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
+            lanes = n0 + tl.arange(0, BLOCK_N)
+            tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
+                     mask=(rows[:, None] < p) & (lanes[None, :] < n))
 
     @triton.jit
     def _state_passing_kernel(states, cum, initial, final, heads, m, pn, L: tl.constexpr, BLOCK: tl.constexpr,
