@@ -15,8 +15,9 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
     H'   = gamma_L H + U^T (w o K)
 
     forward, three kernels
-      G, T, W, Ub    per (batch, chunk, head); T by forward substitution, a row at a time
-                                                                          (_chunk_solve_kernel)
+      G, T, W, Ub    per (batch, chunk, head); T's 16 x 16 diagonal blocks by forward
+                     substitution (all blocks at once, a row a step), the rest by products
+                     (`_blocked_unit_lower_inverse`)                      (_chunk_solve_kernel)
       H_c, U         H_0 = initial, then the recurrence above, a loop over chunks per
                      (batch, head, STATE_ROWS rows of dv): those columns of U and rows of H'
                      need only those rows of H                            (_state_passing_kernel)
@@ -40,7 +41,8 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
 
 Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
 tf32 when v is bf16 or fp16 (q and k, fp32 from GatedDeltaNet, then round to tf32's 10-bit
-mantissa, finer than v's) and in full fp32 ("ieee") when v is fp32: correct, but that variant's
+mantissa, finer than v's; T's joining products in 3xTF32, fp32's accuracy) and in full fp32
+("ieee") when v is fp32: correct, but that variant's
 state passings spill several KiB of registers a thread on sm_90 (fp32 FMA products), so it is
 slow. The chunk kernels tile dk and dv in blocks of at most MAX_BLOCK and loop over them beside the
 [L, L] fp32 tiles; the two state passings keep a [STATE_ROWS, dk] state tile (dk up to
@@ -62,8 +64,12 @@ if triton is not None:
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Chunk sizes the kernels take (T's forward substitution is L steps over an [L, L] tile).
+# Chunk sizes the kernels take (multiples of SOLVE_BLOCK).
 CHUNK_SIZES = (16, 32, 64)
+# T's diagonal blocks, inverted by forward substitution (a step a row); the blocks below them
+# join by products (`_blocked_unit_lower_inverse`). Compiled kernels read globals only as
+# constexprs; the interpreter takes the int.
+SOLVE_BLOCK = tl.constexpr(16) if triton is not None and not INTERPRETED else 16
 # Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this). For sm_90
 # (16-bit v, chunk 64) ptxas spills nothing in the forward ones and 456 bytes a thread in
 # _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips; to be timed).
@@ -274,15 +280,55 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _unit_lower_inverse(a, L: tl.constexpr):
-        """(I + a)^-1 for a strictly lower [L, L]: row t is e_t - sum_{j < t} a_tj (row j), rows in order."""
+    def _diagonal_block_inverses(tile, L: tl.constexpr):
+        """The [L, L] strictly lower a in `tile` -> the offsets of its L / SOLVE_BLOCK diagonal blocks
+        a_r and (I + a_r)^-1 [blocks, SOLVE_BLOCK, SOLVE_BLOCK]: all blocks at once by forward
+        substitution, row t = e_t - sum_{j < t} a_r[t, j] (row j), SOLVE_BLOCK - 1 steps."""
+        r = tl.arange(0, L // SOLVE_BLOCK)[:, None, None]
+        i = tl.arange(0, SOLVE_BLOCK)
+        rows, lanes = i[None, :, None], i[None, None, :]
+        offsets = (r * SOLVE_BLOCK + rows) * L + r * SOLVE_BLOCK + lanes
+        a = tl.load(tile + offsets)
+        inverse = tl.where(rows == lanes, 1.0, 0.0) + tl.zeros([L // SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK], tl.float32)
+        for t in range(1, SOLVE_BLOCK):
+            a_row = tl.sum(tl.where(rows == t, a, 0.0), 1)  # [blocks, SOLVE_BLOCK] over j
+            row = tl.where(i[None, :] == t, 1.0, 0.0) - tl.sum(a_row[:, :, None] * inverse, 1)
+            inverse = tl.where(rows == t, row[:, None, :], inverse)
+        return offsets, inverse
+
+    @triton.jit
+    def _accurate_dot(x, y, PRECISION: tl.constexpr):
+        """x y with fp32 accuracy: 3xTF32 on tensor cores where the kernels take tf32 products, for
+        the solve (T's error would otherwise pass the inputs' rounding)."""
+        if PRECISION == "tf32":
+            return tl.dot(x, y, input_precision="tf32x3")
+        return tl.dot(x, y, input_precision=PRECISION)
+
+    @triton.jit
+    def _blocked_unit_lower_inverse(a, tile, L: tl.constexpr, PRECISION: tl.constexpr):
+        """(I + a)^-1 for a strictly lower [L, L], through `tile` (this program's [L, L] fp32 scratch,
+        where the result is left): the diagonal [SOLVE_BLOCK, SOLVE_BLOCK] blocks D = I + a_diag
+        inverted by substitution (`_diagonal_block_inverses`), then (I + a)^-1 = (I + N)^-1 D^-1 with N = D^-1 a_off strictly
+        block-lower (N^(L / SOLVE_BLOCK) = 0): (I + N)^-1 = I - N + N^2 - ..., by Horner."""
         rows = tl.arange(0, L)
-        is_row = rows[:, None] == rows[None, :]
-        inverse = tl.where(is_row, 1.0, 0.0)
-        for t in range(1, L):
-            a_row = tl.sum(tl.where(rows[:, None] == t, a, 0.0), 0)  # [L] over j
-            row = tl.where(rows == t, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
-            inverse = tl.where(rows[:, None] == t, row[None, :], inverse)
+        offsets = rows[:, None] * L + rows[None, :]
+        tl.store(tile + offsets, a)
+        tl.debug_barrier()  # the block loads below read what other threads stored
+        blocks, block_inverses = _diagonal_block_inverses(tile, L)
+        tl.store(tile + blocks, block_inverses)
+        tl.debug_barrier()
+        both = tl.load(tile + offsets)  # D^-1 on the diagonal blocks, a below them
+        same_block = rows[:, None] // SOLVE_BLOCK == rows[None, :] // SOLVE_BLOCK
+        diagonal_inverse = tl.where(same_block, both, 0.0)
+        inverse = diagonal_inverse
+        if L > SOLVE_BLOCK:
+            identity = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+            n = _accurate_dot(diagonal_inverse, tl.where(same_block, 0.0, both), PRECISION)
+            series = identity - n
+            for _ in tl.static_range(L // SOLVE_BLOCK - 2):
+                series = identity - _accurate_dot(n, series, PRECISION)
+            inverse = _accurate_dot(series, diagonal_inverse, PRECISION)
+        tl.store(tile + offsets, inverse)
         return inverse
 
     @triton.jit
@@ -295,9 +341,7 @@ if triton is not None:
         tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
         beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
         a = beta_c[:, None] * _decay(G, True, L) * _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
-        inverse = _unit_lower_inverse(a, L)
-        rows = tl.arange(0, L)
-        tl.store(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :], inverse)
+        inverse = _blocked_unit_lower_inverse(a, solve + ((bi * m + c) * heads + head) * L * L, L, PRECISION)
         key_weight = beta_c * tl.exp(G)
         for k0 in range(0, dk, BLOCK_K):
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]
