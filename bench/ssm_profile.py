@@ -1,0 +1,103 @@
+"""Tuning aid for the scan kernels (one GPU): forward + backward time of `ssd_triton` by chunk size
+and tile side (MAX_BLOCK) at the kernel benchmark's and the hybrid model's shapes, and of
+`gated_delta_rule_triton`, each next to another version of the same kernel module when given,
+then a per-kernel CUDA time table of each.
+
+    python bench/ssm_profile.py [--ssd-against OLD_SSD.py] [--rule-against OLD_RULE.py]
+
+e.g. `git show REV:teratron/ssm/ssd_triton.py > /tmp/ssd_old.py` for the kernels at REV (the
+module is loaded from the file; it imports the rest of teratron as installed). Prints TIME lines
+(ms per forward + backward), the largest output difference from the PyTorch path, and PROFILE
+tables. `bench/ssm_bench.py` reports the issue's targets; this is for choosing tiles and
+comparing versions.
+"""
+
+import argparse
+import importlib.util
+import types
+
+import torch
+
+import ssm_bench as bench
+from teratron.ssm import gated_delta_rule_triton, ssd_triton
+
+SCAN_SHAPES = {  # label -> (batch, seq, heads, groups): head 64, state 128
+    "bench 32x64 g1 1x8192": (1, 8192, 32, 1),
+    "hybrid 64x64 g8 1x8192": (1, 8192, 64, 8),
+    "hybrid 64x64 g8 4x2048": (4, 2048, 64, 8),
+}
+
+
+def load_module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shape_args(batch=1, seq=8192, heads=32, groups=1, chunk=128):
+    return types.SimpleNamespace(seq_length=seq, batch=batch, heads=heads, head_dim=64, d_state=128, groups=groups,
+                                 chunk_size=chunk, rule_heads=32, rule_head_dim=128, warmup=3, iters=10)
+
+
+def timed(label, step_of, args):
+    try:
+        ms, peak = bench.time_step(step_of(), args)
+        print(f"TIME {label}: {ms:.3f} ms, peak {peak:.2f} GiB", flush=True)
+    except Exception as error:  # a tile that does not fit, reported and skipped
+        print(f"TIME {label}: failed ({str(error).splitlines()[0][:160]})", flush=True)
+
+
+def profile(label, step):
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(f"PROFILE {label} (3 steps)", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ssd-against", help="Another ssd_triton.py to time beside the current one.")
+    parser.add_argument("--rule-against", help="Another gated_delta_rule_triton.py to time beside the current one.")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ssm_profile: needs a CUDA GPU")
+    torch.manual_seed(0)
+    scans = {"current": ssd_triton}
+    if args.ssd_against:
+        scans["against"] = load_module(args.ssd_against, "ssd_triton_against")
+    for label, (batch, seq, heads, groups) in SCAN_SHAPES.items():
+        for version, module in scans.items():
+            default_block = module.MAX_BLOCK
+            for chunk in (64, 128):
+                for block in (16, 32):
+                    module.MAX_BLOCK = block
+                    shape = shape_args(batch, seq, heads, groups, chunk)
+                    timed(f"ssd {label} {version} chunk {chunk} MAX_BLOCK {block}",
+                          lambda: bench.scan_step(module.ssd_triton, shape), shape)
+            module.MAX_BLOCK = default_block
+    hybrid = shape_args(1, 8192, 64, 8)
+    difference = bench.largest_difference(ssd_triton.ssd_triton, bench.ssd_chunked, bench.scan_inputs(hybrid), 128)
+    print(f"DIFF ssd_triton vs ssd_chunked (hybrid shape, bf16): {difference:.2e} of the largest output", flush=True)
+    profile("ssd hybrid 64x64 g8 1x8192 chunk 128", bench.scan_step(ssd_triton.ssd_triton, hybrid))
+
+    rules = {"current": gated_delta_rule_triton}
+    if args.rule_against:
+        rules["against"] = load_module(args.rule_against, "gated_delta_rule_triton_against")
+    rule = shape_args()
+    for version, module in rules.items():
+        timed(f"gated delta rule 32x128 1x8192 {version}", lambda: bench.rule_step(module.gated_delta_rule_triton, rule),
+              rule)
+    difference = bench.largest_difference(gated_delta_rule_triton.gated_delta_rule_triton,
+                                          bench.gated_delta_rule_chunked, bench.rule_inputs(rule), bench.RULE_CHUNK)
+    print(f"DIFF gated_delta_rule_triton vs chunked (bf16 v): {difference:.2e} of the largest output", flush=True)
+    profile("gated delta rule 32x128 1x8192 chunk 64", bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton,
+                                                                          rule))
+
+
+if __name__ == "__main__":
+    main()
