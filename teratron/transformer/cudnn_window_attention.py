@@ -188,6 +188,14 @@ def _graph(kind: str, bound, scale: float, deterministic: bool, tensors: dict):
 
 
 def _build(kind: str, bound, scale: float, deterministic: bool, tensors: dict):
+    graph, described = operation_graph(kind, bound, scale, deterministic, tensors)
+    graph.build([_cudnn().heur_mode.A, _cudnn().heur_mode.FALLBACK])
+    return graph, described
+
+
+def operation_graph(kind: str, bound, scale: float, deterministic: bool, tensors: dict):
+    """The unbuilt cuDNN graph of `kind` over these tensors and its cuDNN tensors by name
+    (bench/cudnn_window_plans.py builds it with every plan)."""
     cudnn = _cudnn()
     io_type = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[tensors["q"].dtype]
     graph = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -212,7 +220,6 @@ def _build(kind: str, bound, scale: float, deterministic: bool, tensors: dict):
         output.set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride()))
         if t.dtype == torch.float32:
             output.set_data_type(cudnn.data_type.FLOAT)
-    graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     return graph, {**inputs, **outputs}
 
 
