@@ -265,7 +265,7 @@ def _as_megatron(items, model_chunks, optimizer, common, metadata, iteration) ->
     stacking = megatron_format.stacking(model_chunks)
     items = megatron_format.to_megatron_items(items, **stacking)
     if _rank() == 0:
-        items += megatron_format.extra_states(**stacking)
+        items += megatron_format.extra_states(**stacking, **megatron_format.mtp_layout(model_chunks))
         state = megatron_format.megatron_common_state(common, metadata, iteration, optimizer)
         items.append(ShardedObject(megatron_format.COMMON_STATE_KEY + "/shard_0_1", [state]))
     return items

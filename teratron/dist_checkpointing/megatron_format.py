@@ -17,6 +17,9 @@ other names for the same global tensors:
                                                 under Transformer Engine's fused names, whichever
                                                 layer implementation wrote them)
 
+    mtp.layers.<d>.transformer_layer.<name>     the same, with the norms under the fused names (an
+                                                MTP depth's layer: never stacked)
+
 Every other name and every tensor's row layout (QKV grouped per query group, SwiGLU's gate and
 up halves, vocabulary padding) is the same, so reading is teratron's own sharded load with keys
 translated: each teratron box becomes a view of the Megatron box it is (a leading layer axis of
@@ -44,6 +47,7 @@ COMMON_STATE_KEY = "common_state"
 _OPTIMIZER_STATE = "optimizer.state."
 TERATRON_RECORD = "teratron_record"  # a teratron-written torch_dist checkpoint's model args and tokenizer
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")  # an MTP depth's transformer layer
 # Optimizer states Megatron-LM names otherwise (the fp32 master weights); the rest share names.
 _MEGATRON_STATE_NAME = {"fp32_param": "param"}
 _TERATRON_STATE_NAME = {megatron: teratron for teratron, megatron in _MEGATRON_STATE_NAME.items()}
@@ -86,11 +90,22 @@ _GROUPED = {"mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",  # G
             "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight"}
 
 
-def _megatron_form(item: ShardedTensor, prefix: str, layer: int, name: str, stacked: bool, num_layers: int,
+def _layer_key(key: str):
+    """(layer, name) of a transformer layer's key: a decoder layer's number, or the path of an MTP
+    depth's layer ('mtp.layers.<d>.transformer_layer'), and the name within the layer; None for
+    every other key."""
+    match = _LAYER.match(key) or _MTP_LAYER.match(key)
+    if match is None:
+        return None
+    layer = match.group(1)
+    return (int(layer) if layer.isdigit() else layer), match.group(2)
+
+
+def _megatron_form(item: ShardedTensor, prefix: str, layer, name: str, stacked: bool, num_layers: int,
                    num_experts: int | None) -> ShardedTensor:
-    """A teratron layer box under Megatron's key with its leading axes (layers when `stacked`,
-    experts for an expert's weight), a view of the same data. Megatron keeps every expert of a
-    layer in one [E, out, in] tensor (`mlp.experts.experts.*`)."""
+    """A teratron layer box (`_layer_key`'s layer) under Megatron's key with its leading axes
+    (layers when `stacked`, experts for an expert's weight), a view of the same data. Megatron
+    keeps every expert of a layer in one [E, out, in] tensor (`mlp.experts.experts.*`)."""
     data, shape, offset = item.data, tuple(item.global_shape), tuple(item.global_offset)
     expert = _EXPERT.match(name)
     if expert is not None:
@@ -100,7 +115,9 @@ def _megatron_form(item: ShardedTensor, prefix: str, layer: int, name: str, stac
         name = _GROUPED[name]
         data = data.transpose(-1, -2)
         shape, offset = shape[:-2] + shape[-1:] + shape[-2:-1], offset[:-2] + offset[-1:] + offset[-2:-1]
-    if stacked:
+    if isinstance(layer, str):  # an MTP depth's layer
+        key = f"{prefix}{layer}.{name}"
+    elif stacked:
         data, shape, offset = data.unsqueeze(0), (num_layers,) + shape, (layer,) + offset
         key = f"{prefix}decoder.layers.{name}"
     else:
@@ -112,27 +129,23 @@ def _saved_experts(saved: dict) -> int | None:
     """The number of experts per layer in a Megatron checkpoint (None: no MoE)."""
     for key, shape in saved.items():
         if ".mlp.experts.experts." in f".{key}" and shape is not None:
-            stacked = _LAYER.match(_split_prefix(key)[1]) is None
+            stacked = _layer_key(_split_prefix(key)[1]) is None
             return shape[1] if stacked else shape[0]
     return None
 
 
-def _megatron_box(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None) -> ShardedTensor:
-    """The Megatron key and box of a teratron box (a view of the same data), as `saved` has it:
-    stacked or per layer, the norm under its fused name or its own."""
+def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None) -> list:
+    """The Megatron boxes of a teratron box (views of the same data) that `saved` holds, the one to
+    read first: stacked or per layer, the norm under its fused name or its own (teratron writes an
+    MoE layer's MLP norm under both)."""
     prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
-    match = _LAYER.match(key)
-    if match is None:
-        return dataclasses.replace(item, key=prefix + key)
-    layer, name = int(match.group(1)), match.group(2)
-    for candidate in (_FUSED_NORMS.get(name), name):
-        if candidate is None:
-            continue
-        for stacked in (False, True):
-            box = _megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
-            if box.key in saved:
-                return box
-    return item  # reported missing by the load, under teratron's name
+    parts = _layer_key(key)
+    if parts is None:
+        return [dataclasses.replace(item, key=prefix + key)]
+    layer, name = parts
+    boxes = [_megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
+             for candidate in (_FUSED_NORMS.get(name), name) if candidate is not None for stacked in (False, True)]
+    return [box for box in boxes if box.key in saved]
 
 
 def _teratron_view(saved: dict, num_layers: int) -> dict:
@@ -143,21 +156,22 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
     view = {}
 
     def add(prefix, layer, name, shape):
+        path = layer if isinstance(layer, str) else f"decoder.layers.{layer}"
         if name.startswith("mlp.experts.experts.") and shape is not None:
             rest = name[len("mlp.experts.experts."):]
             for e in range(shape[0]):
-                view[f"{prefix}decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}"] = tuple(shape[1:])
+                view[f"{prefix}{path}.mlp.experts.local_experts.{e}.{rest}"] = tuple(shape[1:])
             grouped = {megatron: teratron for teratron, megatron in _GROUPED.items()}.get(name)
             if grouped is not None:
-                view[f"{prefix}decoder.layers.{layer}.{grouped}"] = tuple(shape[:-2]) + (shape[-1], shape[-2])
+                view[f"{prefix}{path}.{grouped}"] = tuple(shape[:-2]) + (shape[-1], shape[-2])
         else:
-            view[f"{prefix}decoder.layers.{layer}.{unfused.get(name, name)}"] = shape
+            view[f"{prefix}{path}.{unfused.get(name, name)}"] = shape
 
     for full_key, shape in saved.items():
         prefix, key = _split_prefix(full_key, _TERATRON_STATE_NAME)
-        match = _LAYER.match(key)
-        if match is not None:  # per layer
-            add(prefix, match.group(1), match.group(2), shape)
+        parts = _layer_key(key)
+        if parts is not None:  # per layer
+            add(prefix, *parts, shape)
         elif key.startswith("decoder.layers.") and shape is not None:  # stacked
             for layer in range(num_layers):
                 add(prefix, layer, key[len("decoder.layers."):], tuple(shape[1:]))
@@ -177,11 +191,11 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
         prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
         if prefix and (not isinstance(item, ShardedTensor) or not item.global_shape):
             continue  # Adam's step count: Megatron keeps it in the param groups (megatron_optimizer_state)
-        match = _LAYER.match(key) if isinstance(item, ShardedTensor) else None
-        if match is None:
+        parts = _layer_key(key) if isinstance(item, ShardedTensor) else None
+        if parts is None:
             out.append(dataclasses.replace(item, key=prefix + key))
             continue
-        layer, name = int(match.group(1)), match.group(2)
+        layer, name = parts
         if name in _FUSED_NORMS:
             if name.startswith("pre_mlp_layernorm.") and num_experts is not None:
                 out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
@@ -272,17 +286,41 @@ def stacking(model_chunks) -> dict:
     return {"num_layers": config.num_layers, "stacked": uniform, "num_experts": config.num_moe_experts}
 
 
-def extra_states(num_layers: int, stacked: bool, num_experts: int | None) -> list:
+def mtp_layout(model_chunks) -> dict:
+    """extra_states' mtp_num_layers and mtp_moe for this model: an MTP depth's layer is like the
+    last decoder layer (MoE when that one is)."""
+    from teratron.transformer.moe.moe_logging import moe_layer_pattern
+
+    config = unwrap(model_chunks[0]).config
+    moe = config.num_moe_experts is not None and moe_layer_pattern(config.num_layers, config.moe_layer_freq)[-1]
+    return {"mtp_num_layers": config.mtp_num_layers or 0, "mtp_moe": bool(moe)}
+
+
+def extra_states(num_layers: int, stacked: bool, num_experts: int | None, mtp_num_layers: int = 0,
+                 mtp_moe: bool = False) -> list:
     """The `_extra_state` objects Megatron-LM saves for each linear layer (Transformer Engine's
     FP8 metadata; None for its local layers) and expects back on load: one per layer and linear
     (and expert), keyed `..._extra_state/shard_<layer>_<layers>` (`shard_<layer>.<e>_<layers>.<E>`
-    for experts), each holding [None]. Written for layers Megatron stacks; per-layer keys get none."""
+    for experts), each holding [None]. Written for layers Megatron stacks (per-layer decoder keys
+    get none) and for each MTP depth: `mtp.layers.<d>.<linear>._extra_state/shard_0_1`
+    (`shard_<e>_<E>` for its experts)."""
+    items = []
+    for depth in range(mtp_num_layers):
+        layer = f"mtp.layers.{depth}.transformer_layer"
+        linears = [f"mtp.layers.{depth}.eh_proj", f"{layer}.self_attention.linear_proj",
+                   f"{layer}.self_attention.linear_qkv"]
+        if not mtp_moe:
+            linears += [f"{layer}.mlp.linear_fc1", f"{layer}.mlp.linear_fc2"]
+        items += [ShardedObject(f"{name}._extra_state/shard_0_1", [None]) for name in linears]
+        for e in range(num_experts if mtp_moe else 0):
+            for name in ("linear_fc1", "linear_fc2"):
+                items.append(ShardedObject(f"{layer}.mlp.experts.experts.{name}._extra_state/shard_{e}_{num_experts}",
+                                           [None]))
     if not stacked:
-        return []
+        return items
     linears = ["self_attention.linear_proj", "self_attention.linear_qkv"]
     if num_experts is None:
         linears += ["mlp.linear_fc1", "mlp.linear_fc2"]
-    items = []
     for layer in range(num_layers):
         for name in linears:
             items.append(ShardedObject(f"decoder.layers.{name}._extra_state/shard_{layer}_{num_layers}", [None]))
@@ -342,8 +380,11 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
         optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts, _teratron_view(saved, num_layers))
         items += optimizer_items
     experts = _saved_experts(saved)
-    items = [_megatron_box(item, saved, num_layers, experts) for item in items]
-    serialization.load(items, checkpoint_dir, unexpected_filter=_is_megatron_model_key)
+    boxes = [_megatron_boxes(item, saved, num_layers, experts) for item in items]
+    twins = {box.key for found in boxes for box in found[1:]}  # the same tensor under another name: not read
+    items = [found[0] if found else item for found, item in zip(boxes, items)]  # missing: named by the load
+    serialization.load(items, checkpoint_dir,
+                       unexpected_filter=lambda key: _is_megatron_model_key(key) and key not in twins)
     if optimizer is not None:
         load_optimizer_common_state(optimizer, optimizer_common, where)
         set_step_count(optimizer, step)

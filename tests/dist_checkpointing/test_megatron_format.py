@@ -4,6 +4,7 @@ megatron/make_megatron_fixture.py) load into teratron under TP 1 and TP 2 and gi
 logits: the key translation (layers stacked, norms under fused names) and the row layouts (grouped
 QKV, SwiGLU halves) are Megatron's."""
 
+import json
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.megatron_format import (is_megatron_checkpoint, load_megatron_checkpoint,
                                                          read_common_state)
 from teratron.models.gpt import GPTModel, get_gpt_layer_local_spec
-from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from teratron.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from teratron.process_groups import ProcessGroupCollection
 from teratron.transformer.transformer_config import TransformerConfig
 
@@ -29,17 +30,18 @@ def _folder(saved_tp: int) -> str:
     return os.path.join(FIXTURES, f"tp{saved_tp}", "iter_0000005")
 
 
-def _model(tp: int, moe: dict | None = None):
+def _model(tp: int, moe: dict | None = None, mtp: bool = False):
     config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu,
                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
                                attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                               **(moe or {}))
+                               mtp_num_layers=1 if mtp else None, **(moe or {}))
     torch.manual_seed(123)  # other weights than Megatron's: the load must replace every one
     pg = None if dist.is_initialized() else ProcessGroupCollection()
     spec = get_gpt_decoder_block_spec(config, normalization="RMSNorm") if moe else get_gpt_layer_local_spec()
+    mtp_spec = get_gpt_mtp_block_spec(config, normalization="RMSNorm") if mtp else None
     return GPTModel(config, spec, VOCAB, SEQ, share_embeddings_and_output_weights=False,
-                    position_embedding_type="rope", pg_collection=pg).eval()
+                    position_embedding_type="rope", pg_collection=pg, mtp_block_spec=mtp_spec).eval()
 
 
 def _logits_after_load(saved_tp: int, tp: int) -> torch.Tensor:
@@ -111,6 +113,61 @@ def _moe_at_ep2():
     batch = torch.load(os.path.join(FIXTURES, "moe_tp1", "logits.pt"))
     with torch.no_grad():
         return model(batch["tokens"], None), batch["logits"]
+
+
+def _main_and_mtp_logits(model, tokens):
+    """The model's logits of `tokens` and its MTP depths' ([depths, b, s, V]), as Megatron's loss
+    computes them (one process)."""
+    depths = []
+    hook = model.mtp.register_forward_hook(lambda module, args, out: depths.extend(out))
+    with torch.no_grad():
+        logits = model(tokens, None)
+        model(tokens, None, labels=tokens)  # the MTP block runs with the loss
+        mtp_logits = torch.stack([model.output_logits(h).transpose(0, 1) for h in depths])
+    hook.remove()
+    return logits, mtp_logits
+
+
+def test_a_megatron_mtp_checkpoint_gives_megatrons_logits_and_mtp_logits():
+    """Megatron's MTP depth (`mtp.layers.0.*`, its layer's norms under the fused names) loads into
+    teratron's and predicts the token after next as Megatron's does."""
+    folder = os.path.join(FIXTURES, "mtp_tp1", "iter_0000005")
+    model = _model(1, mtp=True)
+    load_megatron_checkpoint(folder, [model], LAYERS)
+    batch = torch.load(os.path.join(FIXTURES, "mtp_tp1", "logits.pt"))
+    logits, mtp_logits = _main_and_mtp_logits(model, batch["tokens"])
+    torch.testing.assert_close(logits, batch["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mtp_logits, batch["mtp_logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_teratron_writes_the_mtp_keys_megatron_writes(moe, tmp_path):
+    """--ckpt-format torch_dist of a model with an MTP depth has the keys, shapes and `_extra_state`
+    objects of Megatron Core's own save (dense: the mtp_tp1 fixture; MoE: the key list of its
+    save of the MoE model with one MTP depth), and reads back into teratron unchanged."""
+    from teratron.dist_checkpointing import save_checkpoint, serialization
+
+    moe_args = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24) if moe else None
+    model = _model(1, moe_args, mtp=True)
+    folder = save_checkpoint(str(tmp_path), 5, [model], common={"iteration": 5}, metadata={"model_args": {}},
+                             ckpt_format="torch_dist")
+    ours = {key: shape for key, shape in serialization.saved_keys(folder).items() if not key.startswith("common_state")}
+    if moe:
+        with open(os.path.join(FIXTURES, "moe_mtp_tp1_keys.json")) as f:
+            theirs = {key: tuple(shape) if shape else None for key, shape in json.load(f)["keys"].items()}
+        # teratron also writes an MoE layer's MLP norm under its own name (Transformer Engine's layers' name)
+        ours = {key: shape for key, shape in ours.items() if "pre_mlp_layernorm" not in key}
+    else:
+        theirs = {key: shape for key, shape in
+                  serialization.saved_keys(os.path.join(FIXTURES, "mtp_tp1", "iter_0000005")).items()
+                  if not key.startswith("common_state")}
+    assert ours == theirs
+    loaded = _model(1, moe_args, mtp=True)
+    for p in loaded.parameters():
+        p.data.normal_()
+    load_megatron_checkpoint(folder, [loaded], LAYERS)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_teratron_and_megatron_folders_are_told_apart(tmp_path):
