@@ -69,8 +69,9 @@ STATE_BLOCK = 512
 CHUNK_SIZES = (16, 32, 64, 128)
 # Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
 # other). Beside the [L, L] fp32 tiles, blocks of 32 keep ptxas's register spills for sm_90 (bf16
-# inputs, 8 warps) under 1 KiB a thread at L = 128 and 150 bytes at 64, and every kernel's shared
-# memory within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
+# inputs, 8 warps) at L = 128 under 800 bytes a thread (the dCB kernel; the others under 180) and
+# none at 64, and every kernel's shared memory within an H100's 227 KiB, fp32 inputs included
+# (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 32
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
@@ -165,7 +166,8 @@ class _SSDFunction(torch.autograd.Function):
             x, dt, C, D32, cum, scores, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
         # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
         # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
-        # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape).
+        # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape). C B^T is kept
+        # too (fp32 [b, m, g, L, L]: half a bf16 x's bytes at 8 groups of 8 heads of 64, chunk 128).
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, scores, states)
         ctx.shape = shape
         return y, final.to(x.dtype)
