@@ -21,7 +21,7 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
       H_c, U         H_0 = initial, then the recurrence above, a loop over chunks per
                      (batch, head, STATE_ROWS rows of dv): those columns of U and rows of H'
                      need only those rows of H                            (_state_passing_kernel)
-      O              per (batch, chunk, head, block of dv)                (_chunk_output_kernel)
+      O              per (batch, chunk, head), a block of dv at a time    (_chunk_output_kernel)
 
     backward: G, T, W, U and the H_c are recomputed (only the inputs are saved); with dO the output's
     gradient and dH' the leaving state's (the final state's gradient for the last chunk),
@@ -154,7 +154,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
         cum, solve, u, states, final = _forward_states(k, v, g, beta, initial_state, shape)
         o = torch.empty_like(v)
-        _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads, shape.v_blocks)](
+        _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads)](
             q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.shape = shape
@@ -168,7 +168,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         do = do.contiguous()
         cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape)
         drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
-        _chunk_output_backward_kernel[(b * m, h, shape.v_blocks)](
+        _chunk_output_backward_kernel[(b * m, h)](
             q, k, do, cum, drhs, **shape.sizes(), **meta)
         dstates = torch.empty_like(states)
         dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
@@ -380,33 +380,32 @@ if triton is not None:
     @triton.jit
     def _chunk_output_kernel(q, k, u, cum, states, o, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (bi * m + c, head, k): O's block k of dv in chunk c, gamma o (Q H^T) + (D * Q K^T) U."""
+        """Program (bi * m + c, head): O of chunk c, gamma o (Q H^T) + (D * Q K^T) U, a block of dv at
+        a time (D * Q K^T computed once for them all)."""
         bi, c, head = program_chunk(m)
-        v0 = tl.program_id(2) * BLOCK_V
-        scores = tl.zeros([L, L], tl.float32)
-        earlier = tl.zeros([L, BLOCK_V], tl.float32)
-        for k0 in range(0, dk, BLOCK_K):
-            q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-            scores += tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-            earlier += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
         G, _ = _load_cum(cum, bi, c, head, heads, m, L)
-        u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-        out = tl.exp(G)[:, None] * earlier + tl.dot(scores * _decay(G, False, L), u_tile, input_precision=PRECISION)
-        store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+        scores = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION) * _decay(G, False, L)
+        for v0 in range(0, dv, BLOCK_V):
+            earlier = tl.zeros([L, BLOCK_V], tl.float32)
+            for k0 in range(0, dk, BLOCK_K):
+                q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
+                earlier += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
+            u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
+            out = tl.exp(G)[:, None] * earlier + tl.dot(scores, u_tile, input_precision=PRECISION)
+            store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
 
     @triton.jit
     def _chunk_output_backward_kernel(q, k, do, cum, du, s, heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr,
                                       BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (bi * m + c, head, k): O's pull on U, (D * Q K^T)^T dO, block k of dv in chunk c."""
+        """Program (bi * m + c, head): O's pull on U in chunk c, (D * Q K^T)^T dO, a block of dv at a time."""
         bi, c, head = program_chunk(m)
-        v0 = tl.program_id(2) * BLOCK_V
         G, _ = _load_cum(cum, bi, c, head, heads, m, L)
         scores = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION) * _decay(G, False, L)
-        do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-        _store_chunk_tile(du, tl.dot(tl.trans(scores), do_tile, input_precision=PRECISION), bi, c, head, heads, m,
-                          dv, v0, L, BLOCK_V)
+        for v0 in range(0, dv, BLOCK_V):
+            do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            _store_chunk_tile(du, tl.dot(tl.trans(scores), do_tile, input_precision=PRECISION), bi, c, head, heads,
+                              m, dv, v0, L, BLOCK_V)
 
     @triton.jit
     def _state_passing_backward_kernel(q, k, beta, do, cum, solve, drhs, dstates, dfinal, dinitial, s, heads, m, dk,
