@@ -6,6 +6,7 @@ imports the frontend (`cudnn`) on the CPU. The kernels themselves: test_cudnn_wi
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def test_nothing_imports_the_frontend_on_the_cpu():
     `cudnn` unimported, whether or not the frontend is installed."""
     script = """
 import sys
+import types
 import torch
 from teratron.transformer.dot_product_attention import DotProductAttention
 from teratron.transformer.transformer_config import TransformerConfig
@@ -158,3 +160,69 @@ def test_other_layers_do_not_run_on_cudnn(cudnn_calls, case):
         q = torch.randn(40, 2, 4, 128, dtype=torch.bfloat16)
         attention(q, q[:, :, :2], q[:, :, :2])
         assert cudnn_calls == [(300, attention.softmax_scale)]
+
+
+def test_the_fastest_plan_that_runs_is_chosen():
+    times = {0: 1.2, 1: RuntimeError("not supported"), 2: 0.9, 3: 1.0}
+
+    def time_plan(index):
+        if isinstance(times[index], Exception):
+            raise times[index]
+        return times[index]
+
+    assert cudnn_window_attention.fastest_plan(4, time_plan) == 2
+    assert cudnn_window_attention.fastest_plan(2, lambda index: [0.5, 0.4][index]) == 1
+    assert cudnn_window_attention.fastest_plan(0, time_plan) is None
+
+
+class _StandInGraph:
+    """What `_build` calls of a cuDNN graph, recorded."""
+
+    def __init__(self, plans):
+        self.calls, self.plans = [], plans
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return self.plans if name == "get_execution_plan_count" else None
+        return call
+
+
+@pytest.fixture
+def stand_in_cudnn(monkeypatch):
+    """`_build` on the CPU: a stand-in frontend and graph, plan i timed at [3, 1, 2][i] ms."""
+    graphs = []
+
+    def operation_graph(*args):
+        graphs.append(_StandInGraph(3))
+        return graphs[-1], {"q": "q"}
+
+    frontend = types.SimpleNamespace(heur_mode=types.SimpleNamespace(A="A", B="B", FALLBACK="F"),
+                                     build_plan_policy=types.SimpleNamespace(ALL="all"))
+    monkeypatch.setattr(cudnn_window_attention, "_cudnn", lambda: frontend)
+    monkeypatch.setattr(cudnn_window_attention, "_operation_graph", operation_graph)
+    monkeypatch.setattr(cudnn_window_attention, "_time_plan", lambda graph, pack, index, device: [3, 1, 2][index])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CUDA query
+    return graphs
+
+
+def test_the_band_runs_its_fastest_plan_unless_runs_must_not_depend_on_timing(stand_in_cudnn, monkeypatch):
+    tensors = {"q": torch.zeros(1)}
+    graph, _, plan = cudnn_window_attention._build("forward", 9, 0.1, False, tensors)
+    assert plan == 1 and "build_plans" in graph.calls and "build" not in graph.calls
+    graph, _, plan = cudnn_window_attention._build("backward", 9, 0.1, True, tensors)  # deterministic
+    assert plan is None and graph.calls == ["build"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # no timing in a capture
+    graph, _, plan = cudnn_window_attention._build("forward", 9, 0.1, False, tensors)
+    assert plan is None and graph.calls == ["build"]
+
+
+def test_a_failed_timing_falls_back_to_the_heuristics_plan(stand_in_cudnn, monkeypatch):
+    def broken(graph, pack, index, device):
+        raise RuntimeError("cudnn says no")
+
+    monkeypatch.setattr(cudnn_window_attention, "_time_plan", broken)
+    monkeypatch.setattr(cudnn_window_attention, "fastest_plan", lambda count, time_plan: time_plan(0))
+    with pytest.warns(UserWarning, match="timing its plans failed .*cudnn says no.*heuristic's plan"):
+        graph, _, plan = cudnn_window_attention._build("forward", 9, 0.1, False, {"q": torch.zeros(1)})
+    assert plan is None and graph.calls == ["build"] and len(stand_in_cudnn) == 2  # a fresh graph
