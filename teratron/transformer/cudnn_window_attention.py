@@ -14,8 +14,8 @@ backward graph are built per (kind, shapes, strides, dtype, left bound, scale, d
 determinism) and cached, each with the fastest of cuDNN's execution plans, timed on its first
 inputs (the heuristic's plan under deterministic algorithms, whose runs must not depend on a
 timing, and during CUDA graph capture); they run on the current torch CUDA stream with a workspace
-from torch's allocator. q [b, n, s, h], k and v [b, g, s, h] (GQA: g divides n) are passed by their strides,
-so the layer's [s, b, n, h] views go in without a copy (a tensor cuDNN cannot address, e.g. an
+from torch's allocator. q [b, n, s, h], k and v [b, g, s, h] (GQA: g divides n) are passed by
+their strides, so the layer's [s, b, n, h] views go in without a copy (a tensor cuDNN cannot address, e.g. an
 expanded gradient, is copied first). The output and the gradients are allocated [s, b, *, h] in
 memory, as the layer lays them out.
 
@@ -234,15 +234,16 @@ def fastest_plan(count: int, time_plan):
 def _time_plan(graph, pack: dict, index: int, device, repeats: int = 5) -> float:
     """ms per run of plan `index` on the current stream (after one untimed run)."""
     handle = _handle(device)
-    workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8, device=device)
-    _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-    graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
+    with torch.cuda.device(device):
+        workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8, device=device)
+        _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
         graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-    end.record()
-    end.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+        end.record()
+        end.synchronize()
     return start.elapsed_time(end) / repeats
 
 
