@@ -289,11 +289,12 @@ def stacking(model_chunks) -> dict:
 def mtp_layout(model_chunks) -> dict:
     """extra_states' mtp_num_layers and mtp_moe for this model: an MTP depth's layer is like the
     last decoder layer (MoE when that one is)."""
-    from teratron.transformer.moe.moe_logging import moe_layer_pattern
+    from teratron.transformer.moe.moe_logging import moe_layer_indices
 
     config = unwrap(model_chunks[0]).config
-    moe = config.num_moe_experts is not None and moe_layer_pattern(config.num_layers, config.moe_layer_freq)[-1]
-    return {"mtp_num_layers": config.mtp_num_layers or 0, "mtp_moe": bool(moe)}
+    depths = config.mtp_num_layers or 0
+    moe = depths > 0 and config.num_moe_experts is not None and config.num_layers in moe_layer_indices(config)
+    return {"mtp_num_layers": depths, "mtp_moe": moe}
 
 
 def extra_states(num_layers: int, stacked: bool, num_experts: int | None, mtp_num_layers: int = 0,
