@@ -12,14 +12,15 @@ causal window without sink runs when the cuDNN frontend is installed; "not run (
 reason otherwise); for comparison the windowed layer on FlexAttention (compiled, a cached block
 mask: what windows with sinks, and every window without the frontend, run), with and without
 learned sinks, and FlexAttention over the full causal mask (the kernel's own cost, no window).
-Each case runs --warmup steps first (compilation included), then --iters timed steps between
-CUDA events. Prints one RESULT line per case (ms per forward + backward, peak memory) and the
+Each case runs --warmup steps first (compilation included), then --repeats timings of --iters
+steps each between CUDA events, and reports their median. Prints one RESULT line per case (ms per forward + backward, peak memory) and the
 ratios window / full causal, against the fastest full-causal kernel and against `auto`, next to
 the ratio of the key counts.
 """
 
 import argparse
 import contextlib
+import statistics
 
 import torch
 
@@ -61,7 +62,8 @@ def cudnn_window_unavailable(args) -> str | None:
 
 
 def time_forward_backward(attention, args):
-    """Milliseconds per forward + backward, and the peak memory (GiB) of one step."""
+    """Milliseconds per forward + backward (the median of --repeats timings of --iters steps each), and
+    the peak memory (GiB) of one step."""
     s, b = args.seq_length, args.batch
     shape = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(s, b, args.heads, args.head_dim, **shape, requires_grad=True)
@@ -77,13 +79,16 @@ def time_forward_backward(attention, args):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / args.iters, torch.cuda.max_memory_allocated() / 2**30
+    timings = []
+    for _ in range(args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        timings.append(start.elapsed_time(end) / args.iters)
+    return statistics.median(timings), torch.cuda.max_memory_allocated() / 2**30
 
 
 def visible_keys_ratio(seq_length: int, window: int) -> float:
@@ -102,7 +107,8 @@ def main():
     parser.add_argument("--groups", type=int, default=16, help="Key/value heads (GQA when fewer than --heads).")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="Steps per timing.")
+    parser.add_argument("--repeats", type=int, default=7, help="Timings per case; the median is reported.")
     parser.add_argument("--skip-flex", action="store_true", help="No FlexAttention cases (minutes of compilation).")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -3,7 +3,8 @@ and tile side (MAX_BLOCK) at the kernel benchmark's and the hybrid model's shape
 `gated_delta_rule_triton`, each next to another version of the same kernel module when given,
 then a per-kernel CUDA time table of each.
 
-    python bench/ssm_profile.py [--ssd-against OLD_SSD.py] [--rule-against OLD_RULE.py]
+    python bench/ssm_profile.py [--ssd-against OLD_SSD.py ...] [--rule-against OLD_RULE.py ...]
+                                [--chunks 64 128] [--blocks 16 32]
 
 e.g. `git show REV:teratron/ssm/ssd_triton.py > /tmp/ssd_old.py` for the kernels at REV (the
 module is loaded from the file; it imports the rest of teratron as installed). Prints TIME lines
@@ -61,20 +62,28 @@ def profile(label, step):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ssd-against", help="Another ssd_triton.py to time beside the current one.")
-    parser.add_argument("--rule-against", help="Another gated_delta_rule_triton.py to time beside the current one.")
+    parser.add_argument("--ssd-against", action="append", default=[], metavar="FILE",
+                        help="Another ssd_triton.py to time beside the current one (repeatable).")
+    parser.add_argument("--rule-against", action="append", default=[], metavar="FILE",
+                        help="Another gated_delta_rule_triton.py to time beside the current one (repeatable).")
+    parser.add_argument("--rule-blocks", type=int, nargs="+", default=[],
+                        help="MAX_BLOCK values of the current gated_delta_rule_triton to time beside its own.")
+    parser.add_argument("--rule-states", nargs="+", default=[], metavar="ROWS,WARPS",
+                        help="STATE_ROWS,STATE_WARPS of the current gated_delta_rule_triton to time beside its own.")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128], help="The scan's chunk sizes to time.")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32], help="The scan's MAX_BLOCK values to time.")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ssm_profile: needs a CUDA GPU")
     torch.manual_seed(0)
     scans = {"current": ssd_triton}
-    if args.ssd_against:
-        scans["against"] = load_module(args.ssd_against, "ssd_triton_against")
+    for i, path in enumerate(args.ssd_against):
+        scans[path] = load_module(path, f"ssd_triton_against_{i}")
     for label, (batch, seq, heads, groups) in SCAN_SHAPES.items():
         for version, module in scans.items():
             default_block = module.MAX_BLOCK
-            for chunk in (64, 128):
-                for block in (16, 32):
+            for chunk in args.chunks:
+                for block in args.blocks:
                     module.MAX_BLOCK = block
                     shape = shape_args(batch, seq, heads, groups, chunk)
                     timed(f"ssd {label} {version} chunk {chunk} MAX_BLOCK {block}",
@@ -86,17 +95,34 @@ def main():
     profile("ssd hybrid 64x64 g8 1x8192 chunk 128", bench.scan_step(ssd_triton.ssd_triton, hybrid))
 
     rules = {"current": gated_delta_rule_triton}
-    if args.rule_against:
-        rules["against"] = load_module(args.rule_against, "gated_delta_rule_triton_against")
-    rule = shape_args()
+    for i, path in enumerate(args.rule_against):
+        rules[path] = load_module(path, f"gated_delta_rule_triton_against_{i}")
+    rule, rule_batched = shape_args(), shape_args(batch=4, seq=2048)
+    default_block = gated_delta_rule_triton.MAX_BLOCK
+    for block in args.rule_blocks:
+        gated_delta_rule_triton.MAX_BLOCK = block
+        timed(f"gated delta rule 32x128 1x8192 current MAX_BLOCK {block}",
+              lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule), rule)
+    gated_delta_rule_triton.MAX_BLOCK = default_block
+    defaults = gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS
+    for setting in args.rule_states:
+        rows, warps = (int(part) for part in setting.split(","))
+        gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS = rows, warps
+        timed(f"gated delta rule 32x128 1x8192 current STATE_ROWS {rows} STATE_WARPS {warps}",
+              lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule), rule)
+        timed(f"gated delta rule 32x128 4x2048 current STATE_ROWS {rows} STATE_WARPS {warps}",
+              lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule_batched), rule_batched)
+    gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS = defaults
     for version, module in rules.items():
         timed(f"gated delta rule 32x128 1x8192 {version}", lambda: bench.rule_step(module.gated_delta_rule_triton, rule),
               rule)
-    difference = bench.largest_difference(gated_delta_rule_triton.gated_delta_rule_triton,
-                                          bench.gated_delta_rule_chunked, bench.rule_inputs(rule), bench.RULE_CHUNK)
-    print(f"DIFF gated_delta_rule_triton vs chunked (bf16 v): {difference:.2e} of the largest output", flush=True)
-    profile("gated delta rule 32x128 1x8192 chunk 64", bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton,
-                                                                          rule))
+    for version, module in rules.items():
+        difference = bench.largest_difference(module.gated_delta_rule_triton, bench.gated_delta_rule_chunked,
+                                              bench.rule_inputs(rule), bench.RULE_CHUNK)
+        print(f"DIFF gated_delta_rule_triton {version} vs chunked (bf16 v): {difference:.2e} of the largest output",
+              flush=True)
+        profile(f"gated delta rule 32x128 1x8192 chunk 64 {version}",
+                bench.rule_step(module.gated_delta_rule_triton, rule))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
                      need only those rows of H                            (_state_passing_kernel)
       O              per (batch, chunk, head), a block of dv at a time    (_chunk_output_kernel)
 
-    backward: G, T, W, U and the H_c are recomputed (only the inputs are saved); with dO the output's
+    backward: W, U and the H_c are recomputed from the saved G and T (the solve kernel reads T
+    instead of solving: the forward's costliest step is not repeated); with dO the output's
     gradient and dH' the leaving state's (the final state's gradient for the last chunk),
       dU    = (D * Q K^T)^T dO + (w o K) dH'^T        drhs = T^T dU
       dH    = gamma_L dH' + (gamma o dO)^T Q - (beta gamma o drhs)^T K, backwards over chunks per
@@ -80,6 +81,7 @@ MAX_BLOCK = 32
 # (tests/ssm/test_gated_delta_rule_triton.py compiles them).
 MAX_KEY_DIM = 128
 STATE_ROWS = 16
+STATE_WARPS = 8  # warps of a state-passing program
 
 
 @torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
@@ -146,7 +148,8 @@ class _Shape:
 
 
 class _GatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves only the inputs: the backward recomputes the chunks' solves, U and entering states."""
+    """Saves the inputs, G and T (fp32, [b, m, h, L, L]: L / dv of U's size): the backward recomputes
+    W, U and the entering states from them, not the solve (the costliest of the forward's kernels)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, chunk_size):
@@ -156,17 +159,17 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         o = torch.empty_like(v)
         _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads)](
             q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cum, solve)
         ctx.shape = shape
         return o, final.to(v.dtype)
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cum, solve = ctx.saved_tensors
         shape = ctx.shape
         b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(v.dtype)
         do = do.contiguous()
-        cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape)
+        cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape, solved=(cum, solve))
         drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
         _chunk_output_backward_kernel[(b * m, h)](
             q, k, do, cum, drhs, **shape.sizes(), **meta)
@@ -174,7 +177,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
         _state_passing_backward_kernel[shape.state_grid](
             q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
-            STATE_ROWS=STATE_ROWS, **meta)
+            STATE_ROWS=STATE_ROWS, **{**meta, "num_warps": STATE_WARPS})
         dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
         _chunk_backward_kernel[(b * m, h)](
             q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
@@ -182,23 +185,27 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dinitial, None
 
 
-def _forward_states(k, v, g, beta, initial_state, shape):
+def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
     """fp32: G [b, h, m * L], T [b, m, h, L, L], U [b, m, h, L, dv], the states entering each chunk
-    [b, m, h, dv, dk] and the final state [b, h, dv, dk]."""
+    [b, m, h, dv, dk] and the final state [b, h, dv, dk]. `solved`: (G, T) of an earlier call on the
+    same inputs, taken instead of solving again."""
     b, h, m, L, dk, dv = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.key_dim, shape.value_dim
     meta = shape.meta(v.dtype)
     fp32 = dict(device=v.device, dtype=torch.float32)
-    cum = torch.empty(b, h, m * L, **fp32)
-    solve = torch.empty(b, m, h, L, L, **fp32)
+    if solved is None:
+        cum, solve = torch.empty(b, h, m * L, **fp32), torch.empty(b, m, h, L, L, **fp32)
+    else:
+        cum, solve = solved
     w = torch.empty(b, m, h, L, dk, **fp32)
     u = torch.empty(b, m, h, L, dv, **fp32)  # Ub, then U in place
-    _chunk_solve_kernel[(b * m, h)](k, v, g, beta, cum, solve, w, u, **shape.sizes(), **meta)
+    _chunk_solve_kernel[(b * m, h)](k, v, g, beta, cum, solve, w, u, **shape.sizes(), SOLVED=solved is not None,
+                                    **meta)
     states = torch.empty(b, m, h, dv, dk, **fp32)
     final = torch.empty(b, h, dv, dk, **fp32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[shape.state_grid](
         k, w, u, cum, states, initial, final, **shape.sizes(), HAS_INITIAL=initial_state is not None,
-        STATE_ROWS=STATE_ROWS, **meta)
+        STATE_ROWS=STATE_ROWS, **{**meta, "num_warps": STATE_WARPS})
     return cum, solve, u, states, final
 
 
@@ -332,16 +339,24 @@ if triton is not None:
         return inverse
 
     @triton.jit
-    def _chunk_solve_kernel(k, v, g, beta, cum, solve, w, u, s, heads, m, dk, dv, L: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr,
+    def _chunk_solve_kernel(k, v, g, beta, cum, solve, w, u, s, heads, m, dk, dv, SOLVED: tl.constexpr,
+                            L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_TILE: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """Program (bi * m + c, head): G, T = (I + A)^-1, W = T (beta gamma o K), Ub = T (beta o V)."""
+        """Program (bi * m + c, head): G, T = (I + A)^-1 (read from cum and solve if SOLVED),
+        W = T (beta gamma o K), Ub = T (beta o V)."""
         bi, c, head = program_chunk(m)
-        G = tl.cumsum(_load_scalars(g, bi, c, head, s, heads, L), 0)
-        tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
         beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
-        a = beta_c[:, None] * _decay(G, True, L) * _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
-        inverse = _blocked_unit_lower_inverse(a, solve + ((bi * m + c) * heads + head) * L * L, L, PRECISION)
+        tile = solve + ((bi * m + c) * heads + head) * L * L
+        if SOLVED:
+            G, _ = _load_cum(cum, bi, c, head, heads, m, L)
+            rows = tl.arange(0, L)
+            inverse = tl.load(tile + rows[:, None] * L + rows[None, :])
+        else:
+            G = tl.cumsum(_load_scalars(g, bi, c, head, s, heads, L), 0)
+            tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
+            a = (beta_c[:, None] * _decay(G, True, L)
+                 * _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION))
+            inverse = _blocked_unit_lower_inverse(a, tile, L, PRECISION)
         key_weight = beta_c * tl.exp(G)
         for k0 in range(0, dk, BLOCK_K):
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]

@@ -68,11 +68,11 @@ STATE_BLOCK = 512
 # Chunk sizes the kernels take ([L, L] fp32 tiles past 128 would not fit a program's registers).
 CHUNK_SIZES = (16, 32, 64, 128)
 # Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
-# other). Beside the [L, L] fp32 tiles, blocks of 32 keep ptxas's register spills for sm_90 (bf16
-# inputs, 8 warps) at L = 128 under 800 bytes a thread (the dCB kernel; the others under 180) and
-# none at 64, and every kernel's shared memory within an H100's 227 KiB, fp32 inputs included
-# (tests/ssm/test_ssd_triton.py compiles them).
-MAX_BLOCK = 32
+# other). Blocks of 64 spill more registers than blocks of 32 (sm_90, bf16 inputs, 8 warps, L = 128:
+# up to 1.9 KB a thread in the backward kernels against 800 bytes) yet run 14 % faster on an H200
+# (half the loop trips and programs; bench/RESULTS.md session 14), and every kernel's shared memory
+# stays within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
+MAX_BLOCK = 64
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
 DCB_PROGRAMS = 512

@@ -70,16 +70,17 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     chunk = max(kernels.CHUNK_SIZES)
     for name, (activations, fp32) in KERNEL_TENSORS.items():
         kernel = getattr(kernels, name)
-        constexprs = dict(L=chunk, BLOCK_K=kernels.MAX_BLOCK, BLOCK_V=kernels.MAX_BLOCK, KEY_TILE=kernels.MAX_KEY_DIM,
-                          STATE_ROWS=kernels.STATE_ROWS, PRECISION="ieee" if dtype == "fp32" else "tf32",
-                          HAS_INITIAL=True)
-        constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
-        types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
-        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-        source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
-                                                          for arg, value in constexprs.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-        assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+        for solved in (False, True) if "SOLVED" in kernel.arg_names else (False,):  # the solve's two uses
+            constexprs = dict(L=chunk, BLOCK_K=kernels.MAX_BLOCK, BLOCK_V=kernels.MAX_BLOCK,
+                              KEY_TILE=kernels.MAX_KEY_DIM, STATE_ROWS=kernels.STATE_ROWS,
+                              PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_INITIAL=True, SOLVED=solved)
+            constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
+            types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
+            signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+            source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
+                                                              for arg, value in constexprs.items()})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+            assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, solved, compiled.metadata.shared)
 
 
 def gpu_test(test):
