@@ -13,9 +13,9 @@ reason otherwise); for comparison the windowed layer on FlexAttention (compiled,
 mask: what windows with sinks, and every window without the frontend, run), with and without
 learned sinks, and FlexAttention over the full causal mask (the kernel's own cost, no window).
 Each case runs --warmup steps first (compilation included), then --repeats timings of --iters
-steps each between CUDA events, and reports their median. Prints one RESULT line per case (ms per forward + backward, peak memory) and the
-ratios window / full causal, against the fastest full-causal kernel and against `auto`, next to
-the ratio of the key counts.
+steps each between CUDA events, and reports their median. Prints one RESULT line per case (ms
+per forward + backward, peak memory) and the ratios window / full causal, against the fastest
+full-causal kernel and against `auto`, next to the ratio of the key counts.
 """
 
 import argparse

@@ -126,6 +126,10 @@ class _Shape:
                     # fp32 v needs "ieee" to match the PyTorch path to fp32 rounding; 16-bit v takes tf32
                     PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
+    def state_meta(self, dtype):
+        """`meta` for the two state passings: their own warps and rows of the state."""
+        return {**self.meta(dtype), "num_warps": STATE_WARPS, "STATE_ROWS": STATE_ROWS}
+
     @property
     def block_k(self):  # 16 at least: tl.dot's smallest tile side
         return min(max(16, triton.next_power_of_2(self.key_dim)), MAX_BLOCK)
@@ -177,7 +181,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
         _state_passing_backward_kernel[shape.state_grid](
             q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
-            STATE_ROWS=STATE_ROWS, **{**meta, "num_warps": STATE_WARPS})
+            **shape.state_meta(v.dtype))
         dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
         _chunk_backward_kernel[(b * m, h)](
             q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
@@ -205,7 +209,7 @@ def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[shape.state_grid](
         k, w, u, cum, states, initial, final, **shape.sizes(), HAS_INITIAL=initial_state is not None,
-        STATE_ROWS=STATE_ROWS, **{**meta, "num_warps": STATE_WARPS})
+        **shape.state_meta(v.dtype))
     return cum, solve, u, states, final
 
 
@@ -264,6 +268,12 @@ if triton is not None:
         """[L] running sums G of the log gates in chunk c, and the last (the whole chunk's)."""
         row = cum + ((bi * heads + head) * m + c) * L
         return tl.load(row + tl.arange(0, L)), tl.load(row + L - 1)
+
+    @triton.jit
+    def _load_solve(solve, bi, c, head, heads, m, L: tl.constexpr):
+        """[L, L] T of chunk c at (bi, head) from the [b, m, h, L, L] buffer."""
+        rows = tl.arange(0, L)
+        return tl.load(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :])
 
     @triton.jit
     def _decay(cum, STRICT: tl.constexpr, L: tl.constexpr):
@@ -346,17 +356,15 @@ if triton is not None:
         W = T (beta gamma o K), Ub = T (beta o V)."""
         bi, c, head = program_chunk(m)
         beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
-        tile = solve + ((bi * m + c) * heads + head) * L * L
         if SOLVED:
             G, _ = _load_cum(cum, bi, c, head, heads, m, L)
-            rows = tl.arange(0, L)
-            inverse = tl.load(tile + rows[:, None] * L + rows[None, :])
+            inverse = _load_solve(solve, bi, c, head, heads, m, L)
         else:
             G = tl.cumsum(_load_scalars(g, bi, c, head, s, heads, L), 0)
             tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), G)
             a = (beta_c[:, None] * _decay(G, True, L)
                  * _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION))
-            inverse = _blocked_unit_lower_inverse(a, tile, L, PRECISION)
+            inverse = _blocked_unit_lower_inverse(a, solve + ((bi * m + c) * heads + head) * L * L, L, PRECISION)
         key_weight = beta_c * tl.exp(G)
         for k0 in range(0, dk, BLOCK_K):
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K) * key_weight[:, None]
@@ -433,7 +441,6 @@ if triton is not None:
         head = tl.program_id(1)
         v0 = tl.program_id(2) * STATE_ROWS
         dstate = _load_state(dfinal, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
-        rows = tl.arange(0, L)
         for i in range(m):
             c = m - 1 - i
             _store_state(dstates, dstate, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
@@ -443,7 +450,7 @@ if triton is not None:
             q_tile = load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
                   + tl.dot(k_tile * tl.exp(last - G)[:, None], tl.trans(dstate), input_precision=PRECISION))
-            inverse = tl.load(solve + ((bi * m + c) * heads + head) * L * L + rows[:, None] * L + rows[None, :])
+            inverse = _load_solve(solve, bi, c, head, heads, m, L)
             drhs_tile = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
             _store_chunk_tile(drhs, drhs_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
             do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)

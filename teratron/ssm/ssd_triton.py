@@ -69,7 +69,7 @@ STATE_BLOCK = 512
 CHUNK_SIZES = (16, 32, 64, 128)
 # Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
 # other). Blocks of 64 spill more registers than blocks of 32 (sm_90, bf16 inputs, 8 warps, L = 128:
-# up to 1.9 KB a thread in the backward kernels against 800 bytes) yet run 14 % faster on an H200
+# up to 1.9 KB a thread in the backward kernels against 800 bytes) yet run 12-15 % faster on an H200
 # (half the loop trips and programs; bench/RESULTS.md session 14), and every kernel's shared memory
 # stays within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 64
