@@ -236,10 +236,20 @@ def test_disconnect_frees_the_engine(imported):
         assert aborted == [0] and engine.context.allocator.num_free == engine.context.num_blocks  # every block back
 
 
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports (held open together while chosen, so the OS cannot hand one out twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
 
 
 @pytest.mark.parametrize("stop, returncode, last_words", [(signal.SIGINT, 130, "teratron: interrupted"),

@@ -18,7 +18,7 @@ import pytest
 
 from dist import run_distributed
 from inference.server_testing import default_ctrl_c
-from inference.test_inference_cli import ENGINE, _free_port, _post, drafts, imported, served  # noqa: F401 - fixtures
+from inference.test_inference_cli import ENGINE, _free_ports, _post, drafts, imported, served  # noqa: F401 - fixtures
 from teratron import cli
 from teratron import parallel_state as ps
 from teratron.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -102,13 +102,13 @@ def test_follower_replays_rank0_engine_calls(imported):
     assert len(steps) > 3 and all(tokens for step in steps[:2] for _, tokens, _ in step)
 
 
-def _launch_tp2_server(ckpt, port):
-    """`teratron serve --tensor-model-parallel-size 2` as two processes with torchrun's environment."""
-    master = str(_free_port())
+def _launch_tp2_server(ckpt, port, master):
+    """`teratron serve --tensor-model-parallel-size 2` as two processes with torchrun's environment
+    (`master`: the rendezvous port, not the server's)."""
     argv = [sys.executable, "-m", "teratron", "serve", "--load", ckpt, "--port", str(port),
             "--tensor-model-parallel-size", "2", *SMALL]
     return [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_ctrl_c,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=master,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                                       WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)))
             for rank in range(2)]
 
@@ -127,8 +127,8 @@ def _disconnect_mid_stream(url) -> None:
 def test_tensor_parallel_server_answers_as_tp1(imported, served, stop):
     ckpt, _ = imported
     tp1_url, _ = served
-    port = _free_port()
-    ranks = _launch_tp2_server(ckpt, port)
+    port, master = _free_ports(2)  # one call: a master port equal to the server's would take it first
+    ranks = _launch_tp2_server(ckpt, port, master)
     url = f"http://127.0.0.1:{port}"
     try:
         line = ranks[0].stdout.readline()
