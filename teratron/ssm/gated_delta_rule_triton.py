@@ -52,6 +52,7 @@ MAX_KEY_DIM) across the chunk loop.
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -84,7 +85,6 @@ STATE_ROWS = 16
 STATE_WARPS = 8  # warps of a state-passing program
 
 
-@torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
 def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
     """`gated_delta_rule_chunked` by the Triton kernels (the module docstring): q, k [b, s, h, dk],
     v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or None -> (o [b, s, h, dv],
@@ -98,7 +98,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: in
     if k.shape[-1] > MAX_KEY_DIM:
         raise ValueError(f"gated_delta_rule_triton: key head dim {k.shape[-1]} is over {MAX_KEY_DIM}, the "
                          "kernels' state tile (gated_delta_rule_chunked takes any)")
-    return _GatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, chunk_size)
+    o, final, *_ = _gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size)
+    return o, final
 
 
 @dataclass(frozen=True)
@@ -151,42 +152,85 @@ class _Shape:
         return self.batch, self.heads, triton.cdiv(self.value_dim, STATE_ROWS)
 
 
-class _GatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves the inputs, G and T (fp32, [b, m, h, L, L]: L / dv of U's size): the backward recomputes
-    W, U and the entering states from them, not the solve (the costliest of the forward's kernels)."""
+# The rule is a pair of custom ops (forward, backward) with autograd between them, so a layer compiled
+# whole (`--torch-compile`) traces through it as one node (see teratron.ssm.ssd_triton).
+@torch.library.custom_op("teratron::gated_delta_rule", mutates_args=())
+def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor],
+                      chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, final state in v's dtype, and what the backward keeps: the chunks' cumulative gates and
+    G and T (fp32, [b, m, h, L, L]: L / dv of U's size): the backward recomputes W, U and the
+    entering states from them, not the solve (the costliest of the forward's kernels))."""
+    shape = _Shape.of(k, v, chunk_size)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    cum, solve, u, states, final = _forward_states(k, v, g, beta, initial_state, shape)
+    o = torch.empty_like(v)
+    _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads)](
+        q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
+    return o, final.to(v.dtype), cum, solve
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size):
-        shape = _Shape.of(k, v, chunk_size)
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        cum, solve, u, states, final = _forward_states(k, v, g, beta, initial_state, shape)
-        o = torch.empty_like(v)
-        _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads)](
-            q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cum, solve)
-        ctx.shape = shape
-        return o, final.to(v.dtype)
 
-    @staticmethod
-    def backward(ctx, do, dfinal):
-        q, k, v, g, beta, initial_state, cum, solve = ctx.saved_tensors
-        shape = ctx.shape
-        b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(v.dtype)
-        do = do.contiguous()
-        cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape, solved=(cum, solve))
-        drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
-        _chunk_output_backward_kernel[(b * m, h)](
-            q, k, do, cum, drhs, **shape.sizes(), **meta)
-        dstates = torch.empty_like(states)
-        dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
-        _state_passing_backward_kernel[shape.state_grid](
-            q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
-            **shape.state_meta(v.dtype))
-        dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
-        _chunk_backward_kernel[(b * m, h)](
-            q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
-        dinitial = dinitial.to(initial_state.dtype) if initial_state is not None else None
-        return dq, dk, dv, dg, dbeta, dinitial, None
+@_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, chunk_size):
+    shape = _Shape.of(k, v, chunk_size)
+    b, h, m, L = shape.batch, shape.heads, shape.chunks, shape.chunk
+    fp32 = dict(device=v.device, dtype=torch.float32)
+    return (torch.empty_like(v, memory_format=torch.contiguous_format),
+            v.new_empty(b, h, shape.value_dim, shape.key_dim),
+            torch.empty(b, h, m * L, **fp32), torch.empty(b, m, h, L, L, **fp32))
+
+
+def _setup_rule(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, chunk_size = inputs
+    _, _, cum, solve = output
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cum, solve)
+    ctx.chunk_size, ctx.has_initial = chunk_size, initial_state is not None
+
+
+def _rule_autograd(ctx, do, dfinal, *unused):
+    q, k, v, g, beta, initial_state, cum, solve = ctx.saved_tensors
+    if do is None:  # only the final state used
+        do = torch.zeros_like(v)
+    if dfinal is None:
+        dfinal = v.new_zeros(v.shape[0], v.shape[2], v.shape[3], k.shape[3])
+    dq, dk, dv, dg, dbeta, dinitial = _gated_delta_rule_backward(do, dfinal, q, k, v, g, beta, initial_state, cum,
+                                                                 solve, ctx.chunk_size)
+    return dq, dk, dv, dg, dbeta, dinitial if ctx.has_initial else None, None
+
+
+@torch.library.custom_op("teratron::gated_delta_rule_backward", mutates_args=())
+def _gated_delta_rule_backward(do: torch.Tensor, dfinal: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               initial_state: Optional[torch.Tensor], cum: torch.Tensor, solve: torch.Tensor,
+                               chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v, g, beta and the initial state (the last unused without one)."""
+    shape = _Shape.of(k, v, chunk_size)
+    b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(v.dtype)
+    q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
+    cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape, solved=(cum, solve))
+    drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
+    _chunk_output_backward_kernel[(b * m, h)](
+        q, k, do, cum, drhs, **shape.sizes(), **meta)
+    dstates = torch.empty_like(states)
+    dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
+    _state_passing_backward_kernel[shape.state_grid](
+        q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
+        **shape.state_meta(v.dtype))
+    dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
+    _chunk_backward_kernel[(b * m, h)](
+        q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
+    return dq, dk, dv, dg, dbeta, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
+@_gated_delta_rule_backward.register_fake
+def _(do, dfinal, q, k, v, g, beta, initial_state, cum, solve, chunk_size):
+    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, g, beta))
+    dinitial = dfinal.new_empty(dfinal.shape, dtype=initial_state.dtype if initial_state is not None else torch.float32)
+    return (*grads, dinitial)
+
+
+_gated_delta_rule.register_autograd(_rule_autograd, setup_context=_setup_rule)
 
 
 def _forward_states(k, v, g, beta, initial_state, shape, solved=None):

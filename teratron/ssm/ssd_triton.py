@@ -50,6 +50,7 @@ registers stay near what the [L, L] tiles take whatever p and n are.
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -78,7 +79,6 @@ MAX_BLOCK = 64
 DCB_PROGRAMS = 512
 
 
-@torch.compiler.disable  # a compiled layer runs the kernels as they are: its graph breaks here
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """`ssd_chunked` by the Triton kernels (the module docstring): x [b, s, h, p], dt [b, s, h],
     A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p],
@@ -89,7 +89,8 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64)
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"ssd_triton: x is {x.dtype}; the kernels take float32, bfloat16 or float16 "
                          "(ssd_chunked computes other dtypes)")
-    return _SSDFunction.apply(x, dt, A, B, C, D, initial_state, chunk_size)
+    y, final, *_ = _ssd_scan(x, dt, A, B, C, D, initial_state, chunk_size)
+    return y, final
 
 
 @dataclass(frozen=True)
@@ -148,67 +149,116 @@ class _Shape:
         return triton.cdiv(self.heads // self.groups, self.heads_per_split)
 
 
-class _SSDFunction(torch.autograd.Function):
-    """Saves the inputs, the chunks' cumulative decays, C B^T and the states entering each chunk."""
+# The scan is a pair of custom ops (forward, backward) with autograd between them, so a layer compiled
+# whole (`--torch-compile`) traces through it as one node: one graph per layer, its norms, convolution
+# and layout changes fused around the kernels (a disabled function would break the graph in every
+# frame on the stack, leaving each piece compiled apart).
+@torch.library.custom_op("teratron::ssd_scan", mutates_args=())
+def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, final state in x's dtype, and what the backward keeps: the chunks' cumulative decays cum,
+    C B^T per group and the states entering each chunk, fp32)."""
+    shape = _Shape.of(x, B, chunk_size)
+    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+    A32 = A.float().contiguous()
+    cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
+    b, m, g, L = shape.batch, shape.chunks, shape.groups, shape.chunk
+    scores = torch.empty(b, m, g, L, L, device=x.device, dtype=torch.float32)  # C B^T per group
+    _chunk_scores_kernel[(b * m, g)](B, C, scores, **shape.sizes(), **shape.meta(x.dtype))
+    y = torch.empty_like(x)
+    D32 = D.float().contiguous() if D is not None else A32  # unused without D
+    _chunk_scan_kernel[(b * m, shape.heads, shape.p_blocks)](
+        x, dt, C, D32, cum, scores, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
+    # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
+    # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
+    # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape). C B^T is kept
+    # too (fp32 [b, m, g, L, L]: half a bf16 x's bytes at 8 groups of 8 heads of 64, chunk 128).
+    return y, final.to(x.dtype), cum, scores, states
 
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, initial_state, chunk_size):
-        shape = _Shape.of(x, B, chunk_size)
-        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
-        A32 = A.float().contiguous()
-        cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
-        b, m, g, L = shape.batch, shape.chunks, shape.groups, shape.chunk
-        scores = torch.empty(b, m, g, L, L, device=x.device, dtype=torch.float32)  # C B^T per group
-        _chunk_scores_kernel[(b * m, g)](B, C, scores, **shape.sizes(), **shape.meta(x.dtype))
-        y = torch.empty_like(x)
-        D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        _chunk_scan_kernel[(b * m, shape.heads, shape.p_blocks)](
-            x, dt, C, D32, cum, scores, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
-        # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
-        # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
-        # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape). C B^T is kept
-        # too (fp32 [b, m, g, L, L]: half a bf16 x's bytes at 8 groups of 8 heads of 64, chunk 128).
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, scores, states)
-        ctx.shape = shape
-        return y, final.to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, initial_state, cum, scores, states = ctx.saved_tensors
-        shape = ctx.shape
-        b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
-        dy = dy.contiguous()
-        A32 = A.float().contiguous()
-        D32 = D.float().contiguous() if D is not None else A32  # unused without D
-        dstates, dinitial = _state_grads(dy, dt, C, cum, dfinal, shape)
+@_ssd_scan.register_fake
+def _(x, dt, A, B, C, D, initial_state, chunk_size):
+    shape = _Shape.of(x, B, chunk_size)
+    b, h, m, L = shape.batch, shape.heads, shape.chunks, shape.chunk
+    g, p, n = shape.groups, shape.head_dim, shape.d_state
+    fp32 = dict(device=x.device, dtype=torch.float32)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(b, h, p, n),
+            torch.empty(b, h, m * L, **fp32), torch.empty(b, m, g, L, L, **fp32), torch.empty(b, m, h, p, n, **fp32))
 
-        fp32 = dict(device=x.device, dtype=torch.float32)
-        # dCB's partial sums over slices of a group's heads, and each head's dcum from the decay
-        dscores_parts = torch.empty(shape.splits, b, m, shape.groups, shape.chunk, shape.chunk, **fp32)
-        dcum_intra = torch.empty_like(cum)
-        _chunk_scan_backward_dcb_kernel[(b * m, shape.groups, shape.splits)](
-            x, dt, dy, cum, scores, dscores_parts, dcum_intra, **shape.sizes(),
-            HEADS_PER_SPLIT=shape.heads_per_split, **meta)
-        # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
-        # pull on the chunk's decay), summed here
-        dB, dC = torch.empty_like(B), torch.empty_like(C)
-        dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
-        _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
-            x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **shape.sizes(),
-            SPLITS=shape.splits, **meta)
-        dlast = dlast_parts.sum(-1)
-        dx = torch.empty_like(x)
-        # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
-        ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
-        dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
-        _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
-            x, dt, A32, B, C, D32, dy, cum, scores, states, dstates, dlast, dcum_intra, dx, ddt_parts, dA_parts,
-            dD_parts, **shape.sizes(), HAS_D=D is not None, **meta)
-        ddt = ddt_parts.sum(0).to(dt.dtype)
-        dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
-        dD = dD_parts.sum((0, 1, 2)).to(D.dtype) if D is not None else None
-        dinitial = dinitial.to(initial_state.dtype) if initial_state is not None else None
-        return dx, ddt, dA, dB, dC, dD, dinitial, None
+
+def _setup_scan(ctx, inputs, output):
+    x, dt, A, B, C, D, initial_state, chunk_size = inputs
+    _, _, cum, scores, states = output
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, scores, states)
+    ctx.chunk_size = chunk_size
+    ctx.has_D, ctx.has_initial = D is not None, initial_state is not None
+
+
+def _scan_autograd(ctx, dy, dfinal, *unused):
+    x, dt, A, B, C, D, initial_state, cum, scores, states = ctx.saved_tensors
+    if dy is None:  # only the final state used
+        dy = torch.zeros_like(x)
+    if dfinal is None:
+        dfinal = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3])
+    dx, ddt, dA, dB, dC, dD, dinitial = _ssd_scan_backward(dy, dfinal, x, dt, A, B, C, D, initial_state, cum,
+                                                           scores, states, ctx.chunk_size)
+    return (dx, ddt, dA, dB, dC, dD if ctx.has_D else None, dinitial if ctx.has_initial else None, None)
+
+
+@torch.library.custom_op("teratron::ssd_scan_backward", mutates_args=())
+def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                       B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor],
+                       initial_state: Optional[torch.Tensor],
+                       cum: torch.Tensor, scores: torch.Tensor, states: torch.Tensor,
+                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D and the initial state (the last two unused without them)."""
+    shape = _Shape.of(x, B, chunk_size)
+    b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
+    x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
+    A32 = A.float().contiguous()
+    D32 = D.float().contiguous() if D is not None else A32  # unused without D
+    dstates, dinitial = _state_grads(dy, dt, C, cum, dfinal, shape)
+
+    fp32 = dict(device=x.device, dtype=torch.float32)
+    # dCB's partial sums over slices of a group's heads, and each head's dcum from the decay
+    dscores_parts = torch.empty(shape.splits, b, m, shape.groups, shape.chunk, shape.chunk, **fp32)
+    dcum_intra = torch.empty_like(cum)
+    _chunk_scan_backward_dcb_kernel[(b * m, shape.groups, shape.splits)](
+        x, dt, dy, cum, scores, dscores_parts, dcum_intra, **shape.sizes(),
+        HEADS_PER_SPLIT=shape.heads_per_split, **meta)
+    # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
+    # pull on the chunk's decay), summed here
+    dB, dC = torch.empty_like(B), torch.empty_like(C)
+    dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
+    _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
+        x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **shape.sizes(),
+        SPLITS=shape.splits, **meta)
+    dlast = dlast_parts.sum(-1)
+    dx = torch.empty_like(x)
+    # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
+    ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
+    dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
+    _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
+        x, dt, A32, B, C, D32, dy, cum, scores, states, dstates, dlast, dcum_intra, dx, ddt_parts, dA_parts,
+        dD_parts, **shape.sizes(), HAS_D=D is not None, **meta)
+    ddt = ddt_parts.sum(0).to(dt.dtype)
+    dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
+    dD = dD_parts.sum((0, 1, 2)).to(D.dtype if D is not None else torch.float32)
+    return dx, ddt, dA, dB, dC, dD, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
+@_ssd_scan_backward.register_fake
+def _(dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores, states, chunk_size):
+    contiguous = dict(memory_format=torch.contiguous_format)
+    dD = D.new_empty(D.shape) if D is not None else A.new_empty(A.shape, dtype=torch.float32)
+    dinitial = dfinal.new_empty(dfinal.shape, dtype=initial_state.dtype if initial_state is not None else torch.float32)
+    return (torch.empty_like(x, **contiguous), torch.empty_like(dt, **contiguous), torch.empty_like(A),
+            torch.empty_like(B, **contiguous), torch.empty_like(C, **contiguous), dD, dinitial)
+
+
+_ssd_scan.register_autograd(_scan_autograd, setup_context=_setup_scan)
 
 
 def _scan_states(x, dt, A32, B, initial_state, shape):

@@ -1,8 +1,8 @@
 """`--torch-compile`: every decoder layer compiled whole by torch.compile (the fused kernels of
 `teratron.fusions` are inlined there): each TransformerLayer, and each layer of a TransformerBlock
-whatever its kind (the hybrid pattern's MambaLayer). The Triton scans inside Mamba and Gated
-DeltaNet layers stay outside the graphs (`torch.compiler.disable`); the norms, convolutions and
-gates around them are fused."""
+whatever its kind (the hybrid pattern's MambaLayer). The Triton scans and convolutions inside
+Mamba and Gated DeltaNet layers are custom ops the graphs call; the norms, gates and layout changes
+around them are fused."""
 
 import torch
 
