@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.gated_delta_rule import gated_delta_rule
 from teratron.ssm.recurrence import mix_tokens
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -116,8 +116,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, beta, alpha = projected.split(
             [2 * self.qk_dim_local + self.v_dim_local, self.v_dim_local, self.num_value_heads_local,
              self.num_value_heads_local], dim=-1)  # [b, s, ...]
-        qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0], initial_state=conv_state)
-        q, k, v = F.silu(qkv).split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
+        qkv, conv_state = causal_conv1d_silu(qkv, self.conv1d.weight[:, 0], initial_state=conv_state)
+        q, k, v = qkv.split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
         b, s = v.shape[:2]
         q = self._value_heads(q) / math.sqrt(self.key_head_dim)  # [b, s, value heads / tp, dk]
         k = self._value_heads(k)

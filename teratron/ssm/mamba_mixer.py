@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.ssm.causal_conv1d import causal_conv1d
+from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.recurrence import mix_tokens
 from teratron.ssm.ssd import ssd
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -117,11 +117,12 @@ class MambaMixer(nn.Module):
         conv_state, scan_state = state if state is not None else (None, None)
         bc = self.ngroups_local * self.d_state
         z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state)  # [b, s, c]
-        x, B, C = F.silu(xbc).split([self.d_inner_local, bc, bc], dim=-1)
+        # [b, s, c]
+        xbc, conv_state = causal_conv1d_silu(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state)
+        x, B, C = xbc.split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
-        # Contiguous here, where --torch-compile writes them so from the convolution's kernel.
+        # Contiguous for the scan's kernels (under --torch-compile, a copy kernel from the convolution's output).
         x = x.reshape(b, s, self.nheads_local, self.head_dim).contiguous()
         B, C = (t.reshape(b, s, self.ngroups_local, self.d_state).contiguous() for t in (B, C))
         y, scan_state = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, initial_state=scan_state,

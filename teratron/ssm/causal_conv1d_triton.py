@@ -1,0 +1,196 @@
+"""Mamba's causal depthwise convolution followed by SiLU, silu(causal_conv1d(x)) (teratron.ssm.causal_conv1d
+has the definition), as two Triton kernels, forward and backward, for training from a zero state.
+
+    forward    y_t = silu(a_t),  a_t = sum_i w_i x_{t-k+1+i} (+ bias)       one pass over x
+    backward   g_t = dy_t silu'(a_t), a_t recomputed from x                  one pass (_gate_kernel)
+               dx_t = sum_j w_{k-1-j} g_{t+j},  dw_i = sum_t x_{t-k+1+i} g_t,  dbias = sum_t g_t
+                                                                          one pass (_taps_backward_kernel)
+
+Each program takes tiles of BLOCK_T tokens by BLOCK_C channels of one sequence; the k - 1 neighbouring
+rows of a tile are read again from the cache, not from memory. The pre-activation a and the gate's
+gradient g are rounded to x's dtype, as the PyTorch path's convolution and SiLU return them; sums run
+in fp32. The weight and bias gradients are summed per program (TILES tiles of tokens), then over the
+programs in a fixed order (deterministic).
+
+x [b, s, c] may be any view whose channels are contiguous (the mixer's slice of its input projection):
+it is read by its strides; y and dx are contiguous [b, s, c]. A pair of custom ops with autograd between
+them, so a compiled layer traces through them without a graph break.
+"""
+
+from typing import Optional
+
+import torch
+
+from teratron.ssm.ssd_triton import INTERPRETED, SUPPORTED_DTYPES, triton
+
+if triton is not None:
+    import triton.language as tl
+
+BLOCK_T = 64  # tokens of a program's tile
+BLOCK_C = 64  # channels of a program's tile
+TILES = 8     # tiles of BLOCK_T tokens a program of the backward's second pass takes in turn
+
+
+def runs_here(x, initial_state) -> bool:
+    """Whether the kernels take this call: CUDA tensors (CPU ones under TRITON_INTERPRET=1) of a
+    supported dtype, from a zero state (a decoding step's state goes through the PyTorch path)."""
+    return (triton is not None and initial_state is None and (x.is_cuda or INTERPRETED)
+            and x.dtype in SUPPORTED_DTYPES)
+
+
+def causal_conv1d_silu_triton(x, weight, bias=None):
+    """x [b, s, c], weight [c, k], bias [c] or None -> silu(causal_conv1d(x)) [b, s, c] in x's dtype."""
+    return _conv_silu(x, weight, bias)
+
+
+def _channels_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _grid(b: int, s: int, c: int):
+    return b * triton.cdiv(s, BLOCK_T), triton.cdiv(c, BLOCK_C)
+
+
+@torch.library.custom_op("teratron::causal_conv1d_silu", mutates_args=())
+def _conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    x, weight = _channels_contiguous(x), weight.contiguous()
+    b, s, c = x.shape
+    y = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
+    _forward_kernel[_grid(b, s, c)](
+        x, weight, bias if bias is not None else weight, y, s, c, x.stride(0), x.stride(1),
+        HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    return y
+
+
+@_conv_silu.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.has_bias = bias is not None
+
+
+def _autograd(ctx, dy):
+    x, weight, bias = ctx.saved_tensors
+    dx, dweight, dbias = _conv_silu_backward(dy, x, weight, bias)
+    return dx, dweight, dbias if ctx.has_bias else None
+
+
+@torch.library.custom_op("teratron::causal_conv1d_silu_backward", mutates_args=())
+def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, the weight and the bias (the last unused without a bias)."""
+    x, dy, weight = _channels_contiguous(x), _channels_contiguous(dy), weight.contiguous()
+    b, s, c = x.shape
+    k = weight.shape[1]
+    gate = torch.empty(b, s, c, device=x.device, dtype=x.dtype)  # g: the gradient of a
+    _gate_kernel[_grid(b, s, c)](
+        x, weight, bias if bias is not None else weight, dy, gate, s, c, x.stride(0), x.stride(1), dy.stride(0),
+        dy.stride(1), HAS_BIAS=bias is not None, K=k, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
+    programs = b * triton.cdiv(s, BLOCK_T * TILES)
+    dweight_parts = torch.empty(programs, c, k, device=x.device, dtype=torch.float32)
+    dbias_parts = torch.empty(programs, c, device=x.device, dtype=torch.float32)
+    _taps_backward_kernel[(programs, triton.cdiv(c, BLOCK_C))](
+        x, weight, gate, dx, dweight_parts, dbias_parts, s, c, x.stride(0), x.stride(1), K=k,
+        K_PAD=triton.next_power_of_2(k), TILES=TILES, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    dbias_dtype = bias.dtype if bias is not None else weight.dtype
+    return dx, dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
+
+
+@_conv_silu_backward.register_fake
+def _(dy, x, weight, bias):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+_conv_silu.register_autograd(_autograd, setup_context=_setup)
+
+
+if triton is not None:
+    @triton.jit
+    def _tile(ti, c, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's tokens [BLOCK_T] and channels [BLOCK_C] and the channels' mask."""
+        t = ti * BLOCK_T + tl.arange(0, BLOCK_T)
+        channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return t, channels, channels < c
+
+    @triton.jit
+    def _load_rows(ptr, bi, rows, channels, channel_ok, s, stride_b, stride_s):
+        """[BLOCK_T, BLOCK_C] fp32 of rows `rows` of sequence bi, zeros outside 0 .. s - 1 (the
+        convolution's zero padding before the sequence, nothing after it)."""
+        ok = (rows >= 0) & (rows < s)
+        offsets = bi * stride_b + rows[:, None] * stride_s + channels[None, :]
+        return tl.load(ptr + offsets, mask=ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _preactivation(x, weight, bias, bi, rows, channels, channel_ok, s, stride_b, stride_s,
+                       HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """a at `rows`: sum_i w_i x_{row-K+1+i} (+ bias), rounded to x's dtype."""
+        a = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for i in tl.static_range(K):
+            tap = tl.load(weight + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
+            a += _load_rows(x, bi, rows - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s) * tap[None, :]
+        if HAS_BIAS:
+            a += tl.load(bias + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
+        return a.to(x.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _forward_kernel(x, weight, bias, y, s, c, stride_b, stride_s, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        tiles = tl.cdiv(s, BLOCK_T)
+        bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
+        t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
+        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K, BLOCK_T,
+                           BLOCK_C)
+        out = a * tl.sigmoid(a)
+        offsets = (bi * s + t[:, None]) * c + channels[None, :]
+        tl.store(y + offsets, out.to(y.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
+
+    @triton.jit
+    def _gate_kernel(x, weight, bias, dy, gate, s, c, stride_b, stride_s, dy_stride_b, dy_stride_s,
+                     HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        tiles = tl.cdiv(s, BLOCK_T)
+        bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
+        t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
+        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K, BLOCK_T,
+                           BLOCK_C)
+        sig = tl.sigmoid(a)
+        g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s) * sig * (1 + a * (1 - sig))
+        offsets = (bi * s + t[:, None]) * c + channels[None, :]
+        tl.store(gate + offsets, g.to(gate.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
+
+    @triton.jit
+    def _taps_backward_kernel(x, weight, gate, dx, dweight_parts, dbias_parts, s, c, stride_b, stride_s,
+                              K: tl.constexpr, K_PAD: tl.constexpr, TILES: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+        """Program (bi and TILES tiles of tokens, block of channels): dx of those tokens, and their
+        share of dw and dbias."""
+        programs = tl.cdiv(s, BLOCK_T * TILES)
+        part = tl.program_id(0)
+        bi, first_tile = (part // programs).to(tl.int64), (part % programs) * TILES
+        taps = tl.arange(0, K_PAD)
+        dweight = tl.zeros([K_PAD, BLOCK_C], tl.float32)
+        dbias = tl.zeros([BLOCK_C], tl.float32)
+        gate_stride_b, gate_stride_s = s * c, c
+        for ti in range(first_tile, first_tile + TILES):
+            t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
+            dx_tile = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+            for j in tl.static_range(K):  # the outputs at t + j, which x_t feeds through tap K - 1 - j
+                tap = tl.load(weight + channels * K + (K - 1 - j), mask=channel_ok, other=0.0).to(tl.float32)
+                g_later = _load_rows(gate, bi, t + j, channels, channel_ok, s, gate_stride_b, gate_stride_s)
+                dx_tile += g_later * tap[None, :]
+            ok = (t < s)[:, None] & channel_ok[None, :]
+            tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty), mask=ok)
+            g = _load_rows(gate, bi, t, channels, channel_ok, s, gate_stride_b, gate_stride_s)
+            dbias += tl.sum(g, 0)
+            for i in tl.static_range(K):  # dw_i += sum_t x_{t-K+1+i} g_t
+                x_tap = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s)
+                dweight += tl.where(taps[:, None] == i, tl.sum(x_tap * g, 0)[None, :], 0.0)
+        channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        channel_ok = channels < c
+        tl.store(dweight_parts + (part * c + channels[None, :]) * K + taps[:, None], dweight,
+                 mask=(taps[:, None] < K) & channel_ok[None, :])
+        tl.store(dbias_parts + part * c + channels, dbias, mask=channel_ok)

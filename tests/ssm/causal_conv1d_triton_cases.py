@@ -1,0 +1,94 @@
+"""The check of the causal convolution's Triton kernels on CPU tensors, which
+test_causal_conv1d_triton.py runs in a subprocess (Triton reads TRITON_INTERPRET when kernels are
+defined):
+
+    TRITON_INTERPRET=1 python tests/ssm/causal_conv1d_triton_cases.py
+
+compares `causal_conv1d_silu` on the Triton path with silu(causal_conv1d) computed in float64 on the
+same values: the output, the final state and the gradients of x, the weight and the bias, for each of CASES (x as a
+strided slice of a wider tensor, as the mixers pass it), and with the PyTorch path for float16
+inputs; prints how many it checked.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# (b, s, c, k, with bias, transposed: x a [s, b] tensor seen as [b, s]): tiles cut mid-sequence
+# and mid-channels, a sequence shorter than the kernel, kernels of 2 and 4 taps.
+CASES = [
+    (2, 37, 10, 4, True, False),
+    (1, 130, 70, 4, False, True),
+    (2, 2, 9, 4, True, True),
+    (1, 65, 66, 2, True, False),
+]
+
+
+def make_inputs(b, s, c, k, with_bias, transposed, seed=0, dtype=torch.float32):
+    """x [b, s, c] (a slice of a wider tensor, [s, b] in memory when transposed), weight [c, k], bias."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(s, b, c + 3, generator=gen) if transposed else torch.randn(b, s, c + 3, generator=gen)
+    x = (wide.transpose(0, 1) if transposed else wide)[..., 2:2 + c]
+    weight, bias = torch.randn(c, k, generator=gen) / k, torch.randn(c, generator=gen)
+    return x.to(dtype), weight.to(dtype), bias.to(dtype) if with_bias else None
+
+
+def output_and_grads(conv, x, weight, bias, seed=1):
+    """(y, dx, dweight, dbias or None) of a random weighted sum of conv(x, weight, bias)'s output."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    y = conv(*leaves)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device, y.dtype)
+    grads = torch.autograd.grad(y, [t for t in leaves if t is not None], upstream)
+    return [y.detach(), *grads] + ([None] if bias is None else [])
+
+
+def reference(x, weight, bias):
+    """silu(causal_conv1d) in float64, back in x's dtype."""
+    from teratron.ssm.causal_conv1d import causal_conv1d
+    y, _ = causal_conv1d(x.double(), weight.double(), bias.double() if bias is not None else None)
+    return F.silu(y).to(x.dtype)
+
+
+def assert_within_one_rounding(got, want):
+    """Elementwise within one rounding of got's dtype, relative to want's largest entry."""
+    rtol = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=rtol * want.abs().max().item())
+
+
+def pytorch_path(x, weight, bias):
+    from teratron.ssm.causal_conv1d import causal_conv1d
+    return F.silu(causal_conv1d(x, weight, bias)[0])
+
+
+def main():
+    from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
+    from teratron.ssm.causal_conv1d_triton import runs_here
+
+    def triton_path(x, weight, bias):
+        assert runs_here(x, None), "the kernels do not take these inputs"
+        y, _ = causal_conv1d_silu(x, weight, bias)
+        return y
+
+    checked = 0
+    for case in CASES:
+        inputs = make_inputs(*case)
+        for got, want in zip(output_and_grads(triton_path, *inputs), output_and_grads(reference, *inputs)):
+            if want is None:
+                assert got is None
+                continue
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the final state (the last k - 1 inputs), what a decoding step continues from
+        torch.testing.assert_close(causal_conv1d_silu(*inputs)[1], causal_conv1d(*inputs)[1], rtol=0, atol=0)
+        checked += 1
+    # float16 inputs against the PyTorch path in float16 (the pre-activation rounded to float16 in both):
+    # within one rounding, relative to each result's largest entry. (bfloat16 is checked on a GPU: the
+    # interpreter truncates to bfloat16 where GPUs round to nearest.)
+    inputs = make_inputs(2, 37, 10, 4, True, True, dtype=torch.float16)
+    for got, want in zip(output_and_grads(triton_path, *inputs), output_and_grads(pytorch_path, *inputs)):
+        assert got.dtype == torch.float16
+        assert_within_one_rounding(got, want)
+    checked += 1
+    print(f"checked {checked} cases on the Triton path")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The causal convolution + SiLU's Triton kernels against the PyTorch path (in Triton's interpreter on
+the CPU, compiled on a GPU), and `causal_conv1d_silu`'s choice of path."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssm.causal_conv1d_triton_cases import (CASES, assert_within_one_rounding, make_inputs, output_and_grads,
+                                            pytorch_path, reference)
+from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
+
+
+def test_triton_kernels_in_the_interpreter_match_the_definition():
+    script = os.path.join(os.path.dirname(__file__), "causal_conv1d_triton_cases.py")
+    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 1} cases on the Triton path"
+
+
+def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):
+    """No CUDA and no interpreter here, and a decoding step's state: never the kernels."""
+    def triton_must_not_run(*args, **kwargs):
+        raise AssertionError("causal_conv1d_silu took the Triton kernels")
+
+    module = importlib.import_module("teratron.ssm.causal_conv1d")  # the package exports its function by that name
+    monkeypatch.setattr(module, "causal_conv1d_silu_triton", triton_must_not_run)
+    x, weight, bias = make_inputs(2, 9, 6, 4, True, False)
+    state = torch.randn(2, 6, 3)
+    for initial in (None, state):
+        y, final = causal_conv1d_silu(x, weight, bias, initial)
+        y_ref, final_ref = causal_conv1d(x, weight, bias, initial)
+        assert torch.equal(y, F.silu(y_ref)) and torch.equal(final, final_ref)
+
+
+def gpu_test(test):
+    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_on_a_gpu_matches_the_pytorch_path(dtype, transposed):
+    """A Mamba layer's shape (4 x 2,048 tokens, 6,144 channels; x a slice of a wider [s, b] or [b, s]
+    tensor). bfloat16: output and gradients within one rounding of the PyTorch path in bfloat16 (both
+    round the pre-activation and the gate's gradient to bfloat16). float32: within the fp32 rounding of
+    a sum of k + 1 terms (k taps and the bias) of the definition in float64, as each path sums in its
+    own order."""
+    k = 4
+    x, weight, bias = (t.cuda() for t in make_inputs(4, 2048, 6144, k, True, transposed, dtype=dtype))
+
+    def triton_path(*inputs):
+        return causal_conv1d_silu(*inputs)[0]
+
+    results = output_and_grads(triton_path, x, weight, bias)
+    if dtype == torch.bfloat16:
+        for got, want in zip(results, output_and_grads(pytorch_path, x, weight, bias)):
+            assert got.dtype == want.dtype == dtype
+            assert_within_one_rounding(got, want)
+        return
+    for got, want in zip(results, output_and_grads(reference, *(t.double() for t in (x, weight, bias)))):
+        rtol = (k + 1) * torch.finfo(torch.float32).eps
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
