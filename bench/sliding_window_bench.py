@@ -12,10 +12,12 @@ causal window without sink runs when the cuDNN frontend is installed; "not run (
 reason otherwise); for comparison the windowed layer on FlexAttention (compiled, a cached block
 mask: what windows with sinks, and every window without the frontend, run), with and without
 learned sinks, and FlexAttention over the full causal mask (the kernel's own cost, no window).
-Each case runs --warmup steps first (compilation included), then --repeats timings of --iters
-steps each between CUDA events, and reports their median. Prints one RESULT line per case (ms
-per forward + backward, peak memory) and the ratios window / full causal, against the fastest
-full-causal kernel and against `auto`, next to the ratio of the key counts.
+Each case runs --warmup steps first (compilation included); then --repeats rounds each time every
+case once (--iters steps between CUDA events), back to back, so the GPU's speed drifting during
+the run weighs on every case alike. Prints one RESULT line per case (the median ms per forward +
+backward, peak memory) and the ratio window / full causal: the median over the rounds of the
+window's time over that round's fastest full-causal kernel, and against `auto`, next to the ratio
+of the key counts.
 """
 
 import argparse
@@ -61,9 +63,8 @@ def cudnn_window_unavailable(args) -> str | None:
     return None
 
 
-def time_forward_backward(attention, args):
-    """Milliseconds per forward + backward (the median of --repeats timings of --iters steps each), and
-    the peak memory (GiB) of one step."""
+def make_step(attention, args):
+    """One forward + backward of the layer on fresh [s, b, heads, head_dim] inputs (a closure)."""
     s, b = args.seq_length, args.batch
     shape = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(s, b, args.heads, args.head_dim, **shape, requires_grad=True)
@@ -75,20 +76,42 @@ def time_forward_backward(attention, args):
         for t in (q, k, v, *attention.parameters()):
             t.grad = None
 
-    for _ in range(args.warmup):
+    return step
+
+
+def time_steps(step, iters: int) -> float:
+    """Milliseconds per step over `iters` steps between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
         step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def time_cases(steps: dict, args) -> dict:
+    """{name: [ms of each repeat]}: every case warmed up (compilation included), then --repeats rounds,
+    each timing every case once, back to back (so a drift of the GPU's speed during the run weighs
+    on all cases alike, and each round's ratios compare neighbours)."""
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    torch.cuda.synchronize()
+    timings = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            timings[name].append(time_steps(step, args.iters))
+    return timings
+
+
+def peak_memory(step) -> float:
+    """GiB allocated at the peak of one step."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    timings = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        timings.append(start.elapsed_time(end) / args.iters)
-    return statistics.median(timings), torch.cuda.max_memory_allocated() / 2**30
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def visible_keys_ratio(seq_length: int, window: int) -> float:
@@ -108,7 +131,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20, help="Steps per timing.")
-    parser.add_argument("--repeats", type=int, default=7, help="Timings per case; the median is reported.")
+    parser.add_argument("--repeats", type=int, default=9, help="Rounds of timings; medians are reported.")
     parser.add_argument("--skip-flex", action="store_true", help="No FlexAttention cases (minutes of compilation).")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -137,26 +160,42 @@ def main():
         })
     shape = (f"seq {args.seq_length}, batch {args.batch}, heads {args.heads} (kv {args.groups}) x {args.head_dim}, "
              f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    times = {}
+    steps, peaks = {}, {}
     for name, (make, context) in cases.items():
         if name in skipped:
             print(f"RESULT {name}: not run ({skipped[name]})", flush=True)
             continue
-        try:
-            with context():
-                ms, peak = time_forward_backward(make().cuda(), args)
-        except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
-            print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
-            continue
-        times[name] = ms
-        print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB ({shape})", flush=True)
-    full = {name: ms for name, ms in times.items() if name.startswith("full causal, SDPA")}
-    fastest = min(full, key=full.get)
+        with context():
+            step = make_step(make().cuda(), args)
+            try:
+                peaks[name] = peak_memory(step)
+            except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
+                print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
+                continue
+        steps[name] = in_context(step, context)
+    timings = time_cases(steps, args)
+    times = {name: statistics.median(ms) for name, ms in timings.items()}
     for name, ms in times.items():
+        print(f"RESULT {name}: {ms:.3f} ms forward+backward, peak {peaks[name]:.2f} GiB ({shape})", flush=True)
+    full = [name for name in times if name.startswith("full causal, SDPA")]
+    fastest = min(full, key=times.get)
+    keys = visible_keys_ratio(args.seq_length, args.window)
+    for name in times:
         if name.startswith(f"window {args.window}"):
-            print(f"RESULT {name} / full causal: {ms / full[fastest]:.3f} (vs the fastest, {fastest}); "
-                  f"{ms / times['full causal, SDPA auto']:.3f} (vs SDPA auto); target <= {1 / 6:.3f}; "
-                  f"visible keys {visible_keys_ratio(args.seq_length, args.window):.3f}", flush=True)
+            # each round's window time over that round's fastest full causal; their median
+            rounds = [ms / min(timings[f][r] for f in full) for r, ms in enumerate(timings[name])]
+            print(f"RESULT {name} / full causal: {statistics.median(rounds):.3f} (median over {args.repeats} rounds "
+                  f"of the ratio to that round's fastest, {min(rounds):.3f}-{max(rounds):.3f}; {fastest} fastest "
+                  f"overall); {times[name] / times['full causal, SDPA auto']:.3f} (vs SDPA auto); target <= "
+                  f"{1 / 6:.3f}; visible keys {keys:.3f}", flush=True)
+
+
+def in_context(step, context):
+    """step, run inside `context()` each time (FlexAttention's cases keep cuDNN's band off)."""
+    def run():
+        with context():
+            step()
+    return run
 
 
 if __name__ == "__main__":
