@@ -24,7 +24,7 @@ from teratron.transformer.spec_utils import build_module
 from teratron.transformer.transformer_config import TransformerConfig
 
 
-def config(args, pattern: str):
+def config(pattern: str):
     return TransformerConfig(
         num_layers=len(pattern), hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
         hybrid_layer_pattern=pattern if pattern != "D" else None, mamba_state_dim=128, mamba_head_dim=64,
@@ -32,9 +32,9 @@ def config(args, pattern: str):
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
 
 
-def build(args, kind: str):
+def build(kind: str):
     """One layer of `kind` ('M', '-', '*' or 'D'), on the GPU, compiled."""
-    cfg = config(args, kind)
+    cfg = config(kind)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm") if kind == "D" else hybrid_layer_specs(cfg)[0]
     layer = build_module(spec, config=cfg, layer_number=1).cuda()
     layer.compile()
@@ -97,7 +97,7 @@ def main():
     torch.manual_seed(0)
     names = {"M": "Mamba-2 layer", "-": "MLP layer", "*": "attention layer", "D": "dense layer (attention + MLP)"}
     for kind in args.kinds:
-        step = step_of(build(args, kind), args)
+        step = step_of(build(kind), args)
         ms = time_step(step, args)
         print(f"RESULT {names[kind]}: {ms:.3f} ms forward+backward (seq {args.seq_length}, micro-batch "
               f"{args.micro_batch_size}, bf16, {torch.cuda.get_device_name()})", flush=True)

@@ -103,7 +103,8 @@ def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 @_conv_silu_backward.register_fake
 def _(dy, x, weight, bias):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), (bias if bias is not None else weight).new_empty(
+        weight.shape[0])
 
 
 _conv_silu.register_autograd(_autograd, setup_context=_setup)
