@@ -122,9 +122,9 @@ class MambaMixer(nn.Module):
         x, B, C = xbc.split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
-        # Contiguous for the scan's kernels (under --torch-compile, a copy kernel from the convolution's output).
-        x = x.reshape(b, s, self.nheads_local, self.head_dim).contiguous()
-        B, C = (t.reshape(b, s, self.ngroups_local, self.d_state).contiguous() for t in (B, C))
+        # Views of the convolution's output: the scan's kernels read them by their strides (no copies).
+        x = x.unflatten(-1, (self.nheads_local, self.head_dim))
+        B, C = (t.unflatten(-1, (self.ngroups_local, self.d_state)) for t in (B, C))
         y, scan_state = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, initial_state=scan_state,
                             chunk_size=self.chunk_size)
         return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)

@@ -38,6 +38,10 @@ is split over programs (each a slice of the heads, `_Shape.heads_per_split`) whe
 too few (batch, chunk, group) programs to fill the GPU; their partial sums are added in a fixed
 order (deterministic).
 
+x, B, C and the output's gradient are read by their strides: any [b, s, columns, width] view whose
+columns x width are contiguous (the mixer's slices of its convolution's output) goes in without a
+copy. Outputs and gradients are written contiguous.
+
 Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
 tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
 Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
@@ -60,7 +64,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens
+    from teratron.ssm.triton_tiles import load_rows, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,6 +81,14 @@ MAX_BLOCK = 64
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
 DCB_PROGRAMS = 512
+# (warps, software-pipelining stages) of each kernel at chunks of 64 tokens and more: the fastest of
+# 2-16 warps x 1-4 stages, each kernel timed alone at chunk 128, tiles of 64, 64 heads x 64, d_state
+# 128, 8 groups, 4 x 2,048 bf16 tokens on an H200 (bench/ssd_launch_sweep.py; bench/RESULTS.md,
+# session 16: 2.65 -> 2.03 ms of kernels per forward + backward). One stage (no pipelining of a
+# loop's loads) gives the backward's [L, L] kernels the shared memory and registers back; two warps
+# suit the chunk states' single product a block. Chunks of 32 and less: 4 warps, Triton's default stages.
+LAUNCH = dict(cumsum=(4, 1), chunk_state=(2, 2), state_passing=(4, 3), state_passing_backward=(2, 4),
+              scores=(4, 1), scan=(8, 3), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
@@ -114,11 +126,17 @@ class _Shape:
         return dict(s=self.seq, heads=self.heads, heads_per_group=self.heads // self.groups, m=self.chunks,
                     p=self.head_dim, n=self.d_state)
 
-    def meta(self, dtype):
+    def meta(self, dtype, kernel: str):
+        """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
         return dict(L=self.chunk, BLOCK_P=self.block_p, BLOCK_N=self.block_n,
-                    num_warps=4 if self.chunk <= 32 else 8,
                     # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
-                    PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **self.launch(kernel))
+
+    def launch(self, kernel: str):
+        if self.chunk <= 32:
+            return dict(num_warps=4)
+        warps, stages = LAUNCH[kernel]
+        return dict(num_warps=warps, num_stages=stages)
 
     @property
     def block_p(self):  # 16 at least: tl.dot's smallest tile side
@@ -149,6 +167,32 @@ class _Shape:
         return triton.cdiv(self.heads // self.groups, self.heads_per_split)
 
 
+def _rows(t):
+    """t [b, s, columns, width] as the kernels read it (`load_rows`): itself when its columns x width
+    are contiguous (e.g. the mixer's slice of its convolution's output), else a contiguous copy."""
+    if t.stride(-1) == 1 and (t.shape[2] == 1 or t.stride(2) == t.shape[3]):
+        return t
+    return t.contiguous()
+
+
+def _row_strides(**tensors):
+    """{name_sb: batch stride, name_ss: token stride} of each tensor, the kernels' arguments."""
+    return {f"{name}_{which}": t.stride(dim) for name, t in tensors.items() for which, dim in (("sb", 0), ("ss", 1))}
+
+
+def _token_inputs(x, B, C):
+    """x, B and C as the kernels read them (B and C take one pair of strides: copies if theirs differ)."""
+    x, B, C = _rows(x), _rows(B), _rows(C)
+    if B.stride() != C.stride():
+        B, C = B.contiguous(), C.contiguous()
+    return x, B, C
+
+
+def _empty_tokens(t):
+    """A contiguous tensor of t's shape and dtype (outputs and gradients are written contiguous)."""
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
 # The scan is a pair of custom ops (forward, backward) with autograd between them, so a layer compiled
 # whole (`--torch-compile`) traces through it as one node: one graph per layer, its norms, convolution
 # and layout changes fused around the kernels (a disabled function would break the graph in every
@@ -160,16 +204,19 @@ def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """(y, final state in x's dtype, and what the backward keeps: the chunks' cumulative decays cum,
     C B^T per group and the states entering each chunk, fp32)."""
     shape = _Shape.of(x, B, chunk_size)
-    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+    x, B, C = _token_inputs(x, B, C)
+    dt = dt.contiguous()
     A32 = A.float().contiguous()
     cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
     b, m, g, L = shape.batch, shape.chunks, shape.groups, shape.chunk
     scores = torch.empty(b, m, g, L, L, device=x.device, dtype=torch.float32)  # C B^T per group
-    _chunk_scores_kernel[(b * m, g)](B, C, scores, **shape.sizes(), **shape.meta(x.dtype))
-    y = torch.empty_like(x)
+    _chunk_scores_kernel[(b * m, g)](B, C, scores, **_row_strides(bc=B), **shape.sizes(),
+                                     **shape.meta(x.dtype, "scores"))
+    y = _empty_tokens(x)
     D32 = D.float().contiguous() if D is not None else A32  # unused without D
     _chunk_scan_kernel[(b * m, shape.heads, shape.p_blocks)](
-        x, dt, C, D32, cum, scores, states, y, **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype))
+        x, dt, C, D32, cum, scores, states, y, **_row_strides(x=x, bc=B), **shape.sizes(), HAS_D=D is not None,
+        **shape.meta(x.dtype, "scan"))
     # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
     # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
     # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape). C B^T is kept
@@ -215,8 +262,9 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
                                                  torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, dt, A, B, C, D and the initial state (the last two unused without them)."""
     shape = _Shape.of(x, B, chunk_size)
-    b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(x.dtype)
-    x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
+    b, h, m = shape.batch, shape.heads, shape.chunks
+    x, B, C = _token_inputs(x, B, C)
+    dt, dy = dt.contiguous(), _rows(dy)
     A32 = A.float().contiguous()
     D32 = D.float().contiguous() if D is not None else A32  # unused without D
     dstates, dinitial = _state_grads(dy, dt, C, cum, dfinal, shape)
@@ -226,23 +274,24 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     dscores_parts = torch.empty(shape.splits, b, m, shape.groups, shape.chunk, shape.chunk, **fp32)
     dcum_intra = torch.empty_like(cum)
     _chunk_scan_backward_dcb_kernel[(b * m, shape.groups, shape.splits)](
-        x, dt, dy, cum, scores, dscores_parts, dcum_intra, **shape.sizes(),
-        HEADS_PER_SPLIT=shape.heads_per_split, **meta)
+        x, dt, dy, cum, scores, dscores_parts, dcum_intra, **_row_strides(x=x, dy=dy), **shape.sizes(),
+        HEADS_PER_SPLIT=shape.heads_per_split, **shape.meta(x.dtype, "dcb"))
     # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
     # pull on the chunk's decay), summed here
-    dB, dC = torch.empty_like(B), torch.empty_like(C)
+    dB, dC = _empty_tokens(B), _empty_tokens(C)
     dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
     _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
-        x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **shape.sizes(),
-        SPLITS=shape.splits, **meta)
+        x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **_row_strides(x=x, bc=B, dy=dy),
+        **shape.sizes(),
+        SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
     dlast = dlast_parts.sum(-1)
-    dx = torch.empty_like(x)
+    dx = _empty_tokens(x)
     # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
     ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
     dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
     _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
         x, dt, A32, B, C, D32, dy, cum, scores, states, dstates, dlast, dcum_intra, dx, ddt_parts, dA_parts,
-        dD_parts, **shape.sizes(), HAS_D=D is not None, **meta)
+        dD_parts, **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype, "dx"))
     ddt = ddt_parts.sum(0).to(dt.dtype)
     dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
     dD = dD_parts.sum((0, 1, 2)).to(D.dtype if D is not None else torch.float32)
@@ -266,14 +315,16 @@ def _scan_states(x, dt, A32, B, initial_state, shape):
     [b, m, h, p, n] (fp32), and the final state [b, h, p, n] (fp32)."""
     b, h, m, L, p, n = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.head_dim, shape.d_state
     cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
-    _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L)
+    _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L, **shape.launch("cumsum"))
     states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks)](
-        x, B, dt, cum, states, **shape.sizes(), FROM_START=False, **shape.meta(x.dtype))
+        x, B, dt, cum, states, **_row_strides(u=x, v=B), **shape.sizes(), FROM_START=False,
+        **shape.meta(x.dtype, "chunk_state"))
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
-        states, cum, initial, final, h, m, p * n, L=L, BLOCK=STATE_BLOCK, HAS_INITIAL=initial_state is not None)
+        states, cum, initial, final, h, m, p * n, L=L, BLOCK=STATE_BLOCK, HAS_INITIAL=initial_state is not None,
+        **shape.launch("state_passing"))
     return cum, states, final
 
 
@@ -283,10 +334,12 @@ def _state_grads(dy, dt, C, cum, dfinal, shape):
     b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
     dstates = torch.empty(b, m, h, p, n, device=dy.device, dtype=torch.float32)  # G_c, then dS_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks)](
-        dy, C, dt, cum, dstates, **shape.sizes(), FROM_START=True, **shape.meta(dy.dtype))
+        dy, C, dt, cum, dstates, **_row_strides(u=dy, v=C), **shape.sizes(), FROM_START=True,
+        **shape.meta(dy.dtype, "chunk_state"))
     dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
     _state_passing_backward_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
-        dstates, cum, dfinal.float().contiguous(), dinitial, h, m, p * n, L=shape.chunk, BLOCK=STATE_BLOCK)
+        dstates, cum, dfinal.float().contiguous(), dinitial, h, m, p * n, L=shape.chunk, BLOCK=STATE_BLOCK,
+        **shape.launch("state_passing_backward"))
     return dstates, dinitial
 
 
@@ -325,7 +378,8 @@ if triton is not None:
         tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), tl.cumsum(a, 0))
 
     @triton.jit
-    def _chunk_state_kernel(u, v, dt, cum, states, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+    def _chunk_state_kernel(u, v, dt, cum, states, u_sb, u_ss, v_sb, v_ss, s, heads, heads_per_group, m, p, n,
+                            L: tl.constexpr,
                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                             FROM_START: tl.constexpr):
         """Rows k (a block of p) of states[bi, c, head] = (u o w)^T v over the chunk's tokens, a block of
@@ -339,10 +393,10 @@ if triton is not None:
             weight = tl.exp(cum_c)
         else:
             weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
-        u_tile = load_tokens(u, bi, c, head, s, heads, p, p0, L, BLOCK_P) * weight[:, None]
+        u_tile = load_rows(u, bi, c, head, s, u_sb, u_ss, p, p0, L, BLOCK_P) * weight[:, None]
         rows = p0 + tl.arange(0, BLOCK_P)
         for n0 in range(0, n, BLOCK_N):
-            v_tile = load_tokens(v, bi, c, head // heads_per_group, s, heads // heads_per_group, n, n0, L, BLOCK_N)
+            v_tile = load_rows(v, bi, c, head // heads_per_group, s, v_sb, v_ss, n, n0, L, BLOCK_N)
             state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
             lanes = n0 + tl.arange(0, BLOCK_N)
             tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
@@ -403,20 +457,20 @@ if triton is not None:
         return ((bi * m + c) * groups + group) * L * L + rows[:, None] * L + rows[None, :]
 
     @triton.jit
-    def _chunk_scores_kernel(B, C, scores, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+    def _chunk_scores_kernel(B, C, scores, bc_sb, bc_ss, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
                              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi * m + c, group): C B^T [L, L] of the chunk, over blocks of n."""
         bi, c, group = program_chunk(m)
         groups = heads // heads_per_group
         acc = tl.zeros([L, L], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-            C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+            C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
             acc += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
         tl.store(scores + _scores_offsets(bi, c, group, groups, m, L), acc)
 
     @triton.jit
-    def _state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+    def _state_terms(B, C, states, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0,
                      L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      BACKWARD: tl.constexpr):
         """Over blocks of n: C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering state) and,
@@ -424,26 +478,27 @@ if triton is not None:
         earlier = tl.zeros([L, BLOCK_P], tl.float32)
         B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+            C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
             entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
             earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
             if BACKWARD:
-                B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+                B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
                 dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
         return earlier, B_dstate
 
     @triton.jit
-    def _chunk_scan_kernel(x, dt, C, D, cum, scores, states, y, s, heads, heads_per_group, m, p, n, L: tl.constexpr,
+    def _chunk_scan_kernel(x, dt, C, D, cum, scores, states, y, x_sb, x_ss, bc_sb, bc_ss, s, heads, heads_per_group,
+                           m, p, n, L: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                            HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): y's block k of p in chunk c, M (dt o x) + exp(cum) o (C H_c^T) + D x."""
         bi, c, head = program_chunk(m)
         group, groups = head // heads_per_group, heads // heads_per_group
         p0 = tl.program_id(2) * BLOCK_P
-        earlier, _ = _state_terms(C, C, states, states, bi, c, head, group, s, heads, groups, m, p, n, p0,
+        earlier, _ = _state_terms(C, C, states, states, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0,
                                   L, BLOCK_P, BLOCK_N, PRECISION, False)
-        x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
         cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
         M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
         M *= _load_dt(dt, bi, c, head, s, heads, L)[None, :]
@@ -453,9 +508,10 @@ if triton is not None:
         store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
     @triton.jit
-    def _chunk_scan_backward_dcb_kernel(x, dt, dy, cum, scores, dscores_parts, dcum_intra, s, heads, heads_per_group,
-                                        m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                        PRECISION: tl.constexpr, HEADS_PER_SPLIT: tl.constexpr):
+    def _chunk_scan_backward_dcb_kernel(x, dt, dy, cum, scores, dscores_parts, dcum_intra, x_sb, x_ss, dy_sb, dy_ss,
+                                        s, heads, heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
+                                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                        HEADS_PER_SPLIT: tl.constexpr):
         """Program (bi * m + c, group, split): the sum of Q = (dY xw^T) o decay over the split's
         heads of the group (its part of dCB, [splits, b, m, g, L, L]), and each of those heads'
         dcum from the decay, rowsum(R) - colsum(R) with R = Q o CB ([b, h, m * L], like cum)."""
@@ -470,8 +526,8 @@ if triton is not None:
             dt_c = _load_dt(dt, bi, c, head, s, heads, L)
             pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
             for p0 in range(0, p, BLOCK_P):
-                xw = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
-                dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                xw = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
                 pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
             cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
             pair_grads *= _causal_decay(cum_c, L)
@@ -483,7 +539,8 @@ if triton is not None:
 
     @triton.jit
     def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, scores, states, dstates, dlast, dcum_intra, dx,
-                                       ddt_parts, dA_parts, dD_parts, s, heads, heads_per_group, m, p, n,
+                                       ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads,
+                                       heads_per_group, m, p, n,
                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                        PRECISION: tl.constexpr, HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
@@ -493,10 +550,11 @@ if triton is not None:
         group, groups = head // heads_per_group, heads // heads_per_group
         block = tl.program_id(2)
         p0 = block * BLOCK_P
-        earlier, B_dstate = _state_terms(B, C, states, dstates, bi, c, head, group, s, heads, groups, m, p, n, p0,
+        earlier, B_dstate = _state_terms(B, C, states, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n,
+                                         p0,
                                          L, BLOCK_P, BLOCK_N, PRECISION, True)
-        x_tile = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P)
-        dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
+        dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
         M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
@@ -524,9 +582,10 @@ if triton is not None:
         tl.store(dA_parts + part, tl.sum(dt_c * da, 0))
 
     @triton.jit
-    def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, s,
-                                        heads, heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
-                                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts,
+                                        x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads, heads_per_group, m, p, n,
+                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        PRECISION: tl.constexpr, SPLITS: tl.constexpr):
         """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c: dCB's products
         with C and B, and the state terms summed over the group's heads (each a loop over blocks of p);
         and, from the same state tiles, each head's share of dLam_c of this block of n
@@ -538,8 +597,8 @@ if triton is not None:
         dscores = tl.zeros([L, L], tl.float32)
         for split in range(SPLITS):  # in order: the same sum every run
             dscores += tl.load(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile)
-        B_tile = load_tokens(B, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-        C_tile = load_tokens(C, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+        C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
         dC_tile = tl.dot(dscores, B_tile, input_precision=PRECISION)
         dB_tile = tl.dot(tl.trans(dscores), C_tile, input_precision=PRECISION)
         for k in range(heads_per_group):
@@ -549,8 +608,8 @@ if triton is not None:
             xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
             state_grads = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)  # dS_c o H_c
             for p0 in range(0, p, BLOCK_P):
-                xw = load_tokens(x, bi, c, head, s, heads, p, p0, L, BLOCK_P) * dt_c[:, None]
-                dy_tile = load_tokens(dy, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+                xw = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P) * dt_c[:, None]
+                dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
                 entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 dy_entering += tl.dot(dy_tile, entering, input_precision=PRECISION)

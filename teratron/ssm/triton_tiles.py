@@ -1,6 +1,7 @@
 """Tile addressing shared by the Triton scans (`ssd_triton`, `gated_delta_rule_triton`): a
-program's (batch, chunk, head) and the [L, WIDTH] token tiles of contiguous [b, s, columns, width]
-tensors."""
+program's (batch, chunk, head) and the [L, WIDTH] token tiles of [b, s, columns, width] tensors,
+contiguous (`load_tokens`) or with any batch and token strides (`load_rows`: a slice of a wider
+tensor, as a mixer's projections are)."""
 
 try:
     import triton
@@ -24,6 +25,16 @@ if triton is not None:
         lanes = first + tl.arange(0, WIDTH)
         offsets = ((bi * s + t[:, None]) * columns + column) * width + lanes[None, :]
         return offsets, (t[:, None] < s) & (lanes[None, :] < width)
+
+    @triton.jit
+    def load_rows(ptr, bi, c, column, s, stride_b, stride_s, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """`load_tokens` of a [b, s, columns, width] tensor whose columns x width are contiguous, its
+        batch and token strides stride_b and stride_s (in elements)."""
+        t = c * L + tl.arange(0, L)
+        lanes = first + tl.arange(0, WIDTH)
+        offsets = bi * stride_b + t[:, None].to(tl.int64) * stride_s + column * width + lanes[None, :]
+        mask = (t[:, None] < s) & (lanes[None, :] < width)
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):

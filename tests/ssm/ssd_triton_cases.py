@@ -115,18 +115,31 @@ def main() -> None:
         assert_close_to(got, want, result_names(), rtol, str(dtype))
         checked += 1
 
-    # `ssd` takes the kernels here, also for strided views of one [b, s, h * p + 2 * g * n] tensor.
+    # `ssd` takes the kernels here, also for strided views of one [b, s, h * p + 2 * g * n] tensor laid
+    # out [s, b] in memory (the kernels read x, B and C by their strides, as MambaMixer passes them),
+    # with the output's gradient laid out [s, b] too.
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("ssd took ssd_chunked, not the Triton kernels")
 
-    b, s, h, g, p, n = 1, 37, 4, 2, 8, 16
+    class GradientLaidOutSB(torch.autograd.Function):
+        """The identity, whose backward hands on the gradient laid out [s, b] in memory."""
+        @staticmethod
+        def forward(ctx, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy.transpose(0, 1).contiguous().transpose(0, 1)
+
+    b, s, h, g, p, n = 2, 37, 4, 2, 8, 16
     x, dt, A, B, C, D, _ = make_inputs(b, s, h, g, p, n, seed=9)
-    fused = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1)
+    fused = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1).transpose(0, 1).contiguous().transpose(0, 1)
 
     def on_views(fused, dt, A, D, chunk_size):
         x, B, C = fused.split([h * p, g * n, g * n], dim=-1)
-        return ssd_module.ssd(x.reshape(b, s, h, p), dt, A, B.reshape(b, s, g, n), C.reshape(b, s, g, n), D,
-                              chunk_size=chunk_size)
+        y, final = ssd_module.ssd(x.reshape(b, s, h, p), dt, A, B.reshape(b, s, g, n), C.reshape(b, s, g, n), D,
+                                  chunk_size=chunk_size)
+        return GradientLaidOutSB.apply(y), final
 
     want = outputs_and_grads(on_views, [fused.double(), dt.double(), A.double(), D.double()], 16)
     ssd_module.ssd_chunked = chunked_must_not_run

@@ -45,15 +45,17 @@ def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype):
     assert "\n" not in str(error.value)
 
 
-# Each kernel's tensors: those of the activations' dtype (x, B, C and their gradients), the others fp32.
+# Each kernel's tensors: those of the activations' dtype (x, B, C and their gradients), the others fp32;
+# and its key in kernels.LAUNCH.
 KERNEL_TENSORS = {
-    "_chunk_state_kernel": ("u v", "dt cum states"),
-    "_chunk_scores_kernel": ("B C", "scores"),
-    "_chunk_scan_kernel": ("x C y", "dt D cum scores states"),
-    "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra"),
+    "_chunk_state_kernel": ("u v", "dt cum states", "chunk_state"),
+    "_chunk_scores_kernel": ("B C", "scores", "scores"),
+    "_chunk_scan_kernel": ("x C y", "dt D cum scores states", "scan"),
+    "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra", "dcb"),
     "_chunk_scan_backward_dx_kernel": ("x B C dy dx",
-                                       "dt A D cum scores states dstates dlast dcum_intra ddt_parts dA_parts dD_parts"),
-    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts"),
+                                       "dt A D cum scores states dstates dlast dcum_intra ddt_parts dA_parts dD_parts",
+                                       "dx"),
+    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts", "dbc"),
 }
 H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 
@@ -62,12 +64,15 @@ H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     """Triton and ptxas compile for sm_90 without a GPU: the kernels with [L, L] tiles at the
-    largest chunk size, in the 16-bit (tf32) and the fp32 ("ieee") variants."""
+    largest chunk size, in the 16-bit (tf32) and the fp32 ("ieee") variants, each with its launch
+    configuration (warps, stages)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     chunk = max(kernels.CHUNK_SIZES)
-    for name, (activations, fp32) in KERNEL_TENSORS.items():
+    shape = kernels._Shape(batch=1, seq=chunk, heads=1, head_dim=kernels.MAX_BLOCK, groups=1,
+                           d_state=kernels.MAX_BLOCK, chunk=chunk, chunks=1)
+    for name, (activations, fp32, launch) in KERNEL_TENSORS.items():
         kernel = getattr(kernels, name)
         constexprs = dict(L=chunk, BLOCK_P=kernels.MAX_BLOCK, BLOCK_N=kernels.MAX_BLOCK,
                           PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True,
@@ -77,7 +82,7 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
         source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
                                                           for arg, value in constexprs.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
         assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
 
 
