@@ -39,7 +39,7 @@ def causal_conv1d(x, weight, bias=None, initial_state=None):
 
 def causal_conv1d_silu(x, weight, bias=None, initial_state=None):
     """(silu(y), final state) of `causal_conv1d`'s arguments: the Triton kernels where they run."""
-    if not runs_here(x, initial_state):
+    if not runs_here(x, weight, initial_state):
         y, final_state = causal_conv1d(x, weight, bias, initial_state)
         return F.silu(y), final_state
     k, s = weight.shape[-1], x.shape[1]

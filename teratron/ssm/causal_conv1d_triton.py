@@ -1,16 +1,16 @@
 """Mamba's causal depthwise convolution followed by SiLU, silu(causal_conv1d(x)) (teratron.ssm.causal_conv1d
-has the definition), as two Triton kernels, forward and backward, for training from a zero state.
+has the definition), as Triton kernels, forward and backward, for training from a zero state.
 
-    forward    y_t = silu(a_t),  a_t = sum_i w_i x_{t-k+1+i} (+ bias)       one pass over x
-    backward   g_t = dy_t silu'(a_t), a_t recomputed from x                  one pass (_gate_kernel)
-               dx_t = sum_j w_{k-1-j} g_{t+j},  dw_i = sum_t x_{t-k+1+i} g_t,  dbias = sum_t g_t
-                                                                          one pass (_taps_backward_kernel)
+    forward    y_t = silu(a_t),  a_t = sum_i w_i x_{t-k+1+i} (+ bias)        one pass over x (_forward_kernel)
+    backward   g_t = dy_t silu'(a_t), a_t recomputed from x,
+               dw_i = sum_t x_{t-k+1+i} g_t,  dbias = sum_t g_t              one pass (_gate_kernel)
+               dx_t = sum_j w_{k-1-j} g_{t+j}                               one pass over g (_dx_kernel)
 
-Each program takes tiles of BLOCK_T tokens by BLOCK_C channels of one sequence; the k - 1 neighbouring
+Each program takes tiles of tokens by channels of one sequence; the k - 1 neighbouring
 rows of a tile are read again from the cache, not from memory. The pre-activation a and the gate's
 gradient g are rounded to x's dtype, as the PyTorch path's convolution and SiLU return them; sums run
-in fp32. The weight and bias gradients are summed per program (TILES tiles of tokens), then over the
-programs in a fixed order (deterministic).
+in fp32. The weight and bias gradients are summed per program of the gate pass (TILES tiles of tokens
+in turn), then over the programs in a fixed order (deterministic).
 
 x [b, s, c] may be any view whose channels are contiguous (the mixer's slice of its input projection):
 it is read by its strides; y and dx are contiguous [b, s, c]. A pair of custom ops with autograd between
@@ -26,16 +26,22 @@ from teratron.ssm.ssd_triton import INTERPRETED, SUPPORTED_DTYPES, triton
 if triton is not None:
     import triton.language as tl
 
-BLOCK_T = 64  # tokens of a program's tile
-BLOCK_C = 64  # channels of a program's tile
-TILES = 8     # tiles of BLOCK_T tokens a program of the backward's second pass takes in turn
+# Tiles (tokens x channels) of each pass, timed on an H200 at the Mamba layer's 4 x 2,048 tokens x 6,144
+# channels (bench/RESULTS.md, session 16). The gate pass keeps a [tokens, channels] fp32 sum per tap in
+# registers: small tiles, many of them a program.
+BLOCK_T, BLOCK_C = 64, 64  # the forward's
+# the gate pass's tile, tiles a program and warps
+GATE_BLOCK_T, GATE_BLOCK_C, TILES, GATE_WARPS = 32, 64, 32, 8
+DX_BLOCK_T, DX_BLOCK_C = 32, 256  # the dx pass's
+MAX_TAPS = 4  # the gate pass keeps a sum per tap (Mamba's and Gated DeltaNet's 4; longer kernels: PyTorch path)
 
 
-def runs_here(x, initial_state) -> bool:
+def runs_here(x, weight, initial_state) -> bool:
     """Whether the kernels take this call: CUDA tensors (CPU ones under TRITON_INTERPRET=1) of a
-    supported dtype, from a zero state (a decoding step's state goes through the PyTorch path)."""
+    supported dtype, at most MAX_TAPS taps, from a zero state (a decoding step's state goes through
+    the PyTorch path)."""
     return (triton is not None and initial_state is None and (x.is_cuda or INTERPRETED)
-            and x.dtype in SUPPORTED_DTYPES)
+            and x.dtype in SUPPORTED_DTYPES and weight.shape[-1] <= MAX_TAPS)
 
 
 def causal_conv1d_silu_triton(x, weight, bias=None):
@@ -47,8 +53,8 @@ def _channels_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _grid(b: int, s: int, c: int):
-    return b * triton.cdiv(s, BLOCK_T), triton.cdiv(c, BLOCK_C)
+def _grid(b: int, s: int, c: int, block_t: int, block_c: int):
+    return b * triton.cdiv(s, block_t), triton.cdiv(c, block_c)
 
 
 @torch.library.custom_op("teratron::causal_conv1d_silu", mutates_args=())
@@ -56,7 +62,7 @@ def _conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     x, weight = _channels_contiguous(x), weight.contiguous()
     b, s, c = x.shape
     y = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-    _forward_kernel[_grid(b, s, c)](
+    _forward_kernel[_grid(b, s, c, BLOCK_T, BLOCK_C)](
         x, weight, bias if bias is not None else weight, y, s, c, x.stride(0), x.stride(1),
         HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
     return y
@@ -87,16 +93,16 @@ def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     b, s, c = x.shape
     k = weight.shape[1]
     gate = torch.empty(b, s, c, device=x.device, dtype=x.dtype)  # g: the gradient of a
-    _gate_kernel[_grid(b, s, c)](
-        x, weight, bias if bias is not None else weight, dy, gate, s, c, x.stride(0), x.stride(1), dy.stride(0),
-        dy.stride(1), HAS_BIAS=bias is not None, K=k, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
-    dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-    programs = b * triton.cdiv(s, BLOCK_T * TILES)
+    programs = b * triton.cdiv(s, GATE_BLOCK_T * TILES)
     dweight_parts = torch.empty(programs, c, k, device=x.device, dtype=torch.float32)
     dbias_parts = torch.empty(programs, c, device=x.device, dtype=torch.float32)
-    _taps_backward_kernel[(programs, triton.cdiv(c, BLOCK_C))](
-        x, weight, gate, dx, dweight_parts, dbias_parts, s, c, x.stride(0), x.stride(1), K=k,
-        K_PAD=triton.next_power_of_2(k), TILES=TILES, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    _gate_kernel[(programs, triton.cdiv(c, GATE_BLOCK_C))](
+        x, weight, bias if bias is not None else weight, dy, gate, dweight_parts, dbias_parts, s, c, x.stride(0),
+        x.stride(1), dy.stride(0), dy.stride(1), HAS_BIAS=bias is not None, K=k,
+        TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
+    dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
+    _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](weight, gate, dx, s, c, K=k, BLOCK_T=DX_BLOCK_T,
+                                                       BLOCK_C=DX_BLOCK_C, num_warps=4)
     dbias_dtype = bias.dtype if bias is not None else weight.dtype
     return dx, dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
 
@@ -151,47 +157,64 @@ if triton is not None:
         tl.store(y + offsets, out.to(y.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
 
     @triton.jit
-    def _gate_kernel(x, weight, bias, dy, gate, s, c, stride_b, stride_s, dy_stride_b, dy_stride_s,
-                     HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        tiles = tl.cdiv(s, BLOCK_T)
-        bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
-        t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K, BLOCK_T,
-                           BLOCK_C)
-        sig = tl.sigmoid(a)
-        g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s) * sig * (1 + a * (1 - sig))
-        offsets = (bi * s + t[:, None]) * c + channels[None, :]
-        tl.store(gate + offsets, g.to(gate.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
-
-    @triton.jit
-    def _taps_backward_kernel(x, weight, gate, dx, dweight_parts, dbias_parts, s, c, stride_b, stride_s,
-                              K: tl.constexpr, K_PAD: tl.constexpr, TILES: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_C: tl.constexpr):
-        """Program (bi and TILES tiles of tokens, block of channels): dx of those tokens, and their
+    def _gate_kernel(x, weight, bias, dy, gate, dweight_parts, dbias_parts, s, c, stride_b, stride_s, dy_stride_b,
+                     dy_stride_s, HAS_BIAS: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (bi and TILES tiles of tokens, block of channels): g of those tokens, and their
         share of dw and dbias."""
         programs = tl.cdiv(s, BLOCK_T * TILES)
         part = tl.program_id(0)
         bi, first_tile = (part // programs).to(tl.int64), (part % programs) * TILES
-        taps = tl.arange(0, K_PAD)
-        dweight = tl.zeros([K_PAD, BLOCK_C], tl.float32)
-        dbias = tl.zeros([BLOCK_C], tl.float32)
-        gate_stride_b, gate_stride_s = s * c, c
+        # x_{t-K+1+i} g_t per tap i (K <= MAX_TAPS) and g_t, summed over the tiles elementwise and over
+        # tokens once at the end (a sum over a tile's tokens crosses threads: one a program, not one a
+        # tile and tap)
+        dw0 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        dw1 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        dw2 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        dw3 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        dbias = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for ti in range(first_tile, first_tile + TILES):
             t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-            dx_tile = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-            for j in tl.static_range(K):  # the outputs at t + j, which x_t feeds through tap K - 1 - j
-                tap = tl.load(weight + channels * K + (K - 1 - j), mask=channel_ok, other=0.0).to(tl.float32)
-                g_later = _load_rows(gate, bi, t + j, channels, channel_ok, s, gate_stride_b, gate_stride_s)
-                dx_tile += g_later * tap[None, :]
-            ok = (t < s)[:, None] & channel_ok[None, :]
-            tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty), mask=ok)
-            g = _load_rows(gate, bi, t, channels, channel_ok, s, gate_stride_b, gate_stride_s)
-            dbias += tl.sum(g, 0)
-            for i in tl.static_range(K):  # dw_i += sum_t x_{t-K+1+i} g_t
-                x_tap = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s)
-                dweight += tl.where(taps[:, None] == i, tl.sum(x_tap * g, 0)[None, :], 0.0)
+            a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K,
+                               BLOCK_T, BLOCK_C)
+            sig = tl.sigmoid(a)
+            g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s) * sig * (1 + a * (1 - sig))
+            g = g.to(gate.dtype.element_ty)
+            offsets = (bi * s + t[:, None]) * c + channels[None, :]
+            tl.store(gate + offsets, g, mask=(t < s)[:, None] & channel_ok[None, :])
+            g = g.to(tl.float32)  # the rounded g, as dx's pass reads it
+            dbias += g
+            for i in tl.static_range(K):
+                tap_grads = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s) * g
+                if i == 0:
+                    dw0 += tap_grads
+                elif i == 1:
+                    dw1 += tap_grads
+                elif i == 2:
+                    dw2 += tap_grads
+                else:
+                    dw3 += tap_grads
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         channel_ok = channels < c
-        tl.store(dweight_parts + (part * c + channels[None, :]) * K + taps[:, None], dweight,
-                 mask=(taps[:, None] < K) & channel_ok[None, :])
-        tl.store(dbias_parts + part * c + channels, dbias, mask=channel_ok)
+        row = dweight_parts + (part * c + channels) * K  # this program's [c, K] part
+        tl.store(row, tl.sum(dw0, 0), mask=channel_ok)
+        if K > 1:
+            tl.store(row + 1, tl.sum(dw1, 0), mask=channel_ok)
+        if K > 2:
+            tl.store(row + 2, tl.sum(dw2, 0), mask=channel_ok)
+        if K > 3:
+            tl.store(row + 3, tl.sum(dw3, 0), mask=channel_ok)
+        tl.store(dbias_parts + part * c + channels, tl.sum(dbias, 0), mask=channel_ok)
+
+    @triton.jit
+    def _dx_kernel(weight, gate, dx, s, c, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dx of a tile: the outputs at t + j, which x_t feeds through tap K - 1 - j."""
+        tiles = tl.cdiv(s, BLOCK_T)
+        bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
+        t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
+        dx_tile = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for j in tl.static_range(K):
+            tap = tl.load(weight + channels * K + (K - 1 - j), mask=channel_ok, other=0.0).to(tl.float32)
+            dx_tile += _load_rows(gate, bi, t + j, channels, channel_ok, s, s * c, c) * tap[None, :]
+        tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty),
+                 mask=(t < s)[:, None] & channel_ok[None, :])

@@ -60,18 +60,23 @@ def pytorch_path(x, weight, bias):
 
 
 def main():
+    from teratron.ssm import causal_conv1d_triton as kernels
     from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
     from teratron.ssm.causal_conv1d_triton import runs_here
 
     def triton_path(x, weight, bias):
-        assert runs_here(x, None), "the kernels do not take these inputs"
+        assert runs_here(x, weight, None), "the kernels do not take these inputs"
         y, _ = causal_conv1d_silu(x, weight, bias)
         return y
 
     x, weight, _ = make_inputs(1, 8, 4, 4, False, False)
-    assert not runs_here(x, torch.zeros(1, 4, 3)), "a decoding step's state takes the PyTorch path"
+    assert not runs_here(x, weight, torch.zeros(1, 4, 3)), "a decoding step's state takes the PyTorch path"
+    assert not runs_here(x, torch.zeros(4, 5), None), "a kernel of more than MAX_TAPS takes the PyTorch path"
     checked = 0
-    for case in CASES:
+    tiles = kernels.TILES
+    # the CASES, then the second with one tile per program of the gate pass (3 programs a sequence:
+    # the weight and bias gradients summed over programs)
+    for case, kernels.TILES in [(case, tiles) for case in CASES] + [(CASES[1], 1)]:
         inputs = make_inputs(*case)
         for got, want in zip(output_and_grads(triton_path, *inputs), output_and_grads(reference, *inputs)):
             if want is None:
@@ -81,6 +86,7 @@ def main():
         # the final state (the last k - 1 inputs), what a decoding step continues from
         torch.testing.assert_close(causal_conv1d_silu(*inputs)[1], causal_conv1d(*inputs)[1], rtol=0, atol=0)
         checked += 1
+    kernels.TILES = tiles
     # float16 inputs against the PyTorch path in float16 (the pre-activation rounded to float16 in both):
     # within one rounding, relative to each result's largest entry. (bfloat16 is checked on a GPU: the
     # interpreter truncates to bfloat16 where GPUs round to nearest.)
