@@ -11,8 +11,9 @@ where a depthwise F.conv1d would need transposes and runs slow kernels both ways
 
 `causal_conv1d_silu` is what the mixers call: silu(causal_conv1d(...)) by Triton kernels
 (teratron.ssm.causal_conv1d_triton: one pass forward and two backward, where the compiled shifted adds
-recomputed the convolution in each of the backward's kernels) on CUDA tensors from a zero state, by this module's
-PyTorch path elsewhere (the CPU, and decoding steps that continue a state).
+recomputed the convolution in each of the backward's kernels) on CUDA tensors from a zero state with kernels of
+at most 4 taps, by this module's PyTorch path elsewhere (the CPU, longer kernels, and decoding steps that
+continue a state).
 """
 
 import torch.nn.functional as F

@@ -53,6 +53,12 @@ def _channels_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _wide(t) -> bool:
+    """Whether a sequence's offsets in t [b, s, c] (rows times the token stride, a few rows of
+    padding on either side) pass int32: then the kernels compute them in int64."""
+    return (t.shape[1] + 2 * MAX_TAPS) * t.stride(1) >= 2 ** 31
+
+
 def _grid(b: int, s: int, c: int, block_t: int, block_c: int):
     return b * triton.cdiv(s, block_t), triton.cdiv(c, block_c)
 
@@ -64,7 +70,7 @@ def _conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     y = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
     _forward_kernel[_grid(b, s, c, BLOCK_T, BLOCK_C)](
         x, weight, bias if bias is not None else weight, y, s, c, x.stride(0), x.stride(1),
-        HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+        WIDE=_wide(x), HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
     return y
 
 
@@ -98,11 +104,11 @@ def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dbias_parts = torch.empty(programs, c, device=x.device, dtype=torch.float32)
     _gate_kernel[(programs, triton.cdiv(c, GATE_BLOCK_C))](
         x, weight, bias if bias is not None else weight, dy, gate, dweight_parts, dbias_parts, s, c, x.stride(0),
-        x.stride(1), dy.stride(0), dy.stride(1), HAS_BIAS=bias is not None, K=k,
+        x.stride(1), dy.stride(0), dy.stride(1), WIDE=_wide(x) or _wide(dy), HAS_BIAS=bias is not None, K=k,
         TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
     dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-    _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](weight, gate, dx, s, c, K=k, BLOCK_T=DX_BLOCK_T,
-                                                       BLOCK_C=DX_BLOCK_C, num_warps=4)
+    _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](weight, gate, dx, s, c, gate.stride(0), WIDE=_wide(gate), K=k,
+                                                       BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
     dbias_dtype = bias.dtype if bias is not None else weight.dtype
     return dx, dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
 
@@ -125,40 +131,43 @@ if triton is not None:
         return t, channels, channels < c
 
     @triton.jit
-    def _load_rows(ptr, bi, rows, channels, channel_ok, s, stride_b, stride_s):
+    def _load_rows(ptr, bi, rows, channels, channel_ok, s, stride_b, stride_s, WIDE: tl.constexpr):
         """[BLOCK_T, BLOCK_C] fp32 of rows `rows` of sequence bi, zeros outside 0 .. s - 1 (the
-        convolution's zero padding before the sequence, nothing after it)."""
+        convolution's zero padding before the sequence, nothing after it). WIDE: a sequence's
+        offsets pass 2**31 (rows times stride_s in int64; bi is int64 anyway)."""
         ok = (rows >= 0) & (rows < s)
+        if WIDE:
+            rows = rows.to(tl.int64)
         offsets = bi * stride_b + rows[:, None] * stride_s + channels[None, :]
         return tl.load(ptr + offsets, mask=ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _preactivation(x, weight, bias, bi, rows, channels, channel_ok, s, stride_b, stride_s,
+    def _preactivation(x, weight, bias, bi, rows, channels, channel_ok, s, stride_b, stride_s, WIDE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """a at `rows`: sum_i w_i x_{row-K+1+i} (+ bias), rounded to x's dtype."""
         a = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for i in tl.static_range(K):
             tap = tl.load(weight + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
-            a += _load_rows(x, bi, rows - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s) * tap[None, :]
+            a += _load_rows(x, bi, rows - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s, WIDE) * tap[None, :]
         if HAS_BIAS:
             a += tl.load(bias + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
         return a.to(x.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _forward_kernel(x, weight, bias, y, s, c, stride_b, stride_s, HAS_BIAS: tl.constexpr, K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _forward_kernel(x, weight, bias, y, s, c, stride_b, stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         tiles = tl.cdiv(s, BLOCK_T)
         bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
         t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K, BLOCK_T,
-                           BLOCK_C)
+        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_BIAS, K,
+                           BLOCK_T, BLOCK_C)
         out = a * tl.sigmoid(a)
         offsets = (bi * s + t[:, None]) * c + channels[None, :]
         tl.store(y + offsets, out.to(y.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
 
     @triton.jit
     def _gate_kernel(x, weight, bias, dy, gate, dweight_parts, dbias_parts, s, c, stride_b, stride_s, dy_stride_b,
-                     dy_stride_s, HAS_BIAS: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
+                     dy_stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program (bi and TILES tiles of tokens, block of channels): g of those tokens, and their
         share of dw and dbias."""
@@ -173,19 +182,21 @@ if triton is not None:
         dw2 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         dw3 = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         dbias = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        for ti in range(first_tile, first_tile + TILES):
+        tl.static_assert(K <= 4, "the gate pass keeps a sum for each of at most 4 taps (MAX_TAPS)")
+        for ti in range(first_tile, tl.minimum(first_tile + TILES, tl.cdiv(s, BLOCK_T))):
             t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-            a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, HAS_BIAS, K,
+            a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_BIAS, K,
                                BLOCK_T, BLOCK_C)
             sig = tl.sigmoid(a)
-            g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s) * sig * (1 + a * (1 - sig))
+            g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s, WIDE)
+            g = g * sig * (1 + a * (1 - sig))
             g = g.to(gate.dtype.element_ty)
             offsets = (bi * s + t[:, None]) * c + channels[None, :]
             tl.store(gate + offsets, g, mask=(t < s)[:, None] & channel_ok[None, :])
             g = g.to(tl.float32)  # the rounded g, as dx's pass reads it
             dbias += g
             for i in tl.static_range(K):
-                tap_grads = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s) * g
+                tap_grads = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s, WIDE) * g
                 if i == 0:
                     dw0 += tap_grads
                 elif i == 1:
@@ -207,7 +218,8 @@ if triton is not None:
         tl.store(dbias_parts + part * c + channels, tl.sum(dbias, 0), mask=channel_ok)
 
     @triton.jit
-    def _dx_kernel(weight, gate, dx, s, c, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _dx_kernel(weight, gate, dx, s, c, gate_stride_b, WIDE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
         """dx of a tile: the outputs at t + j, which x_t feeds through tap K - 1 - j."""
         tiles = tl.cdiv(s, BLOCK_T)
         bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
@@ -215,6 +227,6 @@ if triton is not None:
         dx_tile = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(K):
             tap = tl.load(weight + channels * K + (K - 1 - j), mask=channel_ok, other=0.0).to(tl.float32)
-            dx_tile += _load_rows(gate, bi, t + j, channels, channel_ok, s, s * c, c) * tap[None, :]
+            dx_tile += _load_rows(gate, bi, t + j, channels, channel_ok, s, gate_stride_b, c, WIDE) * tap[None, :]
         tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty),
                  mask=(t < s)[:, None] & channel_ok[None, :])

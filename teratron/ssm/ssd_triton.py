@@ -83,10 +83,11 @@ MAX_BLOCK = 64
 DCB_PROGRAMS = 512
 # (warps, software-pipelining stages) of each kernel at chunks of 64 tokens and more: the fastest of
 # 2-16 warps x 1-4 stages, each kernel timed alone at chunk 128, tiles of 64, 64 heads x 64, d_state
-# 128, 8 groups, 4 x 2,048 bf16 tokens on an H200 (bench/ssd_launch_sweep.py; bench/RESULTS.md,
+# 128, 8 groups, 4 x 2,048 bf16 tokens on an H200 (bench/scan_launch_sweep.py; bench/RESULTS.md,
 # session 16: 2.65 -> 2.03 ms of kernels per forward + backward). One stage (no pipelining of a
 # loop's loads) gives the backward's [L, L] kernels the shared memory and registers back; two warps
-# suit the chunk states' single product a block. Chunks of 32 and less: 4 warps, Triton's default stages.
+# suit the chunk states' single product a block. Applied from chunk 64 up (timed at chunk 128 only);
+# chunks of 32 and less: 4 warps, Triton's default stages.
 LAUNCH = dict(cumsum=(4, 1), chunk_state=(2, 2), state_passing=(4, 3), state_passing_backward=(2, 4),
               scores=(4, 1), scan=(8, 3), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
 
@@ -282,8 +283,7 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
     _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
         x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **_row_strides(x=x, bc=B, dy=dy),
-        **shape.sizes(),
-        SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
+        **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
     dlast = dlast_parts.sum(-1)
     dx = _empty_tokens(x)
     # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.

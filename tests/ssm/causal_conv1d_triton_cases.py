@@ -23,13 +23,16 @@ CASES = [
 ]
 
 
-def make_inputs(b, s, c, k, with_bias, transposed, seed=0, dtype=torch.float32):
-    """x [b, s, c] (a slice of a wider tensor, [s, b] in memory when transposed), weight [c, k], bias."""
+def make_inputs(b, s, c, k, with_bias, transposed, seed=0, dtype=torch.float32, device="cpu"):
+    """x [b, s, c] (a slice of a wider tensor, [s, b] in memory when transposed), weight [c, k], bias;
+    the wide tensor made on `device` in `dtype` before slicing (moving or casting a slice copies it
+    contiguous)."""
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(s, b, c + 3, generator=gen) if transposed else torch.randn(b, s, c + 3, generator=gen)
+    wide = wide.to(device, dtype)
     x = (wide.transpose(0, 1) if transposed else wide)[..., 2:2 + c]
     weight, bias = torch.randn(c, k, generator=gen) / k, torch.randn(c, generator=gen)
-    return x.to(dtype), weight.to(dtype), bias.to(dtype) if with_bias else None
+    return x, weight.to(device, dtype), bias.to(device, dtype) if with_bias else None
 
 
 def output_and_grads(conv, x, weight, bias, seed=1):
@@ -74,9 +77,12 @@ def main():
     assert not runs_here(x, torch.zeros(4, 5), None), "a kernel of more than MAX_TAPS takes the PyTorch path"
     checked = 0
     tiles = kernels.TILES
-    # the CASES, then the second with one tile per program of the gate pass (3 programs a sequence:
-    # the weight and bias gradients summed over programs)
-    for case, kernels.TILES in [(case, tiles) for case in CASES] + [(CASES[1], 1)]:
+    wide = kernels._wide
+    # the CASES, then the second with one tile per program of the gate pass (several programs a
+    # sequence: the weight and bias gradients summed over programs), then the first with offsets
+    # computed in int64 (what sequences past 2**31 elements take)
+    for case, kernels.TILES, kernels._wide in ([(case, tiles, wide) for case in CASES] + [(CASES[1], 1, wide)]
+                                               + [(CASES[0], tiles, lambda t: True)]):
         inputs = make_inputs(*case)
         for got, want in zip(output_and_grads(triton_path, *inputs), output_and_grads(reference, *inputs)):
             if want is None:
@@ -86,7 +92,7 @@ def main():
         # the final state (the last k - 1 inputs), what a decoding step continues from
         torch.testing.assert_close(causal_conv1d_silu(*inputs)[1], causal_conv1d(*inputs)[1], rtol=0, atol=0)
         checked += 1
-    kernels.TILES = tiles
+    kernels.TILES, kernels._wide = tiles, wide
     # float16 inputs against the PyTorch path in float16 (the pre-activation rounded to float16 in both):
     # within one rounding, relative to each result's largest entry. (bfloat16 is checked on a GPU: the
     # interpreter truncates to bfloat16 where GPUs round to nearest.)

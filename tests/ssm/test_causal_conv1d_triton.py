@@ -20,7 +20,7 @@ def test_triton_kernels_in_the_interpreter_match_the_definition():
     result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 2} cases on the Triton path"
+    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 3} cases on the Triton path"
 
 
 def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):
@@ -53,7 +53,8 @@ def test_triton_on_a_gpu_matches_the_pytorch_path(dtype, transposed):
     a sum of k + 1 terms (k taps and the bias) of the definition in float64, as each path sums in its
     own order."""
     k = 4
-    x, weight, bias = (t.cuda() for t in make_inputs(4, 2048, 6144, k, True, transposed, dtype=dtype))
+    x, weight, bias = make_inputs(4, 2048, 6144, k, True, transposed, dtype=dtype, device="cuda")
+    assert x.stride(-2) > x.shape[-1], "x is a slice of a wider tensor"
 
     def triton_path(*inputs):
         return causal_conv1d_silu(*inputs)[0]

@@ -1,7 +1,9 @@
 """ssd_triton, the Triton kernels of Mamba-2's scan, against ssd_chunked (in Triton's interpreter on
 the CPU, compiled on a GPU: outputs, final states and every gradient), and `ssd`'s choice of path."""
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +60,16 @@ KERNEL_TENSORS = {
     "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts", "dbc"),
 }
 H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
+
+
+def test_every_kernel_launch_has_its_configuration_and_every_configuration_is_used():
+    """The keys the module's launches name (`shape.launch(key)`, `shape.meta(dtype, key)`) are
+    exactly LAUNCH's, each a (warps, stages) pair Triton takes."""
+    source = inspect.getsource(kernels)
+    named = set(re.findall(r'\.launch\("(\w+)"\)', source)) | set(re.findall(r'\.meta\([^()]*, "(\w+)"\)', source))
+    assert named == set(kernels.LAUNCH)
+    for warps, stages in kernels.LAUNCH.values():
+        assert warps in (1, 2, 4, 8, 16, 32) and stages >= 1
 
 
 @pytest.mark.slow
