@@ -13,10 +13,11 @@ have the same names (`norm`, `mixer.in_proj` [z; x; B; C; dt], `mixer.conv1d`, `
 The mixer's math is teratron's MambaMixer: in_proj split z | xBC | dt, a causal depthwise
 convolution (conv_kernel taps, with bias) and SiLU on xBC, dt = softplus(dt + dt_bias), A =
 -exp(A_log), the SSD scan with the D skip, then RMSNorm over each of n_groups groups of
-y * silu(z) (gate first) times the norm's weight. One difference: transformers 5.23 clamps dt
-from below at time_step_min (its `time_step_limit` attribute, whatever the config's field says);
-teratron, like Megatron's mixer, does not, so logits differ where softplus(dt + dt_bias) <
-time_step_min (trained checkpoints rarely reach it). chunk_size only tiles the scan
+y * silu(z) (gate first) times the norm's weight. One difference with transformers before 5.25:
+it clamps dt from below at time_step_min (its `time_step_limit` attribute, whatever the config's
+field says); teratron, like Megatron's mixer, does not, so logits differ where softplus(dt +
+dt_bias) < time_step_min (trained checkpoints rarely reach it). From 5.25 transformers clamps at
+the config's time_step_limit, (0, inf) by default: no clamp, as teratron. chunk_size only tiles the scan
 (teratron's chunks are 128).
 
 Attention has no position embedding (position_embedding_type 'none'), grouped-query heads of

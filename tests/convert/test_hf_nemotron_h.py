@@ -138,9 +138,10 @@ def _without_dt_clamp(model):
 
 
 def test_transformers_dt_clamp_is_the_one_difference(tmp_path):
-    """With dt_bias so low that softplus(dt + dt_bias) < time_step_min, transformers clamps dt
-    up to time_step_min and teratron's mixer (Megatron's) does not: the logits then differ, and
-    equal transformers' with its clamp lifted."""
+    """With dt_bias so low that softplus(dt + dt_bias) < time_step_min: transformers before 5.25
+    clamps dt up to time_step_min whatever the config says, and teratron's mixer (Megatron's) does
+    not: the logits then differ, and equal transformers' with its clamp lifted. From 5.25
+    transformers clamps at the config's time_step_limit, (0, inf) here: no clamp, the same logits."""
     src = tmp_path / "hf"
     make_model(src, layers_block_type=["linear_attention", "full_attention", "mlp"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
@@ -150,12 +151,16 @@ def test_transformers_dt_clamp_is_the_one_difference(tmp_path):
     hf.save_pretrained(tmp_path / "low_dt")
     model, _ = from_hf(str(tmp_path / "low_dt"))
     ids = ids_and_positions()[0]
+    clamps = hf.model.layers[0].mixer.time_step_limit[0] > 0  # transformers < 5.25
     with torch.no_grad():
-        clamped = hf(ids).logits
+        as_installed = hf(ids).logits
         _without_dt_clamp(hf)
         unclamped = hf(ids).logits
         ours = model(*ids_and_positions())
-    assert (clamped - unclamped).abs().max() > 1e-3
+    if clamps:
+        assert (as_installed - unclamped).abs().max() > 1e-3
+    else:
+        assert torch.equal(as_installed, unclamped)
     assert_close(ours, unclamped, rtol=0, atol=1e-5)
 
 
