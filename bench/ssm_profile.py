@@ -72,8 +72,9 @@ def main():
                         help="Another gated_delta_rule_triton.py to time beside the current one (repeatable).")
     parser.add_argument("--rule-blocks", type=int, nargs="+", default=[],
                         help="MAX_BLOCK values of the current gated_delta_rule_triton to time beside its own.")
-    parser.add_argument("--rule-states", nargs="+", default=[], metavar="ROWS,WARPS",
-                        help="STATE_ROWS,STATE_WARPS of the current gated_delta_rule_triton to time beside its own.")
+    parser.add_argument("--rule-state-rows", type=int, nargs="+", default=[],
+                        help="STATE_ROWS values of the current gated_delta_rule_triton to time beside its own "
+                             "(its LAUNCH sets the state passings' warps and stages).")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128], help="The scan's chunk sizes to time.")
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32], help="The scan's MAX_BLOCK values to time.")
     args = parser.parse_args()
@@ -108,15 +109,14 @@ def main():
         timed(f"gated delta rule 32x128 1x8192 current MAX_BLOCK {block}",
               lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule), rule)
     gated_delta_rule_triton.MAX_BLOCK = default_block
-    defaults = gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS
-    for setting in args.rule_states:
-        rows, warps = (int(part) for part in setting.split(","))
-        gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS = rows, warps
-        timed(f"gated delta rule 32x128 1x8192 current STATE_ROWS {rows} STATE_WARPS {warps}",
+    default_rows = gated_delta_rule_triton.STATE_ROWS
+    for rows in args.rule_state_rows:
+        gated_delta_rule_triton.STATE_ROWS = rows
+        timed(f"gated delta rule 32x128 1x8192 current STATE_ROWS {rows}",
               lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule), rule)
-        timed(f"gated delta rule 32x128 4x2048 current STATE_ROWS {rows} STATE_WARPS {warps}",
+        timed(f"gated delta rule 32x128 4x2048 current STATE_ROWS {rows}",
               lambda: bench.rule_step(gated_delta_rule_triton.gated_delta_rule_triton, rule_batched), rule_batched)
-    gated_delta_rule_triton.STATE_ROWS, gated_delta_rule_triton.STATE_WARPS = defaults
+    gated_delta_rule_triton.STATE_ROWS = default_rows
     for version, module in rules.items():
         timed(f"gated delta rule 32x128 1x8192 {version}", lambda: bench.rule_step(module.gated_delta_rule_triton, rule),
               rule)

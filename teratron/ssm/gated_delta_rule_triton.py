@@ -82,7 +82,13 @@ MAX_BLOCK = 32
 # (tests/ssm/test_gated_delta_rule_triton.py compiles them).
 MAX_KEY_DIM = 128
 STATE_ROWS = 16
-STATE_WARPS = 8  # warps of a state-passing program
+# (warps, software-pipelining stages) of each kernel at GatedDeltaNet's chunk of 64: the fastest of
+# 2-16 warps x 1-4 stages, each kernel timed alone at 32 heads, dk = dv = 128, 1 x 8,192 bf16 tokens
+# on an H200 (bench/scan_launch_sweep.py --scan rule; bench/RESULTS.md, session 17: 7.42 -> 5.14 ms
+# of kernels per forward + backward). The solve runs twice: solving (forward) and rebuilding W and U
+# from the kept T (backward, `solved`). Chunks of 32 and less: 4 warps, Triton's default stages.
+LAUNCH = dict(solve=(4, 3), solved=(2, 4), state_passing=(4, 2), output=(2, 4), output_backward=(2, 4),
+              state_passing_backward=(4, 1), backward=(4, 2))
 
 
 def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
@@ -121,15 +127,22 @@ class _Shape:
     def sizes(self):
         return dict(s=self.seq, heads=self.heads, m=self.chunks, dk=self.key_dim, dv=self.value_dim)
 
-    def meta(self, dtype):
+    def meta(self, dtype, kernel: str):
+        """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
         return dict(L=self.chunk, BLOCK_K=self.block_k, BLOCK_V=self.block_v, KEY_TILE=self.key_tile,
-                    num_warps=4 if self.chunk <= 32 else 8,
+                    **self.launch(kernel),
                     # fp32 v needs "ieee" to match the PyTorch path to fp32 rounding; 16-bit v takes tf32
                     PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
-    def state_meta(self, dtype):
-        """`meta` for the two state passings: their own warps and rows of the state."""
-        return {**self.meta(dtype), "num_warps": STATE_WARPS, "STATE_ROWS": STATE_ROWS}
+    def launch(self, kernel: str):
+        if self.chunk <= 32:
+            return dict(num_warps=4)
+        warps, stages = LAUNCH[kernel]
+        return dict(num_warps=warps, num_stages=stages)
+
+    def state_meta(self, dtype, kernel: str):
+        """`meta` for the two state passings, with their rows of the state."""
+        return {**self.meta(dtype, kernel), "STATE_ROWS": STATE_ROWS}
 
     @property
     def block_k(self):  # 16 at least: tl.dot's smallest tile side
@@ -166,7 +179,7 @@ def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     cum, solve, u, states, final = _forward_states(k, v, g, beta, initial_state, shape)
     o = torch.empty_like(v)
     _chunk_output_kernel[(shape.batch * shape.chunks, shape.heads)](
-        q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype))
+        q, k, u, cum, states, o, **shape.sizes(), **shape.meta(v.dtype, "output"))
     return o, final.to(v.dtype), cum, solve
 
 
@@ -206,20 +219,21 @@ def _gated_delta_rule_backward(do: torch.Tensor, dfinal: torch.Tensor, q: torch.
                                                          torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, g, beta and the initial state (the last unused without one)."""
     shape = _Shape.of(k, v, chunk_size)
-    b, h, m, meta = shape.batch, shape.heads, shape.chunks, shape.meta(v.dtype)
+    b, h, m = shape.batch, shape.heads, shape.chunks
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape, solved=(cum, solve))
     drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
     _chunk_output_backward_kernel[(b * m, h)](
-        q, k, do, cum, drhs, **shape.sizes(), **meta)
+        q, k, do, cum, drhs, **shape.sizes(), **shape.meta(v.dtype, "output_backward"))
     dstates = torch.empty_like(states)
     dinitial = torch.empty(b, h, shape.value_dim, shape.key_dim, device=v.device, dtype=torch.float32)
     _state_passing_backward_kernel[shape.state_grid](
         q, k, beta, do, cum, solve, drhs, dstates, dfinal.float().contiguous(), dinitial, **shape.sizes(),
-        **shape.state_meta(v.dtype))
+        **shape.state_meta(v.dtype, "state_passing_backward"))
     dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
     _chunk_backward_kernel[(b * m, h)](
-        q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(), **meta)
+        q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk, dv, dg, dbeta, **shape.sizes(),
+        **shape.meta(v.dtype, "backward"))
     return dq, dk, dv, dg, dbeta, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 
@@ -238,7 +252,6 @@ def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
     [b, m, h, dv, dk] and the final state [b, h, dv, dk]. `solved`: (G, T) of an earlier call on the
     same inputs, taken instead of solving again."""
     b, h, m, L, dk, dv = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.key_dim, shape.value_dim
-    meta = shape.meta(v.dtype)
     fp32 = dict(device=v.device, dtype=torch.float32)
     if solved is None:
         cum, solve = torch.empty(b, h, m * L, **fp32), torch.empty(b, m, h, L, L, **fp32)
@@ -247,13 +260,13 @@ def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
     w = torch.empty(b, m, h, L, dk, **fp32)
     u = torch.empty(b, m, h, L, dv, **fp32)  # Ub, then U in place
     _chunk_solve_kernel[(b * m, h)](k, v, g, beta, cum, solve, w, u, **shape.sizes(), SOLVED=solved is not None,
-                                    **meta)
+                                    **shape.meta(v.dtype, "solve" if solved is None else "solved"))
     states = torch.empty(b, m, h, dv, dk, **fp32)
     final = torch.empty(b, h, dv, dk, **fp32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[shape.state_grid](
         k, w, u, cum, states, initial, final, **shape.sizes(), HAS_INITIAL=initial_state is not None,
-        **shape.state_meta(v.dtype))
+        **shape.state_meta(v.dtype, "state_passing"))
     return cum, solve, u, states, final
 
 

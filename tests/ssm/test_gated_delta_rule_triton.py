@@ -2,7 +2,9 @@
 gated_delta_rule_chunked (in Triton's interpreter on the CPU, compiled on a GPU: outputs, final
 states and every gradient), and `gated_delta_rule`'s choice of path."""
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -56,14 +58,30 @@ KERNEL_TENSORS = {
     "_state_passing_backward_kernel": ("q k beta do", "cum solve drhs dstates dfinal dinitial"),
     "_chunk_backward_kernel": ("q k v beta do dq dk_out dv_out dbeta", "cum u states dstates drhs dg"),
 }
+# Each kernel's key in kernels.LAUNCH (the solve's second use, rebuilding W and U from T: "solved").
+KERNEL_LAUNCH = {"_chunk_solve_kernel": "solve", "_state_passing_kernel": "state_passing",
+                 "_chunk_output_kernel": "output", "_chunk_output_backward_kernel": "output_backward",
+                 "_state_passing_backward_kernel": "state_passing_backward", "_chunk_backward_kernel": "backward"}
 H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
+
+
+def test_every_kernel_launch_has_its_configuration_and_every_configuration_is_used():
+    """The keys the module's launches name (`shape.meta(dtype, key)`, `shape.state_meta(dtype, key)`)
+    are exactly LAUNCH's, each a (warps, stages) pair Triton takes."""
+    source = inspect.getsource(kernels)
+    named = {key for call in re.findall(r"\.(?:state_)?meta\(v\.dtype, ([^)]*)\)", source)
+             for key in re.findall(r'"(\w+)"', call)}
+    assert named == set(kernels.LAUNCH) == {*KERNEL_LAUNCH.values(), "solved"}
+    for warps, stages in kernels.LAUNCH.values():
+        assert warps in (1, 2, 4, 8, 16, 32) and stages >= 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     """Triton and ptxas compile for sm_90 without a GPU: the six kernels at GatedDeltaNet's chunk of
-    64 and the largest dk, in the 16-bit (tf32) and the fp32 ("ieee") variants."""
+    64 and the largest dk, in the 16-bit (tf32) and the fp32 ("ieee") variants, each with its launch
+    configuration (warps, stages)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -79,7 +97,10 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
             signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
             source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
                                                               for arg, value in constexprs.items()})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+            shape = kernels._Shape(batch=1, seq=chunk, heads=1, key_dim=kernels.MAX_KEY_DIM,
+                                   value_dim=kernels.MAX_KEY_DIM, chunk=chunk, chunks=1)
+            launch = "solved" if solved else KERNEL_LAUNCH[name]
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
             assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, solved, compiled.metadata.shared)
 
 
