@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
+from teratron.ssm import gated_norm_triton
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.recurrence import mix_tokens
 from teratron.ssm.ssd import ssd
@@ -116,7 +117,11 @@ class MambaMixer(nn.Module):
         -> (the gated, normed scan output [b, s, d_inner / tp], the state after it)."""
         conv_state, scan_state = state if state is not None else (None, None)
         bc = self.ngroups_local * self.d_state
-        z, xbc, dt = projected.split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local], dim=-1)
+        # Split in the projection's memory order ([s, b] in training): the gradient's concatenation then
+        # comes out laid out as the input projection's backward reads it (no transposing copy).
+        parts = projected.transpose(0, 1).split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local],
+                                                dim=-1)
+        z, xbc, dt = (part.transpose(0, 1) for part in parts)
         # [b, s, c]
         xbc, conv_state = causal_conv1d_silu(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state)
         x, B, C = xbc.split([self.d_inner_local, bc, bc], dim=-1)
@@ -139,6 +144,14 @@ class GroupGatedRMSNorm(nn.Module):
         self.weight, self.groups, self.eps = weight, groups, eps
 
     def forward(self, y, z):
-        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        """y, z [b, s, d] -> [b, s, d]: by Triton kernels where they run (teratron.ssm.gated_norm_triton),
+        else `reference`."""
+        if gated_norm_triton.runs_here(y, z):
+            return gated_norm_triton.gated_rmsnorm_triton(y, z, self.weight, self.groups, self.eps)
+        return self.reference(y, z)
+
+    def reference(self, y, z):
+        dtype = torch.promote_types(y.dtype, torch.float32)
+        gated = (y.to(dtype) * F.silu(z.to(dtype))).unflatten(-1, (self.groups, -1))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)
+        return (normed.flatten(-2) * self.weight.to(dtype)).to(y.dtype)
