@@ -17,8 +17,8 @@ y * silu(z) (gate first) times the norm's weight. One difference with transforme
 it clamps dt from below at time_step_min (its `time_step_limit` attribute, whatever the config's
 field says); teratron, like Megatron's mixer, does not, so logits differ where softplus(dt +
 dt_bias) < time_step_min (trained checkpoints rarely reach it). From 5.25 transformers clamps at
-the config's time_step_limit, (0, inf) by default: no clamp, as teratron. chunk_size only tiles the scan
-(teratron's chunks are 128).
+the config's time_step_limit, (0, inf) by default: no clamp, as teratron; a config with another
+time_step_limit is refused. chunk_size only tiles the scan (teratron's chunks are 128).
 
 Attention has no position embedding (position_embedding_type 'none'), grouped-query heads of
 head_dim, no biases (transformers ignores attention_bias). MLPs are ungated squared ReLU
@@ -132,6 +132,7 @@ def _pattern(hf: dict, source: str) -> str:
     return "".join(LAYER_SYMBOLS[t] for t in types)
 
 
+NO_DT_LIMIT = (0.0, float("inf"))  # time_step_limit: transformers >= 5.25 clamps dt to it
 _REFUSED = {  # config field -> (the value teratron converts, transformers' default too; why)
     "mlp_hidden_act": ("relu2", "teratron converts nemotron_h's squared-ReLU MLPs only"),
     "mamba_hidden_act": ("silu", "teratron's Mamba mixer applies SiLU after its convolution"),
@@ -143,10 +144,22 @@ _REFUSED = {  # config field -> (the value teratron converts, transformers' defa
     "num_nextn_predict_layers": (0, "nemotron_h's multi-token-prediction layers are not converted"),
 }
 
+def _dt_limit(limit) -> tuple | None:
+    """config.json's time_step_limit as floats: JSON's Infinity, or transformers' {"__float__": "Infinity"}."""
+    try:
+        return tuple(float(end["__float__"] if isinstance(end, dict) else end) for end in limit)
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def _check_convertible(hf: dict, source: str) -> None:
     for name, (value, why) in _REFUSED.items():
         if hf.get(name, value) != value:
             raise ValueError(f"{source}: {name}={hf[name]!r}; {why}, so only {name}={value!r} converts")
+    limit = hf.get("time_step_limit", NO_DT_LIMIT)
+    if _dt_limit(limit) != NO_DT_LIMIT:
+        raise ValueError(f"{source}: time_step_limit={limit!r}; teratron's Mamba mixer (Megatron's) does not clamp "
+                         f"dt, so only time_step_limit=[0.0, Infinity] (no clamp) converts")
 
 
 def _moe_args(hf: dict, source: str) -> dict:

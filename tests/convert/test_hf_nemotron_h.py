@@ -198,6 +198,9 @@ def test_refusals(tmp_path):
         (dict(moe_latent_size=16), "moe_latent_size=16; teratron's MoE has no latent projections"),
         (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1; nemotron_h's multi-token-prediction"),
         (dict(use_bias=True), "use_bias=True; teratron puts biases on all linear layers or none"),
+        (dict(time_step_limit=[0.001, 0.1]), "time_step_limit=\\[0.001, 0.1\\]; teratron's Mamba mixer \\(Megatron's\\) "
+                                             "does not clamp dt"),
+        (dict(time_step_limit=None), "time_step_limit=None; teratron's Mamba mixer"),
         (dict(layers_block_type=["linear_attention", "sliding_attention"]),
          "layers_block_type has 'sliding_attention'; nemotron_h's layers are linear_attention, full_attention"),
         (dict(layers_block_type=None, hybrid_override_pattern="MG"),
@@ -209,6 +212,8 @@ def test_refusals(tmp_path):
         with pytest.raises(ValueError, match=f"^cfg: {message}") as raised:
             model_args_from_hf({**hf, **change}, "cfg")
         assert "\n" not in str(raised.value)
+    for no_clamp in ([0.0, float("inf")], [0, {"__float__": "Infinity"}]):  # JSON's Infinity; transformers' own
+        model_args_from_hf({**hf, "time_step_limit": no_clamp}, "cfg")
     old = {k: v for k, v in hf.items() if k != "layers_block_type"}
     assert model_args_from_hf({**old, "hybrid_override_pattern": "M*-EM*"}, "cfg")["hybrid_layer_pattern"] == "M*-EM*"
     with pytest.raises(ValueError, match="^cfg: config.json lacks layers_block_type"):
