@@ -2,9 +2,6 @@
 the CPU, compiled on a GPU), and `causal_conv1d_silu`'s choice of path."""
 
 import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,15 +9,13 @@ import torch.nn.functional as F
 
 from ssm.causal_conv1d_triton_cases import (CASES, assert_within_one_rounding, make_inputs, output_and_grads,
                                             pytorch_path, reference)
+from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
 
 
 def test_triton_kernels_in_the_interpreter_match_the_definition():
-    script = os.path.join(os.path.dirname(__file__), "causal_conv1d_triton_cases.py")
-    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 3} cases on the Triton path"
+    assert run_in_the_interpreter("causal_conv1d_triton_cases.py") == (
+        f"checked {len(CASES) + 3} cases on the Triton path")
 
 
 def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):
@@ -36,11 +31,6 @@ def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):
         y, final = causal_conv1d_silu(x, weight, bias, initial)
         y_ref, final_ref = causal_conv1d(x, weight, bias, initial)
         assert torch.equal(y, F.silu(y_ref)) and torch.equal(final, final_ref)
-
-
-def gpu_test(test):
-    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @gpu_test

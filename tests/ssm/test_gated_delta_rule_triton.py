@@ -3,10 +3,7 @@ gated_delta_rule_chunked (in Triton's interpreter on the CPU, compiled on a GPU:
 states and every gradient), and `gated_delta_rule`'s choice of path."""
 
 import inspect
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,16 +12,14 @@ import triton
 import teratron.ssm.gated_delta_rule as rule_module
 import teratron.ssm.gated_delta_rule_triton as kernels
 from ssm.gated_delta_rule_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
+from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 
 
 def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
-    script = os.path.join(os.path.dirname(__file__), "gated_delta_rule_triton_cases.py")
-    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 6} cases on the Triton path"
+    assert run_in_the_interpreter("gated_delta_rule_triton_cases.py") == (
+        f"checked {len(CASES) + 6} cases on the Triton path")
 
 
 def test_gated_delta_rule_on_the_cpu_runs_gated_delta_rule_chunked(monkeypatch):
@@ -102,11 +97,6 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
             launch = "solved" if solved else KERNEL_LAUNCH[name]
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
             assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, solved, compiled.metadata.shared)
-
-
-def gpu_test(test):
-    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @gpu_test

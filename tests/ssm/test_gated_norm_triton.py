@@ -1,24 +1,18 @@
 """Mamba-2's gated norm: its Triton kernels against the PyTorch path (in Triton's interpreter on the
 CPU, compiled on a GPU), and GroupGatedRMSNorm's choice of path."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ssm.gated_norm_triton_cases import CASES, make_inputs, output_and_grads
+from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.mamba_mixer import GroupGatedRMSNorm
 
 
 def test_triton_kernels_in_the_interpreter_match_the_definition():
-    script = os.path.join(os.path.dirname(__file__), "gated_norm_triton_cases.py")
-    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 1} cases on the Triton path"
+    assert run_in_the_interpreter("gated_norm_triton_cases.py") == f"checked {len(CASES) + 1} cases on the Triton path"
 
 
 def test_on_the_cpu_the_pytorch_path_runs(monkeypatch):
@@ -29,11 +23,6 @@ def test_on_the_cpu_the_pytorch_path_runs(monkeypatch):
     y, z, weight = make_inputs(2, 5, 16)
     norm = GroupGatedRMSNorm(weight, 2, 1e-5)
     assert torch.equal(norm(y, z), norm.reference(y, z))
-
-
-def gpu_test(test):
-    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @gpu_test

@@ -2,10 +2,7 @@
 the CPU, compiled on a GPU: outputs, final states and every gradient), and `ssd`'s choice of path."""
 
 import inspect
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,17 +10,14 @@ import triton
 
 import teratron.ssm.ssd as ssd_module
 import teratron.ssm.ssd_triton as kernels
+from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
 
 
 def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
-    script = os.path.join(os.path.dirname(__file__), "ssd_triton_cases.py")
-    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 6} cases on the Triton path"
+    assert run_in_the_interpreter("ssd_triton_cases.py") == f"checked {len(CASES) + 6} cases on the Triton path"
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
@@ -96,11 +90,6 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
                                                           for arg, value in constexprs.items()})
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
         assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
-
-
-def gpu_test(test):
-    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @gpu_test
