@@ -1,14 +1,11 @@
 """paged_attention: the plain-PyTorch reference against a per-query loop, the Triton kernel (in
 Triton's interpreter on the CPU, compiled on a GPU) against the reference, and CUDA-graph replay."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from inference.paged_attention_cases import CASES, lengths_for, make_case
+from kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.inference.kernels.paged_attention import (paged_attention, paged_attention_reference,
                                                         paged_attention_triton)
 
@@ -61,11 +58,8 @@ def test_reference_returns_the_query_dtype():
 
 
 def test_triton_kernel_in_the_interpreter_matches_the_reference():
-    script = os.path.join(os.path.dirname(__file__), "paged_attention_cases.py")
-    result = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == f"checked {len(CASES) + 2 + 4} cases on the Triton path"
+    assert run_in_the_interpreter(__file__, "paged_attention_cases.py") == (
+        f"checked {len(CASES) + 2 + 4} cases on the Triton path")
 
 
 @pytest.mark.parametrize("problem", [
@@ -81,11 +75,6 @@ def test_bad_shapes_raise_one_line(problem):
     with pytest.raises(ValueError, match="^paged_attention: ") as error:
         paged_attention(query, cache, cache, table, torch.ones(2, dtype=torch.int32), 0.25)
     assert "\n" not in str(error.value)
-
-
-def gpu_test(test):
-    """Marked `gpu` (conftest.py leaves CUDA visible) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def random_lengths(n: int, longest: int, seed: int) -> list[int]:

@@ -11,8 +11,8 @@ prints how many it checked.
 
 import torch
 
-# (b, s, d, groups): tokens not a multiple of a program's, groups of 8 heads x 64 in small, a group
-# size that is not a power of 2 (a padded tile)
+# (b, s, d, groups): tokens not a multiple of a program's tiles, two groups and one, a group size that is
+# not a power of 2 (a padded tile)
 CASES = [(2, 37, 32, 2), (1, 70, 24, 2), (3, 5, 16, 1)]
 
 

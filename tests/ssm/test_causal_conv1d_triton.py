@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_tests import gpu_test, run_in_the_interpreter
 from ssm.causal_conv1d_triton_cases import (CASES, assert_within_one_rounding, make_inputs, output_and_grads,
                                             pytorch_path, reference)
-from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
 
 
 def test_triton_kernels_in_the_interpreter_match_the_definition():
-    assert run_in_the_interpreter("causal_conv1d_triton_cases.py") == (
+    assert run_in_the_interpreter(__file__, "causal_conv1d_triton_cases.py") == (
         f"checked {len(CASES) + 3} cases on the Triton path")
 
 

@@ -11,14 +11,14 @@ import triton
 
 import teratron.ssm.gated_delta_rule as rule_module
 import teratron.ssm.gated_delta_rule_triton as kernels
+from kernel_tests import gpu_test, run_in_the_interpreter
 from ssm.gated_delta_rule_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
-from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 
 
 def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
-    assert run_in_the_interpreter("gated_delta_rule_triton_cases.py") == (
+    assert run_in_the_interpreter(__file__, "gated_delta_rule_triton_cases.py") == (
         f"checked {len(CASES) + 6} cases on the Triton path")
 
 

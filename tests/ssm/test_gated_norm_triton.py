@@ -5,14 +5,15 @@ CPU, compiled on a GPU), and GroupGatedRMSNorm's choice of path."""
 import pytest
 import torch
 
+from kernel_tests import gpu_test, run_in_the_interpreter
 from ssm.gated_norm_triton_cases import CASES, make_inputs, output_and_grads
-from ssm.kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.mamba_mixer import GroupGatedRMSNorm
 
 
 def test_triton_kernels_in_the_interpreter_match_the_definition():
-    assert run_in_the_interpreter("gated_norm_triton_cases.py") == f"checked {len(CASES) + 1} cases on the Triton path"
+    assert run_in_the_interpreter(__file__, "gated_norm_triton_cases.py") == (
+        f"checked {len(CASES) + 1} cases on the Triton path")
 
 
 def test_on_the_cpu_the_pytorch_path_runs(monkeypatch):
@@ -23,6 +24,22 @@ def test_on_the_cpu_the_pytorch_path_runs(monkeypatch):
     y, z, weight = make_inputs(2, 5, 16)
     norm = GroupGatedRMSNorm(weight, 2, 1e-5)
     assert torch.equal(norm(y, z), norm.reference(y, z))
+
+
+def test_what_the_kernels_do_not_take(monkeypatch):
+    """float64, mixed dtypes and channels that are not contiguous go to the PyTorch path; groups that
+    do not divide the channels are refused with one line."""
+    monkeypatch.setattr(gated_norm_triton, "INTERPRETED", True)  # CPU tensors count as the kernels'
+    y, z, weight = make_inputs(2, 5, 16)
+    assert gated_norm_triton.runs_here(y, z)
+    assert not gated_norm_triton.runs_here(y.double(), z.double())
+    assert not gated_norm_triton.runs_here(y, z.half())
+    assert not gated_norm_triton.runs_here(y, torch.randn(2, 5, 32)[..., ::2])
+    for make in (lambda: GroupGatedRMSNorm(weight, 3, 1e-5),
+                 lambda: gated_norm_triton.gated_rmsnorm_triton(y, z, weight, 3, 1e-5)):
+        with pytest.raises(ValueError, match="16 channels do not split into 3 groups; choose groups dividing") as error:
+            make()
+        assert "\n" not in str(error.value)
 
 
 @gpu_test

@@ -10,14 +10,15 @@ import triton
 
 import teratron.ssm.ssd as ssd_module
 import teratron.ssm.ssd_triton as kernels
-from ssm.kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import gpu_test, run_in_the_interpreter
 from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
 
 
 def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
-    assert run_in_the_interpreter("ssd_triton_cases.py") == f"checked {len(CASES) + 6} cases on the Triton path"
+    assert run_in_the_interpreter(__file__, "ssd_triton_cases.py") == (
+        f"checked {len(CASES) + 6} cases on the Triton path")
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):

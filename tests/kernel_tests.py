@@ -1,5 +1,4 @@
-"""What the Triton kernel tests of tests/ssm share: a cases script run in Triton's interpreter, and
-the `gpu` mark."""
+"""What the Triton kernel tests share: a cases script run in Triton's interpreter, and the `gpu` mark."""
 
 import os
 import subprocess
@@ -9,10 +8,10 @@ import pytest
 import torch
 
 
-def run_in_the_interpreter(script: str) -> str:
-    """The last line a tests/ssm cases script prints when run with TRITON_INTERPRET=1 (in a subprocess:
-    Triton reads the variable when the kernels are defined); fails the test if the script fails."""
-    path = os.path.join(os.path.dirname(__file__), script)
+def run_in_the_interpreter(test_file: str, script: str) -> str:
+    """The last line the cases script beside `test_file` prints when run with TRITON_INTERPRET=1 (in a
+    subprocess: Triton reads the variable when the kernels are defined); fails the test if the script fails."""
+    path = os.path.join(os.path.dirname(test_file), script)
     result = subprocess.run([sys.executable, path], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
