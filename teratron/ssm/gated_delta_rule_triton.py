@@ -73,12 +73,12 @@ CHUNK_SIZES = (16, 32, 64)
 # constexprs; the interpreter takes the int.
 SOLVE_BLOCK = tl.constexpr(16) if triton is not None and not INTERPRETED else 16
 # Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this). For sm_90
-# (16-bit v, chunk 64) ptxas spills nothing in the forward ones and 456 bytes a thread in
-# _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips; to be timed).
+# (16-bit v, chunk 64, 8 warps: before LAUNCH) ptxas spilled nothing in the forward ones and 456 bytes
+# a thread in _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips).
 MAX_BLOCK = 32
 # The state passings hold a [STATE_ROWS, dk] fp32 tile of the state and [L, dk] tiles of K, Q and W
-# whole: rows of 16 keep ptxas's register spills for sm_90 (16-bit v, 8 warps, chunk 64, dk 128)
-# under 128 bytes a thread (32: 336), and all six kernels' shared memory within an H100's 227 KiB
+# whole: rows of 16 kept ptxas's register spills for sm_90 (16-bit v, 8 warps before LAUNCH, chunk 64,
+# dk 128) under 128 bytes a thread (32: 336), and all six kernels' shared memory within an H100's 227 KiB
 # (tests/ssm/test_gated_delta_rule_triton.py compiles them).
 MAX_KEY_DIM = 128
 STATE_ROWS = 16

@@ -6,7 +6,7 @@ backward:
     backward   n = g r,  dn = dout w,  dg = r (dn - n mean(dn n)),
                dy = dg silu(z),  dz = dg y silu'(z),  dw = sum over tokens of dout n
 
-in fp32, each tile ROWS tokens of one group; out and the gradients in y's dtype, dw summed per
+in fp32, each tile ROWS tokens of one group; out, dy and dz in y's dtype, dw in the weight's, summed per
 program (TILES tiles) and then over programs in a fixed order. y, z and dout are read by their strides ([b, s, d]
 views whose channels are contiguous: z a slice of the input projection, dout laid out [s, b] as the
 output projection's gradient comes); out is written laid out [s, b, d] (what the output projection
@@ -34,7 +34,11 @@ def runs_here(y, z) -> bool:
 
 
 def gated_rmsnorm_triton(y, z, weight, groups: int, eps: float):
-    """y, z [b, s, d], weight [d] -> [b, s, d] in y's dtype (laid out [s, b, d] in memory)."""
+    """y, z [b, s, d], weight [d] -> [b, s, d] in y's dtype (laid out [s, b, d] in memory); groups
+    must divide d."""
+    if y.shape[-1] % groups:
+        raise ValueError(f"gated_rmsnorm_triton: {y.shape[-1]} channels do not split into {groups} groups; "
+                         "choose groups dividing the channels")
     out, _ = _gated_rmsnorm(y, z, weight, groups, eps)
     return out
 

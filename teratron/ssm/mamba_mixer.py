@@ -141,6 +141,9 @@ class GroupGatedRMSNorm(nn.Module):
 
     def __init__(self, weight: nn.Parameter, groups: int, eps: float):
         super().__init__()
+        if weight.shape[-1] % groups:
+            raise ValueError(f"GroupGatedRMSNorm: {weight.shape[-1]} channels do not split into {groups} groups; "
+                             "choose groups dividing the channels")
         self.weight, self.groups, self.eps = weight, groups, eps
 
     def forward(self, y, z):
