@@ -144,6 +144,7 @@ _REFUSED = {  # config field -> (the value teratron converts, transformers' defa
     "num_nextn_predict_layers": (0, "nemotron_h's multi-token-prediction layers are not converted"),
 }
 
+
 def _dt_limit(limit) -> tuple | None:
     """config.json's time_step_limit as floats: JSON's Infinity, or transformers' {"__float__": "Infinity"}."""
     try:
@@ -176,8 +177,16 @@ def _moe_args(hf: dict, source: str) -> dict:
     }
 
 
+# Older nemotron_h configs' names for fields, which transformers reads in place of the current ones.
+LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+                "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                "mamba_chunk_size": "chunk_size"}
+
+
 def nemotron_h_args(hf: dict, source: str) -> dict:
     """The model args (but the padded vocabulary) of a nemotron_h config."""
+    hf = {**hf, **{name: hf[legacy] for legacy, name in LEGACY_NAMES.items() if legacy in hf}}
     require_fields(hf, source, ["hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
                                 "ssm_state_size", "mamba_head_dim", "mamba_num_heads", "n_groups"])
     _check_convertible(hf, source)

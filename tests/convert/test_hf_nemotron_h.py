@@ -214,6 +214,13 @@ def test_refusals(tmp_path):
         assert "\n" not in str(raised.value)
     for no_clamp in ([0.0, float("inf")], [0, {"__float__": "Infinity"}]):  # JSON's Infinity; transformers' own
         model_args_from_hf({**hf, "time_step_limit": no_clamp}, "cfg")
+    # older configs' names, read in place of the current ones as transformers reads them
+    legacy = {k: v for k, v in hf.items() if k != "n_groups"}
+    assert model_args_from_hf({**legacy, "mamba_n_groups": hf["n_groups"]}, "cfg") == model_args_from_hf(hf, "cfg")
+    for change, message in [(dict(mamba_d_conv=3), "conv_kernel=3; "), (dict(mamba_dt_limit=[0.0, 0.1]),
+                                                                          "time_step_limit=\\[0.0, 0.1\\]; ")]:
+        with pytest.raises(ValueError, match=f"^cfg: {message}"):
+            model_args_from_hf({**hf, **change}, "cfg")
     old = {k: v for k, v in hf.items() if k != "layers_block_type"}
     assert model_args_from_hf({**old, "hybrid_override_pattern": "M*-EM*"}, "cfg")["hybrid_layer_pattern"] == "M*-EM*"
     with pytest.raises(ValueError, match="^cfg: config.json lacks layers_block_type"):
