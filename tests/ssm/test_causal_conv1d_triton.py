@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.causal_conv1d_triton_cases import (CASES, assert_within_one_rounding, make_inputs, output_and_grads,
                                             pytorch_path, reference)
 from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
@@ -16,6 +16,26 @@ from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
 def test_triton_kernels_in_the_interpreter_match_the_definition():
     assert run_in_the_interpreter(__file__, "causal_conv1d_triton_cases.py") == (
         f"checked {len(CASES) + 3} cases on the Triton path")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype, wide):
+    """Triton and ptxas compile the three passes for sm_90 without a GPU, with their tiles and warps, 4
+    taps, in the int32 and the int64 (WIDE) offsets."""
+    import teratron.ssm.causal_conv1d_triton as kernels
+
+    taps = dict(WIDE=wide, HAS_BIAS=True, K=kernels.MAX_TAPS)
+    for kernel, activations, fp32, constexprs, warps in [
+        (kernels._forward_kernel, "x weight bias y", "", dict(BLOCK_T=kernels.BLOCK_T, BLOCK_C=kernels.BLOCK_C), 4),
+        (kernels._gate_kernel, "x weight bias dy gate", "dweight_parts dbias_parts",
+         dict(TILES=kernels.TILES, BLOCK_T=kernels.GATE_BLOCK_T, BLOCK_C=kernels.GATE_BLOCK_C), kernels.GATE_WARPS),
+        (kernels._dx_kernel, "weight gate dx", "", dict(BLOCK_T=kernels.DX_BLOCK_T, BLOCK_C=kernels.DX_BLOCK_C), 4),
+    ]:
+        compiled = compile_for_sm90(kernel, dtype, activations, fp32, constexprs={**taps, **constexprs},
+                                    options=dict(num_warps=warps))
+        assert compiled.shared <= H100_SHARED_MEMORY, (kernel.fn.__name__, compiled.shared)
 
 
 def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):

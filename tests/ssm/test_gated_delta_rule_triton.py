@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
-import triton
 
 import teratron.ssm.gated_delta_rule as rule_module
 import teratron.ssm.gated_delta_rule_triton as kernels
-from kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.gated_delta_rule_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
@@ -57,7 +56,6 @@ KERNEL_TENSORS = {
 KERNEL_LAUNCH = {"_chunk_solve_kernel": "solve", "_state_passing_kernel": "state_passing",
                  "_chunk_output_kernel": "output", "_chunk_output_backward_kernel": "output_backward",
                  "_state_passing_backward_kernel": "state_passing_backward", "_chunk_backward_kernel": "backward"}
-H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 
 
 def test_every_kernel_launch_has_its_configuration_and_every_configuration_is_used():
@@ -77,26 +75,18 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     """Triton and ptxas compile for sm_90 without a GPU: the six kernels at GatedDeltaNet's chunk of
     64 and the largest dk, in the 16-bit (tf32) and the fp32 ("ieee") variants, each with its launch
     configuration (warps, stages)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     chunk = max(kernels.CHUNK_SIZES)
     for name, (activations, fp32) in KERNEL_TENSORS.items():
         kernel = getattr(kernels, name)
+        shape = kernels._Shape(batch=1, seq=chunk, heads=1, key_dim=kernels.MAX_KEY_DIM, value_dim=kernels.MAX_KEY_DIM,
+                               chunk=chunk, chunks=1)
         for solved in (False, True) if "SOLVED" in kernel.arg_names else (False,):  # the solve's two uses
             constexprs = dict(L=chunk, BLOCK_K=kernels.MAX_BLOCK, BLOCK_V=kernels.MAX_BLOCK,
                               KEY_TILE=kernels.MAX_KEY_DIM, STATE_ROWS=kernels.STATE_ROWS,
                               PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_INITIAL=True, SOLVED=solved)
-            constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
-            types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
-            signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-            source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
-                                                              for arg, value in constexprs.items()})
-            shape = kernels._Shape(batch=1, seq=chunk, heads=1, key_dim=kernels.MAX_KEY_DIM,
-                                   value_dim=kernels.MAX_KEY_DIM, chunk=chunk, chunks=1)
-            launch = "solved" if solved else KERNEL_LAUNCH[name]
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
-            assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, solved, compiled.metadata.shared)
+            compiled = compile_for_sm90(kernel, dtype, activations, fp32, constexprs=constexprs,
+                                        options=shape.launch("solved" if solved else KERNEL_LAUNCH[name]))
+            assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, solved, compiled.shared)
 
 
 @gpu_test

@@ -5,7 +5,7 @@ CPU, compiled on a GPU), and GroupGatedRMSNorm's choice of path."""
 import pytest
 import torch
 
-from kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.gated_norm_triton_cases import CASES, make_inputs, output_and_grads
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.mamba_mixer import GroupGatedRMSNorm
@@ -14,6 +14,21 @@ from teratron.ssm.mamba_mixer import GroupGatedRMSNorm
 def test_triton_kernels_in_the_interpreter_match_the_definition():
     assert run_in_the_interpreter(__file__, "gated_norm_triton_cases.py") == (
         f"checked {len(CASES) + 1} cases on the Triton path")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
+    """Triton and ptxas compile both kernels for sm_90 without a GPU, at a Mamba layer's groups of 8
+    heads x 64 (512 channels), with their rows, tiles and warps."""
+    tiles = dict(GROUP=512, BLOCK=512, ROWS=gated_norm_triton.ROWS, TILES=gated_norm_triton.TILES)
+    options = dict(num_warps=gated_norm_triton.WARPS)
+    forward = compile_for_sm90(gated_norm_triton._forward_kernel, dtype, "y z weight out", "rstd", floats="eps",
+                               constexprs=tiles, options=options)
+    backward = compile_for_sm90(gated_norm_triton._backward_kernel, dtype, "dout y z weight dy dz",
+                                "rstd dweight_parts", constexprs=tiles, options=options)
+    for compiled in (forward, backward):
+        assert compiled.shared <= H100_SHARED_MEMORY
 
 
 def test_on_the_cpu_the_pytorch_path_runs(monkeypatch):

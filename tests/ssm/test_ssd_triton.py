@@ -6,11 +6,10 @@ import re
 
 import pytest
 import torch
-import triton
 
 import teratron.ssm.ssd as ssd_module
 import teratron.ssm.ssd_triton as kernels
-from kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
@@ -54,7 +53,6 @@ KERNEL_TENSORS = {
                                        "dx"),
     "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts", "dbc"),
 }
-H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 
 
 def test_every_kernel_launch_has_its_configuration_and_every_configuration_is_used():
@@ -73,24 +71,16 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     """Triton and ptxas compile for sm_90 without a GPU: the kernels with [L, L] tiles at the
     largest chunk size, in the 16-bit (tf32) and the fp32 ("ieee") variants, each with its launch
     configuration (warps, stages)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     chunk = max(kernels.CHUNK_SIZES)
     shape = kernels._Shape(batch=1, seq=chunk, heads=1, head_dim=kernels.MAX_BLOCK, groups=1,
                            d_state=kernels.MAX_BLOCK, chunk=chunk, chunks=1)
     for name, (activations, fp32, launch) in KERNEL_TENSORS.items():
-        kernel = getattr(kernels, name)
         constexprs = dict(L=chunk, BLOCK_P=kernels.MAX_BLOCK, BLOCK_N=kernels.MAX_BLOCK,
                           PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True,
                           HEADS_PER_SPLIT=4, SPLITS=2)
-        constexprs = {arg: value for arg, value in constexprs.items() if arg in kernel.arg_names}
-        types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()}}
-        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-        source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
-                                                          for arg, value in constexprs.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=shape.launch(launch))
-        assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+        compiled = compile_for_sm90(getattr(kernels, name), dtype, activations, fp32, constexprs=constexprs,
+                                    options=shape.launch(launch))
+        assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, compiled.shared)
 
 
 @gpu_test
