@@ -521,64 +521,45 @@ if triton is not None:
     def _chunk_backward_kernel(q, k, v, beta, do, cum, u, states, dstates, drhs, dq, dk_out, dv_out, dg, dbeta, s,
                                heads, m, dk, dv, L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                KEY_TILE: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (bi * m + c, head): dQ, dK, dV, dg and dbeta of chunk c (the module docstring)."""
+        """Program (bi * m + c, head): dQ, dK, dV, dg and dbeta of chunk c (the module docstring). The
+        states enter dg and dbeta only through row sums that the dQ and dK products already hold:
+        rowsum(dO * Q H^T) = rowsum(Q * dO H), rowsum(drhs * K H^T) = rowsum(K * drhs H) and
+        rowsum(U * K dH'^T) = rowsum(K * U dH'), so the states are read in one pass, per block of dk."""
         bi, c, head = program_chunk(m)
         G, last = _load_cum(cum, bi, c, head, heads, m, L)
         gamma = tl.exp(G)
         to_end = tl.exp(last - G)
         beta_c = _load_scalars(beta, bi, c, head, s, heads, L)
-        key_keys = _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
-        query_keys = _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
 
-        # Sums over dv: dO U^T and drhs U^T [L, L], and the row sums of the H terms.
+        # Sums over dv without the states: dO U^T and drhs U^T [L, L], rowsum(drhs * V); and dV.
         do_u = tl.zeros([L, L], tl.float32)
         drhs_u = tl.zeros([L, L], tl.float32)
         dbeta_c = tl.zeros([L], tl.float32)
-        dG = tl.zeros([L], tl.float32)
-        pull_to_end = tl.zeros([L], tl.float32)  # rowsum(U * K dH'^T)
-        dstate_state = tl.sum(tl.zeros([L], tl.float32), 0)  # <dH', H>
         for v0 in range(0, dv, BLOCK_V):
             drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
             do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-            k_entering = tl.zeros([L, BLOCK_V], tl.float32)  # K H^T
-            q_entering = tl.zeros([L, BLOCK_V], tl.float32)  # Q H^T
-            k_dleaving = tl.zeros([L, BLOCK_V], tl.float32)  # K dH'^T
-            for k0 in range(0, dk, BLOCK_K):
-                k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-                q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-                entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                k_entering += tl.dot(k_tile, tl.trans(entering), input_precision=PRECISION)
-                q_entering += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
-                k_dleaving += tl.dot(k_tile, tl.trans(dleaving), input_precision=PRECISION)
-                dstate_state += tl.sum(tl.sum(entering * dleaving, 1), 0)
-            dbeta_c += tl.sum(drhs_tile * (v_tile - gamma[:, None] * k_entering), 1)
-            dG += gamma * (tl.sum(do_tile * q_entering, 1) - beta_c * tl.sum(drhs_tile * k_entering, 1))
-            pull_to_end += tl.sum(u_tile * k_dleaving, 1)
+            dbeta_c += tl.sum(drhs_tile * v_tile, 1)
             do_u += tl.dot(do_tile, tl.trans(u_tile), input_precision=PRECISION)
             drhs_u += tl.dot(drhs_tile, tl.trans(u_tile), input_precision=PRECISION)
 
-        strict = _decay(G, True, L)
-        d_a = -drhs_u * strict  # dA * D (dA strictly lower)
+        # The [L, L] terms, one product of the chunk's keys at a time.
+        key_keys = _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
+        d_a = -drhs_u * _decay(G, True, L)  # dA * D (dA strictly lower)
         dbeta_c += tl.sum(d_a * key_keys, 1)
         key_pairs = beta_c[:, None] * d_a  # M = d(K K^T)
         pair_grads = key_pairs * key_keys  # dA * A
-        dG += tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
+        dG = tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
         out_pairs = do_u * _decay(G, False, L)  # P = d(Q K^T)
-        pair_grads = out_pairs * query_keys
+        pair_grads = out_pairs * _products(q, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
         dG += tl.sum(pair_grads, 1) - tl.sum(pair_grads, 0)
-        ends = to_end * pull_to_end
-        dG -= ends
-        dG += tl.where(tl.arange(0, L) == L - 1, tl.sum(ends, 0) + tl.exp(last) * dstate_state, 0.0)
-        offsets, mask = _token_scalars_offsets(bi, c, head, s, heads, L)
-        tl.store(dg + offsets, tl.cumsum(dG, 0, reverse=True).to(dg.dtype.element_ty), mask=mask)
-        tl.store(dbeta + offsets, dbeta_c.to(dbeta.dtype.element_ty), mask=mask)
 
-        # Per block of dk: dQ and dK, with sums over dv of dO H, drhs H and U dH'.
+        # Per block of dk: dO H, drhs H and U dH' (sums over dv), then dQ, dK and the states' row sums.
         key_weight = beta_c * gamma
+        pull_to_end = tl.zeros([L], tl.float32)  # rowsum(K * U dH') = rowsum(U * K dH'^T)
+        dstate_state = tl.sum(tl.zeros([L], tl.float32), 0)  # <dH', H>
         for k0 in range(0, dk, BLOCK_K):
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
@@ -594,6 +575,11 @@ if triton is not None:
                 do_entering += tl.dot(do_tile, entering, input_precision=PRECISION)
                 drhs_entering += tl.dot(drhs_tile, entering, input_precision=PRECISION)
                 u_dleaving += tl.dot(u_tile, dleaving, input_precision=PRECISION)
+                dstate_state += tl.sum(tl.sum(entering * dleaving, 1), 0)
+            keys_drhs_entering = tl.sum(k_tile * drhs_entering, 1)  # this block's part of rowsum(drhs * K H^T)
+            dbeta_c -= gamma * keys_drhs_entering
+            dG += gamma * tl.sum(q_tile * do_entering, 1) - key_weight * keys_drhs_entering
+            pull_to_end += tl.sum(k_tile * u_dleaving, 1)
             dq_tile = gamma[:, None] * do_entering + tl.dot(out_pairs, k_tile, input_precision=PRECISION)
             dk_tile = (tl.dot(key_pairs, k_tile, input_precision=PRECISION)
                        + tl.dot(tl.trans(key_pairs), k_tile, input_precision=PRECISION)
@@ -601,3 +587,10 @@ if triton is not None:
                        - key_weight[:, None] * drhs_entering + to_end[:, None] * u_dleaving)
             store_tokens(dq, dq_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             store_tokens(dk_out, dk_tile, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+
+        ends = to_end * pull_to_end
+        dG -= ends
+        dG += tl.where(tl.arange(0, L) == L - 1, tl.sum(ends, 0) + tl.exp(last) * dstate_state, 0.0)
+        offsets, mask = _token_scalars_offsets(bi, c, head, s, heads, L)
+        tl.store(dg + offsets, tl.cumsum(dG, 0, reverse=True).to(dg.dtype.element_ty), mask=mask)
+        tl.store(dbeta + offsets, dbeta_c.to(dbeta.dtype.element_ty), mask=mask)
