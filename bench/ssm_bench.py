@@ -47,11 +47,11 @@ def scan_inputs(args):
 
 
 def rule_inputs(args):
-    """q, k, v, g, beta as GatedDeltaNet passes them (q, k L2-normalised in fp32, g = -exp(A_log)
-    softplus(.) in fp32, v and beta = sigmoid(.) in bf16)."""
+    """q, k, v, g, beta as GatedDeltaNet passes them (q, k L2-normalised in fp32 and rounded to bf16,
+    g = -exp(A_log) softplus(.) in fp32, v and beta = sigmoid(.) in bf16)."""
     b, s, h, d = args.batch, args.seq_length, args.rule_heads, args.rule_head_dim
     fp32 = dict(device="cuda", dtype=torch.float32)
-    q, k = (F.normalize(torch.randn(b, s, h, d, **fp32), dim=-1).requires_grad_() for _ in range(2))
+    q, k = (F.normalize(torch.randn(b, s, h, d, **fp32), dim=-1).bfloat16().requires_grad_() for _ in range(2))
     v = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = (-F.softplus(torch.randn(b, s, h, **fp32))).requires_grad_()
     beta = torch.sigmoid(torch.randn(b, s, h, **fp32)).bfloat16().requires_grad_()

@@ -2,7 +2,8 @@
 
     q, k, v, z, b, a = in_proj(hidden)          q, k [key heads * dk]; v, z [value heads * dv]; b, a [value heads]
     q, k, v = silu(causal_conv1d([q; k; v]))    a short depthwise convolution over the sequence
-    q, k    = l2norm(q) / sqrt(dk), l2norm(k)   per head; each key head then repeated for its group of value heads
+    q, k    = l2norm(q) / sqrt(dk), l2norm(k)   per head, in fp32, rounded to v's dtype; each key head then
+                                                repeated for its group of value heads
     g       = -exp(A_log) * softplus(a + dt_bias),   beta = sigmoid(b)       per value head and token
     o       = gated delta rule(q, k, v, g, beta)     (teratron.ssm.gated_delta_rule)
     out     = out_proj(out_norm(o) * silu(z))        out_norm over each value head's dv channels
@@ -119,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         qkv, conv_state = causal_conv1d_silu(qkv, self.conv1d.weight[:, 0], initial_state=conv_state)
         q, k, v = qkv.split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
         b, s = v.shape[:2]
-        q = self._value_heads(q) / math.sqrt(self.key_head_dim)  # [b, s, value heads / tp, dk]
+        q = self._value_heads(q, 1 / math.sqrt(self.key_head_dim))  # [b, s, value heads / tp, dk]
         k = self._value_heads(k)
         g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
         o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
@@ -127,11 +128,12 @@ class GatedDeltaNet(nn.Module):
         y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
         return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
 
-    def _value_heads(self, x):
-        """[b, s, key heads * dk] -> L2-normalised per head (in fp32), each key head repeated for
-        its group of value heads: [b, s, value heads, dk]."""
+    def _value_heads(self, x, scale: float = 1.0):
+        """[b, s, key heads * dk] -> L2-normalised per head (in fp32) times `scale`, in x's dtype (as
+        FLA's l2norm returns it: 16-bit q and k halve the rule's reads), each key head repeated for its
+        group of value heads: [b, s, value heads, dk]."""
         heads = x.unflatten(-1, (self.num_key_heads_local, self.key_head_dim)).float()
-        heads = heads * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+        heads = (heads * (scale * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS))).to(x.dtype)
         return heads.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)
 
     def _gated_norm(self, o, z):

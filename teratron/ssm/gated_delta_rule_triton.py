@@ -40,10 +40,11 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
               - e, e = w o rowsum(U * K dH'^T);  dG_L += sum(e) + gamma_L <dH', H>   (w and gamma_L)
       dg    = reverse running sum of dG in the chunk                      (_chunk_backward_kernel)
 
-Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
-tf32 when v is bf16 or fp16 (q and k, fp32 from GatedDeltaNet, then round to tf32's 10-bit
-mantissa, finer than v's; T's joining products in 3xTF32, fp32's accuracy) and in full fp32
-("ieee") when v is fp32: correct, but that variant's
+Every sum accumulates in fp32. Q K^T and K K^T multiply q and k as they come (16-bit from
+GatedDeltaNet, which rounds them to v's dtype after their L2 norm, as FLA's l2norm returns them:
+exact products, half the reads); every other tile is converted to fp32, and those products run on
+tensor cores in tf32 when v is bf16 or fp16 (T's joining products in 3xTF32, fp32's accuracy) and
+in full fp32 ("ieee") when v is fp32: correct, but that variant's
 state passings spill several KiB of registers a thread on sm_90 (fp32 FMA products), so it is
 slow. The chunk kernels tile dk and dv in blocks of at most MAX_BLOCK and loop over them beside the
 [L, L] fp32 tiles; the two state passings keep a [STATE_ROWS, dk] state tile (dk up to
@@ -62,7 +63,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens
+    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens, token_offsets
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,6 +73,9 @@ CHUNK_SIZES = (16, 32, 64)
 # join by products (`_blocked_unit_lower_inverse`). Compiled kernels read globals only as
 # constexprs; the interpreter takes the int.
 SOLVE_BLOCK = tl.constexpr(16) if triton is not None and not INTERPRETED else 16
+# Triton's interpreter multiplies bfloat16 tiles as their raw bits: it takes Q K^T's tiles in fp32 (the
+# same products: a 16-bit value's is exact in fp32).
+NATIVE_16BIT_DOTS = tl.constexpr(True) if triton is not None and not INTERPRETED else False
 # Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this). For sm_90
 # (16-bit v, chunk 64, 8 warps: before LAUNCH) ptxas spilled nothing in the forward ones and 456 bytes
 # a thread in _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips).
@@ -104,6 +108,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: in
     if k.shape[-1] > MAX_KEY_DIM:
         raise ValueError(f"gated_delta_rule_triton: key head dim {k.shape[-1]} is over {MAX_KEY_DIM}, the "
                          "kernels' state tile (gated_delta_rule_chunked takes any)")
+    if q.dtype != k.dtype:  # the kernels' Q K^T products take tiles of one dtype
+        q, k = q.float(), k.float()
     o, final, *_ = _gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size)
     return o, final
 
@@ -345,12 +351,17 @@ if triton is not None:
     @triton.jit
     def _products(x, y, bi, c, head, s, heads, dk, L: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
-        """[L, L]: X Y^T over dk, of two [b, s, h, dk] tensors in chunk c."""
+        """[L, L]: X Y^T over dk, of two [b, s, h, dk] tensors of one dtype in chunk c. 16-bit tiles
+        multiply as they are: their products are exact in the fp32 sums (as tf32's of the same values)."""
         out = tl.zeros([L, L], tl.float32)
         for k0 in range(0, dk, BLOCK_K):
-            x_tile = load_tokens(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            y_tile = load_tokens(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            out += tl.dot(x_tile, tl.trans(y_tile), input_precision=PRECISION)
+            offsets, mask = token_offsets(bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            x_tile = tl.load(x + offsets, mask=mask, other=0.0)
+            y_tile = tl.load(y + offsets, mask=mask, other=0.0)
+            if NATIVE_16BIT_DOTS:
+                out += tl.dot(x_tile, tl.trans(y_tile), input_precision=PRECISION)
+            else:
+                out += tl.dot(x_tile.to(tl.float32), tl.trans(y_tile.to(tl.float32)), input_precision=PRECISION)
         return out
 
     @triton.jit

@@ -93,10 +93,11 @@ def main() -> None:
     kernels.MAX_BLOCK = default_blocks
     checked += 1
 
-    # 16-bit v, beta and state: with fp32 q, k and g as GatedDeltaNet passes them (bf16), and all but
-    # g 16-bit (fp16). Results in the inputs' dtypes, within one rounding of gated_delta_rule_chunked's
+    # 16-bit v, beta and state: with fp32 q and k (bf16), and all but g 16-bit, as GatedDeltaNet passes
+    # them (bf16, fp16). Results in the inputs' dtypes, within one rounding of gated_delta_rule_chunked's
     # on the same inputs (both compute in fp32; the upstream gradients of 16-bit outputs are 16-bit).
-    for dtype, rtol, sixteen_bit_qk in ((torch.bfloat16, 2 ** -7, False), (torch.float16, 2 ** -10, True)):
+    for dtype, rtol, sixteen_bit_qk in ((torch.bfloat16, 2 ** -7, False), (torch.bfloat16, 2 ** -7, True),
+                                        (torch.float16, 2 ** -10, True)):
         q, k, v, g, beta, state = make_inputs(1, 37, 2, 16, 8, True, seed=7)
         qk_dtype = dtype if sixteen_bit_qk else torch.float32
         inputs = [q.to(qk_dtype), k.to(qk_dtype), v.to(dtype), g, beta.to(dtype), state.to(dtype)]

@@ -18,7 +18,7 @@ from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 
 def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
     assert run_in_the_interpreter(__file__, "gated_delta_rule_triton_cases.py") == (
-        f"checked {len(CASES) + 6} cases on the Triton path")
+        f"checked {len(CASES) + 7} cases on the Triton path")
 
 
 def test_gated_delta_rule_on_the_cpu_runs_gated_delta_rule_chunked(monkeypatch):
@@ -90,16 +90,17 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
 
 
 @gpu_test
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,qk_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("seq", [1000, 4096])
-def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, monkeypatch):
+def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, qk_dtype, monkeypatch):
     """A Gated DeltaNet layer's head shape (dk = dv = 128, 8 heads, chunk 64), a ragged last chunk
     at 1,000 tokens. fp32: against the float64 rule, to 1e-4 of each tensor's largest entry (the
-    sums run over thousands of terms); bf16 v, beta and state (fp32 q, k, g, as GatedDeltaNet passes
-    them): against gated_delta_rule_chunked on the same inputs (fp32 there, tf32 products here), to
-    a bf16 rounding."""
+    sums run over thousands of terms); bf16 v, beta and state (fp32 g; q and k in bf16 as GatedDeltaNet
+    passes them, or fp32): against gated_delta_rule_chunked on the same inputs (fp32 there, tf32 and
+    bf16 products here), to a bf16 rounding."""
     q, k, v, g, beta, state = make_inputs(2, seq, 8, 128, 128, True, seed=seq, device="cuda")
-    inputs = [q, k, v.to(dtype), g, beta.to(dtype), state.to(dtype)]
+    inputs = [q.to(qk_dtype), k.to(qk_dtype), v.to(dtype), g, beta.to(dtype), state.to(dtype)]
     if dtype == torch.float32:
         want, rtol = outputs_and_grads(gated_delta_rule_chunked, [t.double() for t in inputs], 64), 1e-4
     else:
@@ -118,7 +119,7 @@ def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, monkeypatc
 def test_triton_gradients_on_a_gpu_are_reproducible():
     """No atomics: two runs give the same bits (docs/design.md)."""
     q, k, v, g, beta, state = make_inputs(1, 2000, 8, 128, 128, True, seed=3, device="cuda")
-    inputs = [q, k, v.bfloat16(), g, beta.bfloat16(), state]
+    inputs = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state]  # as GatedDeltaNet passes them
     first, second = (outputs_and_grads(gated_delta_rule_triton, inputs, 64) for _ in range(2))
     for name, a, b in zip(result_names(), first, second):
         assert torch.equal(a, b), name
