@@ -24,10 +24,12 @@ M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c t
                  dcum = rowsum(R) - colsum(R), R = Q o CB     (_chunk_scan_backward_dcb_kernel)
       dC, dB     per (batch, chunk, group): dC = dCB B + sum over heads exp(cum) o (dY H_c),
                  dB = dCB^T C + sum over heads exp(Lam - cum) o (xw dS_c); per head, from the
-                 same state tiles, the state passing's dLam_c = exp(Lam_c) <dS_c, H_c>
+                 same state tiles, the state passing's dLam_c = exp(Lam_c) <dS_c, H_c> and the
+                 earlier chunks' pull on the decay, exp(cum) o rowsum(dY o C H_c^T), taken as
+                 exp(cum) o rowsum(C o dY H_c) (no C H_c^T product in the backward)
                                                                               (_chunk_scan_backward_dbc_kernel)
       dxw        M^T dY + exp(Lam - cum) o (B dS_c^T)   -> dx = dt o dxw + D dY, ddt = rowsum(x o dxw) + A da
-      dcum       + exp(cum) o rowsum(dY o (C H_c^T))                          (from earlier chunks)
+      dcum       + the earlier chunks' pull (above)
                  - e, e_j = exp(Lam - cum_j) xw_j . (B dS_c^T)_j; dLam += sum(e)  (the chunk's state)
                  dcum_{L-1} += dLam; da = reverse cumsum of dcum; dA = sum dt o da; dD = sum dY o x
                                                                               (_chunk_scan_backward_dx_kernel)
@@ -281,16 +283,18 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     # pull on the chunk's decay), summed here
     dB, dC = _empty_tokens(B), _empty_tokens(C)
     dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
+    # ... and each n block's share of the earlier chunks' pull on the decay (dcum), added by the dx kernel
+    dcum_earlier_parts = torch.empty(shape.n_blocks, *cum.shape, **fp32)
     _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
-        x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, **_row_strides(x=x, bc=B, dy=dy),
-        **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
+        x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, dcum_earlier_parts,
+        **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
     dlast = dlast_parts.sum(-1)
     dx = _empty_tokens(x)
     # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
     ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
     dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
     _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
-        x, dt, A32, B, C, D32, dy, cum, scores, states, dstates, dlast, dcum_intra, dx, ddt_parts, dA_parts,
+        x, dt, A32, B, D32, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts, dx, ddt_parts, dA_parts,
         dD_parts, **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype, "dx"))
     ddt = ddt_parts.sum(0).to(dt.dtype)
     dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
@@ -470,22 +474,16 @@ if triton is not None:
         tl.store(scores + _scores_offsets(bi, c, group, groups, m, L), acc)
 
     @triton.jit
-    def _state_terms(B, C, states, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0,
-                     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                     BACKWARD: tl.constexpr):
-        """Over blocks of n: C H_c^T [L, BLOCK_P] (the rows p0 ..., of the entering state) and,
-        BACKWARD, B dS_c^T [L, BLOCK_P]."""
-        earlier = tl.zeros([L, BLOCK_P], tl.float32)
-        B_dstate = tl.zeros([L, BLOCK_P], tl.float32)
+    def _times_state(u, states, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0,
+                     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """U S^T [L, BLOCK_P] over blocks of n, for u [b, s, g, n] (C or B) and chunk c's state S
+        (its rows p0 ...) in [b, m, h, p, n]: C H_c^T, B dS_c^T."""
+        out = tl.zeros([L, BLOCK_P], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-            entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-            earlier += tl.dot(C_tile, tl.trans(entering), input_precision=PRECISION)
-            if BACKWARD:
-                B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-                dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-                B_dstate += tl.dot(B_tile, tl.trans(dstate), input_precision=PRECISION)
-        return earlier, B_dstate
+            u_tile = load_rows(u, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+            state = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
+            out += tl.dot(u_tile, tl.trans(state), input_precision=PRECISION)
+        return out
 
     @triton.jit
     def _chunk_scan_kernel(x, dt, C, D, cum, scores, states, y, x_sb, x_ss, bc_sb, bc_ss, s, heads, heads_per_group,
@@ -496,8 +494,8 @@ if triton is not None:
         bi, c, head = program_chunk(m)
         group, groups = head // heads_per_group, heads // heads_per_group
         p0 = tl.program_id(2) * BLOCK_P
-        earlier, _ = _state_terms(C, C, states, states, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0,
-                                  L, BLOCK_P, BLOCK_N, PRECISION, False)
+        earlier = _times_state(C, states, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0, L, BLOCK_P,
+                               BLOCK_N, PRECISION)
         x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
         cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
         M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
@@ -538,21 +536,21 @@ if triton is not None:
         tl.store(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile, dscores)
 
     @triton.jit
-    def _chunk_scan_backward_dx_kernel(x, dt, A, B, C, D, dy, cum, scores, states, dstates, dlast, dcum_intra, dx,
-                                       ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads,
-                                       heads_per_group, m, p, n,
+    def _chunk_scan_backward_dx_kernel(x, dt, A, B, D, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts,
+                                       dx, ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s,
+                                       heads, heads_per_group, m, p, n,
                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                        PRECISION: tl.constexpr, HAS_D: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
         ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p
-        (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, and the state passing's)."""
+        (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, the earlier chunks',
+        dcum_earlier_parts' n blocks, and the state passing's)."""
         bi, c, head = program_chunk(m)
         group, groups = head // heads_per_group, heads // heads_per_group
         block = tl.program_id(2)
         p0 = block * BLOCK_P
-        earlier, B_dstate = _state_terms(B, C, states, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n,
-                                         p0,
-                                         L, BLOCK_P, BLOCK_N, PRECISION, True)
+        B_dstate = _times_state(B, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0, L, BLOCK_P,
+                                BLOCK_N, PRECISION)
         x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
         dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
@@ -568,13 +566,15 @@ if triton is not None:
             tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
         store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
-        dcum = tl.exp(cum_c) * tl.sum(dy_tile * earlier, 1)
         own_state = to_end * tl.sum(xw * B_dstate, 1)
-        dcum -= own_state
+        dcum = -own_state
         dlast_c = tl.sum(own_state, 0) + tl.where(block == 0, tl.load(dlast + (bi * heads + head) * m + c), 0.0)
         dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
         row = ((bi * heads + head) * m + c) * L + tl.arange(0, L)
-        dcum += tl.where(block == 0, tl.load(dcum_intra + row), 0.0)
+        if block == 0:
+            dcum += tl.load(dcum_intra + row)
+            for n0 in range(0, n, BLOCK_N):  # in order: the same sum every run
+                dcum += tl.load(dcum_earlier_parts + (n0 // BLOCK_N) * tl.num_programs(0) * heads * L + row)
         da = tl.cumsum(dcum, 0, reverse=True)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
         t = c * L + tl.arange(0, L)
@@ -583,13 +583,14 @@ if triton is not None:
 
     @triton.jit
     def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts,
-                                        x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads, heads_per_group, m, p, n,
-                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                        PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                                        dcum_earlier_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads,
+                                        heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
+                                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
         """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c: dCB's products
         with C and B, and the state terms summed over the group's heads (each a loop over blocks of p);
-        and, from the same state tiles, each head's share of dLam_c of this block of n
-        ([b, h, m, n blocks])."""
+        and, from the same state tiles, each head's shares of this block of n of dLam_c ([b, h, m,
+        n blocks]) and of the earlier chunks' dcum, exp(cum) o rowsum(dY o C H_c^T) = exp(cum) o
+        rowsum(C o dY H_c) ([n blocks, b, h, m * L])."""
         bi, c, group = program_chunk(m)
         groups = heads // heads_per_group
         n0 = tl.program_id(2) * BLOCK_N
@@ -617,6 +618,8 @@ if triton is not None:
                 state_grads += dstate * entering
             cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
             dC_tile += tl.exp(cum_c)[:, None] * dy_entering
+            tl.store(dcum_earlier_parts + (tl.program_id(2) * tl.num_programs(0) * heads + (bi * heads + head) * m + c)
+                     * L + tl.arange(0, L), tl.exp(cum_c) * tl.sum(C_tile * dy_entering, 1))
             dB_tile += tl.exp(last - cum_c)[:, None] * xw_dstate
             tl.store(dlast_parts + ((bi * heads + head) * m + c) * tl.num_programs(2) + tl.program_id(2),
                      tl.exp(last) * tl.sum(tl.sum(state_grads, 1), 0))

@@ -48,10 +48,10 @@ KERNEL_TENSORS = {
     "_chunk_scores_kernel": ("B C", "scores", "scores"),
     "_chunk_scan_kernel": ("x C y", "dt D cum scores states", "scan"),
     "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra", "dcb"),
-    "_chunk_scan_backward_dx_kernel": ("x B C dy dx",
-                                       "dt A D cum scores states dstates dlast dcum_intra ddt_parts dA_parts dD_parts",
-                                       "dx"),
-    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC", "dt cum dscores_parts states dstates dlast_parts", "dbc"),
+    "_chunk_scan_backward_dx_kernel": ("x B dy dx", "dt A D cum scores dstates dlast dcum_intra dcum_earlier_parts "
+                                       "ddt_parts dA_parts dD_parts", "dx"),
+    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC",
+                                        "dt cum dscores_parts states dstates dlast_parts dcum_earlier_parts", "dbc"),
 }
 
 
