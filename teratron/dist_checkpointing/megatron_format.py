@@ -39,8 +39,8 @@ from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import model_sharded_items, param_layouts, unwrap
 from teratron.dist_checkpointing.optimizer_state import (GROUP_SIGNATURE, load_optimizer_common_state,
-                                                         prepare_for_load, set_step_count, signed_groups,
-                                                         step_count)
+                                                         missing_state_error, prepare_for_load, set_step_count,
+                                                         signed_groups, step_count)
 
 SHARDED_BACKEND = "torch_dist"
 COMMON_STATE_KEY = "common_state"
@@ -378,7 +378,12 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
             layout = "dp_reshardable" if any(key.startswith("optimizer.distributed.") for key in saved) else None
             raise ValueError(_layout_refusal(where, layout))
         optimizer_common, step = _megatron_optimizer_common(common["optimizer"], optimizer, where)
-        optimizer_items, refresh_masters = prepare_for_load(optimizer, layouts, _teratron_view(saved, num_layers))
+        optimizer_items, refresh_masters, missing = prepare_for_load(optimizer, layouts,
+                                                                     _teratron_view(saved, num_layers))
+        from teratron.dist_checkpointing.checkpoint import all_ranks_true
+
+        if not all_ranks_true(not missing):  # before the collective load: every rank stops
+            raise missing_state_error(where, missing)
         items += optimizer_items
     experts = _saved_experts(saved)
     boxes = [_megatron_boxes(item, saved, num_layers, experts) for item in items]

@@ -52,13 +52,17 @@ def saved_state_names(saved: dict) -> dict:
 
 def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     """Create the state entries the checkpoint holds (torch optimizers make them lazily), then
-    return (items to load, whether any master weights must be refreshed from the model)."""
+    return (items to load, whether any master weights must be refreshed from the model, the keys of
+    this rank's parameters the checkpoint holds no state for while it holds others': another model's
+    state, which `missing_state_error` names)."""
     by_key = saved_state_names(saved)
-    refresh_masters = False
+    refresh_masters, missing = False, []
     for opt in optimizer.chained_optimizers:
         on_device = _stepped_on_device(opt)
         for param, main, _ in opt.main_param_shards():
             names = by_key.get(layouts[param].key, {})
+            if by_key and not names:
+                missing.append(layouts[param].key)
             if main is not param and "fp32_param" not in names:
                 refresh_masters = True
             state = opt.state.setdefault(main, {})
@@ -72,7 +76,15 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
                 else:
                     state[name] = torch.zeros_like(main)
     items = [i for i in optimizer_sharded_items(optimizer, layouts) if i.key in saved]
-    return items, refresh_masters
+    return items, refresh_masters, missing
+
+
+def missing_state_error(where: str, missing: list) -> ValueError:
+    """The one-line error for `prepare_for_load`'s missing keys (empty: another rank's)."""
+    name = missing[0] if missing else "a parameter of another rank"
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return ValueError(f"{where}: no optimizer state for {name}{more}, though the checkpoint holds other parameters': "
+                      "it is another model's state; add --no-load-optim to load the weights only")
 
 
 def _stepped_on_device(opt) -> set:
