@@ -264,7 +264,7 @@ def _items_of_every_rank(model_chunks, optimizer, with_rng):
 def _as_megatron(items, model_chunks, optimizer, common, metadata, iteration) -> list:
     """Items under Megatron-LM's names, and (rank 0) its common state as the object it reads."""
     stacking = megatron_format.stacking(model_chunks)
-    items = megatron_format.to_megatron_items(items, **stacking)
+    items = megatron_format.to_megatron_items(items, **stacking, hybrid=megatron_format.hybrid_layout(model_chunks))
     if _rank() == 0:
         items += megatron_format.extra_states(**stacking, **megatron_format.mtp_layout(model_chunks))
         state = megatron_format.megatron_common_state(common, metadata, iteration, optimizer)

@@ -20,6 +20,17 @@ other names for the same global tensors:
     mtp.layers.<d>.transformer_layer.<name>     the same, with the norms under the fused names (an
                                                 MTP depth's layer: never stacked)
 
+    hybrid models (Megatron Core's HybridModel, whose layers are Transformer Engine's only; never stacked):
+    decoder.layers.<i>.norm.*                   ...mixer.in_proj.layer_norm_*   (a Mamba layer's norm)
+    decoder.layers.<i>.input_layernorm.*        ...self_attention.in_proj.layer_norm_*   (a Gated DeltaNet
+                                                layer's; an attention layer's as above)
+    ...mixer.in_proj.weight                     ...mixer.in_proj.weight.{z,x,B,C,dt}: the parts as tensors
+    ...mixer.conv1d.{weight,bias}               ....{x,B,C}              of their own (each part's global
+    ...self_attention.in_proj.weight            ....{query,key,value,z,beta,alpha}   rows: the mixer's
+    ...self_attention.conv1d.weight             ....{query,key,value}    in_proj_parts / conv1d_parts)
+    decoder.final_layernorm.*                   decoder.final_norm.*
+    mtp.layers.<d>.transformer_layer.layers.<j> mtp.layers.<d>.mtp_model_layer.layers.<j>
+
 Every other name and every tensor's row layout (QKV grouped per query group, SwiGLU's gate and
 up halves, vocabulary padding) is the same, so reading is teratron's own sharded load with keys
 translated: each teratron box becomes a view of the Megatron box it is (a leading layer axis of
@@ -48,6 +59,8 @@ _OPTIMIZER_STATE = "optimizer.state."
 TERATRON_RECORD = "teratron_record"  # a teratron-written torch_dist checkpoint's model args and tokenizer
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")  # an MTP depth's transformer layer
+# A hybrid MTP depth's layer j, under teratron's name or Megatron's
+_HYBRID_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+)\.(?:transformer_layer|mtp_model_layer)\.layers\.(\d+)\.(.+)$")
 # Optimizer states Megatron-LM names otherwise (the fp32 master weights); the rest share names.
 _MEGATRON_STATE_NAME = {"fp32_param": "param"}
 _TERATRON_STATE_NAME = {megatron: teratron for teratron, megatron in _MEGATRON_STATE_NAME.items()}
@@ -61,6 +74,90 @@ _FUSED_NORMS = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+# Hybrid models (the module docstring): the norms fused into the mixers' in_proj, the final norm's name,
+# and the parameters stored part by part (Megatron's part names; their sizes come from the mixer).
+_MAMBA_NORMS = {"norm.weight": "mixer.in_proj.layer_norm_weight", "norm.bias": "mixer.in_proj.layer_norm_bias"}
+_GDN_NORMS = {"input_layernorm.weight": "self_attention.in_proj.layer_norm_weight",
+              "input_layernorm.bias": "self_attention.in_proj.layer_norm_bias"}
+_HYBRID_FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight",
+                      "decoder.final_layernorm.bias": "decoder.final_norm.bias"}
+_SPLIT_PARTS = {  # name in the layer -> (the mixer's attribute with the parts' global rows, the parts' names)
+    "mixer.in_proj.weight": ("in_proj_parts", ("z", "x", "B", "C", "dt")),
+    "mixer.conv1d.weight": ("conv1d_parts", ("x", "B", "C")),
+    "mixer.conv1d.bias": ("conv1d_parts", ("x", "B", "C")),
+    "self_attention.in_proj.weight": ("in_proj_parts", ("query", "key", "value", "z", "beta", "alpha")),
+    "self_attention.conv1d.weight": ("conv1d_parts", ("query", "key", "value")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridLayout:
+    """What Megatron names otherwise in a hybrid model: which layers are Gated DeltaNet layers
+    (`_layer_key`'s layers: decoder numbers, MTP layer paths), and each split parameter's parts,
+    ((name, global rows), ...), by its name in the layer."""
+    gdn_layers: frozenset
+    splits: dict
+
+
+def _mtp_layer(depth_path: str, j) -> str:
+    """teratron's path of layer j of a hybrid MTP depth `mtp.layers.<d>`."""
+    return f"{depth_path}.transformer_layer.layers.{j}"
+
+
+def hybrid_layout(model_chunks) -> HybridLayout | None:
+    """The HybridLayout of a hybrid model (None for a GPT model); ValueError, one line, for a Mamba
+    in_proj bias (Megatron stores it unsplit, its rows in another order under TP)."""
+    from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+    from teratron.ssm.gated_delta_net import GatedDeltaNet
+    from teratron.ssm.mamba_mixer import MambaMixer
+
+    config = unwrap(model_chunks[0]).config
+    if config.hybrid_layer_pattern is None:
+        return None
+    pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
+    gdn = {i for i, symbol in enumerate(pattern.layers) if symbol == Symbols.GDN}
+    gdn |= {_mtp_layer(f"mtp.layers.{depth}", j) for depth in range(pattern.mtp_depths)
+            for j, symbol in enumerate(pattern.mtp_layers) if symbol == Symbols.GDN}
+    splits = {}
+    for chunk in model_chunks:
+        for module in unwrap(chunk).modules():
+            prefix = {MambaMixer: "mixer.", GatedDeltaNet: "self_attention."}.get(type(module))
+            if prefix is None:
+                continue
+            if prefix == "mixer." and module.in_proj.bias is not None:
+                raise ValueError("--ckpt-format torch_dist: Megatron-LM keeps a Mamba in_proj bias in another row "
+                                 "order; use --ckpt-format teratron or --disable-bias-linear")
+            own = dict(module.named_parameters())
+            for name, (sizes, parts) in _SPLIT_PARTS.items():
+                if name.startswith(prefix) and name[len(prefix):] in own:
+                    splits[name] = tuple(zip(parts, getattr(module, sizes)))
+    return HybridLayout(frozenset(gdn), splits)
+
+
+def _megatron_names(layer, name: str, hybrid: HybridLayout | None) -> list:
+    """Megatron's names of a layer's `name`, the one Megatron writes first: a norm under the name of
+    the linear layer it is fused into, then its own."""
+    if hybrid is not None and layer in hybrid.gdn_layers and name in _GDN_NORMS:
+        fused = _GDN_NORMS[name]
+    else:
+        fused = _MAMBA_NORMS.get(name, _FUSED_NORMS.get(name))
+    return [fused, name] if fused is not None else [name]
+
+
+def _split_parts(box: ShardedTensor, parts) -> list:
+    """`box`, rows of a parameter Megatron stores part by part, as boxes of the parts it covers
+    (`<key>.<part>`), views of the same data."""
+    out, start = [], 0
+    lo, hi = box.global_offset[0], box.global_offset[0] + box.data.shape[0]
+    for part, rows in parts:
+        begin, end = max(lo, start), min(hi, start + rows)
+        if begin < end:
+            out.append(dataclasses.replace(box, key=f"{box.key}.{part}",
+                                           data=box.data.narrow(0, begin - lo, end - begin),
+                                           global_shape=(rows,) + tuple(box.global_shape[1:]),
+                                           global_offset=(begin - start,) + tuple(box.global_offset[1:])))
+        start += rows
+    return out
 
 
 def is_megatron_checkpoint(checkpoint_dir: str) -> bool:
@@ -94,6 +191,10 @@ def _layer_key(key: str):
     """(layer, name) of a transformer layer's key: a decoder layer's number, or the path of an MTP
     depth's layer ('mtp.layers.<d>.transformer_layer'), and the name within the layer; None for
     every other key."""
+    hybrid_mtp = _HYBRID_MTP_LAYER.match(key)
+    if hybrid_mtp is not None:
+        depth_path, j, name = hybrid_mtp.groups()
+        return _mtp_layer(depth_path, j), name
     match = _LAYER.match(key) or _MTP_LAYER.match(key)
     if match is None:
         return None
@@ -115,8 +216,8 @@ def _megatron_form(item: ShardedTensor, prefix: str, layer, name: str, stacked: 
         name = _GROUPED[name]
         data = data.transpose(-1, -2)
         shape, offset = shape[:-2] + shape[-1:] + shape[-2:-1], offset[:-2] + offset[-1:] + offset[-2:-1]
-    if isinstance(layer, str):  # an MTP depth's layer
-        key = f"{prefix}{layer}.{name}"
+    if isinstance(layer, str):  # an MTP depth's layer (a hybrid depth's in Megatron's hybrid stack)
+        key = f"{prefix}{layer.replace('.transformer_layer.layers.', '.mtp_model_layer.layers.')}.{name}"
     elif stacked:
         data, shape, offset = data.unsqueeze(0), (num_layers,) + shape, (layer,) + offset
         key = f"{prefix}decoder.layers.{name}"
@@ -134,25 +235,36 @@ def _saved_experts(saved: dict) -> int | None:
     return None
 
 
-def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None) -> list:
-    """The Megatron boxes of a teratron box (views of the same data) that `saved` holds, the one to
-    read first: stacked or per layer, the norm under its fused name or its own (teratron writes an
-    MoE layer's MLP norm under both)."""
+def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None,
+                    hybrid: HybridLayout | None = None) -> list:
+    """The ways `saved` holds a teratron box, each a list of Megatron boxes (views of the same data;
+    several for a parameter stored part by part), the one to read first: stacked or per layer, the
+    norm under its fused name or its own (teratron writes an MoE layer's MLP norm under both)."""
     prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
     parts = _layer_key(key)
     if parts is None:
-        return [dataclasses.replace(item, key=prefix + key)]
+        final = [_HYBRID_FINAL_NORM[key]] if hybrid is not None and key in _HYBRID_FINAL_NORM else []
+        named = [[dataclasses.replace(item, key=prefix + name)] for name in final if prefix + name in saved]
+        return named or [[dataclasses.replace(item, key=prefix + key)]]
     layer, name = parts
-    boxes = [_megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
-             for candidate in (_FUSED_NORMS.get(name), name) if candidate is not None for stacked in (False, True)]
-    return [box for box in boxes if box.key in saved]
+    split = hybrid.splits.get(name) if hybrid is not None else None
+    ways = []
+    for candidate in _megatron_names(layer, name, hybrid):
+        for stacked in (False, True):
+            box = _megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
+            boxes = _split_parts(box, split) if split and not stacked else [box]
+            if all(box.key in saved for box in boxes):
+                ways.append(boxes)
+    return ways
 
 
 def _teratron_view(saved: dict, num_layers: int) -> dict:
     """The saved keys and global shapes under teratron's names (a stacked tensor is num_layers
     tensors of its shape without the layer axis; Megatron's experts under both of teratron's
     expert layouts)."""
-    unfused = {fused: name for name, fused in _FUSED_NORMS.items()}
+    unfused = {fused: name for table in (_FUSED_NORMS, _MAMBA_NORMS, _GDN_NORMS) for name, fused in table.items()}
+    unsplit = {f"{name}.{part}": name for name, (_, parts) in _SPLIT_PARTS.items() for part in parts}
+    final = {megatron: name for name, megatron in _HYBRID_FINAL_NORM.items()}
     view = {}
 
     def add(prefix, layer, name, shape):
@@ -164,6 +276,9 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
             grouped = {megatron: teratron for teratron, megatron in _GROUPED.items()}.get(name)
             if grouped is not None:
                 view[f"{prefix}{path}.{grouped}"] = tuple(shape[:-2]) + (shape[-1], shape[-2])
+        elif name in unsplit and shape is not None:  # the parts' rows add up
+            key = f"{prefix}{path}.{unsplit[name]}"
+            view[key] = (shape[0] + view.get(key, (0,))[0],) + tuple(shape[1:])
         else:
             view[f"{prefix}{path}.{unfused.get(name, name)}"] = shape
 
@@ -176,16 +291,18 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
             for layer in range(num_layers):
                 add(prefix, layer, key[len("decoder.layers."):], tuple(shape[1:]))
         else:
-            view[prefix + key] = shape
+            view[prefix + final.get(key, key)] = shape
     return view
 
 
-def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: int | None = None) -> list:
+def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: int | None = None,
+                      hybrid: HybridLayout | None = None) -> list:
     """This rank's teratron items (model, and optimizer states named after the model's keys)
     under Megatron-LM's names: layers stacked over `num_layers` when `stacked` (Megatron's rule:
     every layer alike), else per layer; experts in one tensor per layer; the norms under their
     fused names (as Megatron's local layers save them), and an MoE layer's MLP norm under its own
-    name too (as Transformer Engine's MoE layers save it)."""
+    name too (as Transformer Engine's MoE layers save it); a hybrid model's names and split
+    parameters as its `hybrid_layout` says."""
     out = []
     for item in items:
         prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
@@ -193,14 +310,16 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
             continue  # Adam's step count: Megatron keeps it in the param groups (megatron_optimizer_state)
         parts = _layer_key(key) if isinstance(item, ShardedTensor) else None
         if parts is None:
-            out.append(dataclasses.replace(item, key=prefix + key))
+            final = _HYBRID_FINAL_NORM.get(key, key) if hybrid is not None else key
+            out.append(dataclasses.replace(item, key=prefix + final))
             continue
         layer, name = parts
-        if name in _FUSED_NORMS:
-            if name.startswith("pre_mlp_layernorm.") and num_experts is not None:
-                out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
-            name = _FUSED_NORMS[name]
-        out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
+        if name.startswith("pre_mlp_layernorm.") and num_experts is not None:
+            out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
+        box = _megatron_form(item, prefix, layer, _megatron_names(layer, name, hybrid)[0], stacked, num_layers,
+                             num_experts)
+        split = hybrid.splits.get(name) if hybrid is not None else None
+        out += _split_parts(box, split) if split else [box]
     return out
 
 
@@ -292,7 +411,8 @@ def mtp_layout(model_chunks) -> dict:
     from teratron.transformer.moe.moe_logging import moe_layer_indices
 
     config = unwrap(model_chunks[0]).config
-    depths = config.mtp_num_layers or 0
+    # A hybrid depth's layers are Megatron's hybrid stack, per-layer keys: none, as for per-layer decoder layers
+    depths = (config.mtp_num_layers or 0) if config.hybrid_layer_pattern is None else 0
     moe = depths > 0 and config.num_moe_experts is not None and config.num_layers in moe_layer_indices(config)
     return {"mtp_num_layers": depths, "mtp_moe": moe}
 
@@ -385,10 +505,11 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
         if not all_ranks_true(not missing):  # before the collective load: every rank stops
             raise missing_state_error(where, missing)
         items += optimizer_items
-    experts = _saved_experts(saved)
-    boxes = [_megatron_boxes(item, saved, num_layers, experts) for item in items]
-    twins = {box.key for found in boxes for box in found[1:]}  # the same tensor under another name: not read
-    items = [found[0] if found else item for found, item in zip(boxes, items)]  # missing: named by the load
+    experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
+    ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid) for item in items]
+    twins = {box.key for found in ways for way in found[1:] for box in way}  # the same tensor under another name
+    # the first way of each; a missing one under its own name, which the load names
+    items = [box for found, item in zip(ways, items) for box in (found[0] if found else [item])]
     serialization.load(items, checkpoint_dir,
                        unexpected_filter=lambda key: _is_megatron_model_key(key) and key not in twins)
     if optimizer is not None:

@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
         self.num_key_heads_local, self.num_value_heads_local = self.num_key_heads // tp, self.num_value_heads // tp
         qk_dim, v_dim = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
         self.qk_dim_local, self.v_dim_local = qk_dim // tp, v_dim // tp
-        parts = (qk_dim, qk_dim, v_dim, v_dim, self.num_value_heads, self.num_value_heads)  # q k v z b a
+        # Global rows of in_proj's and conv1d's parts (q k v z b a; q k v), each split over TP
+        self.in_proj_parts = parts = (qk_dim, qk_dim, v_dim, v_dim, self.num_value_heads, self.num_value_heads)
         self.in_proj = ColumnParallelLinear(config.hidden_size, sum(parts), config=config,
                                             init_method=config.init_method, bias=False, stride=parts,
                                             tp_group=self.tp_group)
@@ -75,7 +76,7 @@ class GatedDeltaNet(nn.Module):
                                           input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
 
         device = param_device(config)
-        conv_parts = (qk_dim, qk_dim, v_dim)  # q k v
+        self.conv1d_parts = conv_parts = (qk_dim, qk_dim, v_dim)
         kernel = config.linear_conv_kernel_dim
         bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel of `kernel` taps
         conv_weight = torch.empty(sum(conv_parts), 1, kernel).uniform_(-bound, bound)

@@ -64,7 +64,8 @@ class MambaMixer(nn.Module):
         self.nheads_local, self.ngroups_local = self.nheads // tp, ngroups // tp
         self.d_inner_local = self.d_inner // tp
         bc = ngroups * d_state
-        parts = (self.d_inner, self.d_inner, bc, bc, self.nheads)  # z x B C dt
+        # Global rows of in_proj's and conv1d's parts (z x B C dt; x B C), each split over TP
+        self.in_proj_parts = parts = (self.d_inner, self.d_inner, bc, bc, self.nheads)
         self.in_proj = ColumnParallelLinear(config.hidden_size, sum(parts), config=config,
                                             init_method=config.init_method, bias=config.add_bias_linear,
                                             stride=parts, tp_group=self.tp_group)
@@ -73,7 +74,7 @@ class MambaMixer(nn.Module):
                                           input_is_parallel=True, skip_bias_add=False, tp_group=self.tp_group)
 
         device = param_device(config)
-        conv_parts = (self.d_inner, bc, bc)  # x B C
+        self.conv1d_parts = conv_parts = (self.d_inner, bc, bc)
         bound = 1.0 / math.sqrt(d_conv)  # torch's Conv1d default for a depthwise kernel of d_conv taps
         conv_weight = torch.empty(sum(conv_parts), d_conv).uniform_(-bound, bound)
         conv_bias = torch.empty(sum(conv_parts)).uniform_(-bound, bound)

@@ -1,0 +1,101 @@
+"""Hybrid models in Megatron-LM's layout (`--ckpt-format torch_dist`): the names and part tensors
+Megatron Core's HybridModel saves, and a save under one layout that resumes under another.
+
+Megatron's names, read in its source (NVIDIA/Megatron-LM, megatron/core): the hybrid stack's layers
+are Transformer Engine's (models/hybrid/hybrid_layer_specs.py: a Mamba layer's and a Gated DeltaNet
+layer's norm fused into their in_proj, `TELayerNormColumnParallelLinear`, so saved as
+`in_proj.layer_norm_weight`), each saved under its own layer number (hybrid_block.py), the final norm
+`final_norm`; MambaMixer.sharded_state_dict (ssm/mamba_mixer.py) stores in_proj.weight as the parts
+z, x, B, C, dt and conv1d's weight and bias as x, B, C, each a tensor `<name>.<part>`
+(ssm/utils.py `_split_tensor_factory`); Gated DeltaNet (ssm/gated_delta_net/common.py, gdn.py) its
+in_proj.weight as query, key, value, z, beta, alpha and conv1d.weight as query, key, value; a hybrid
+MTP depth keeps its layers in `mtp_model_layer`, a hybrid stack (transformer/multi_token_prediction.py).
+No Megatron-written hybrid checkpoint is among the fixtures (Megatron's hybrid layers need Transformer
+Engine, mamba_ssm and causal_conv1d).
+"""
+
+import sys
+
+import pytest
+
+from test_hybrid_training import TINY
+from train_runs import assert_same_losses, train, training_records
+
+PATTERN = "MG*-E/MG"  # every layer kind, and an MTP depth of a Mamba and a Gated DeltaNet layer
+MODEL = TINY + ["--hybrid-layer-pattern", PATTERN]
+H = 32  # TINY's sizes: hidden 32; Mamba: 8 heads (2 x 32 / 8) of 8, 2 groups of state 8; Gated DeltaNet:
+MAMBA = dict(z=64, x=64, B=16, C=16, dt=8)  # 2 key heads, 4 value heads, of 8
+GDN = dict(query=16, key=16, value=32, z=32, beta=4, alpha=4)
+
+
+def _mamba_keys(layer: str) -> dict:
+    keys = {f"{layer}.mixer.in_proj.layer_norm_weight": (H,), f"{layer}.mixer.dt_bias": (8,),
+            f"{layer}.mixer.A_log": (8,), f"{layer}.mixer.D": (8,), f"{layer}.mixer.norm.weight": (64,),
+            f"{layer}.mixer.out_proj.weight": (H, 64)}
+    keys.update({f"{layer}.mixer.in_proj.weight.{part}": (rows, H) for part, rows in MAMBA.items()})
+    for part in ("x", "B", "C"):
+        keys[f"{layer}.mixer.conv1d.weight.{part}"] = (MAMBA[part], 1, 4)
+        keys[f"{layer}.mixer.conv1d.bias.{part}"] = (MAMBA[part],)
+    return keys
+
+
+def _gdn_keys(layer: str) -> dict:
+    keys = {f"{layer}.self_attention.in_proj.layer_norm_weight": (H,), f"{layer}.self_attention.dt_bias": (4,),
+            f"{layer}.self_attention.A_log": (4,), f"{layer}.self_attention.out_norm.weight": (8,),
+            f"{layer}.self_attention.out_proj.weight": (H, 32)}
+    keys.update({f"{layer}.self_attention.in_proj.weight.{part}": (rows, H) for part, rows in GDN.items()})
+    keys.update({f"{layer}.self_attention.conv1d.weight.{part}": (GDN[part], 1, 4) for part in ("query", "key", "value")})
+    return keys
+
+
+def test_teratron_writes_the_names_and_parts_megatrons_hybrid_model_saves(tmp_path):
+    from teratron.dist_checkpointing import serialization
+    from teratron.dist_checkpointing.megatron_format import is_megatron_checkpoint
+
+    train(MODEL + ["--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--exit-interval", "1",
+                   "--ckpt-format", "torch_dist"], tmp_path, "saved")
+    folder = str(tmp_path / "ckpt" / "iter_0000001")
+    assert is_megatron_checkpoint(folder)
+    saved = {key: shape for key, shape in serialization.saved_keys(folder).items() if not key.startswith("optimizer.")}
+    expected = {**_mamba_keys("decoder.layers.0"), **_gdn_keys("decoder.layers.1"),
+                **_mamba_keys("mtp.layers.0.mtp_model_layer.layers.0"),
+                **_gdn_keys("mtp.layers.0.mtp_model_layer.layers.1"),
+                "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight": (H,),
+                "decoder.layers.3.mlp.linear_fc1.layer_norm_weight": (H,), "decoder.final_norm.weight": (H,),
+                "mtp.layers.0.final_layernorm.weight": (H,)}
+    for key, shape in expected.items():
+        assert saved.get(key) == shape, (key, saved.get(key), shape)
+    # nothing under teratron's own names where Megatron's differ
+    assert not [key for key in saved if key.endswith((".norm.weight", "input_layernorm.weight", "in_proj.weight",
+                                                       "conv1d.weight", "conv1d.bias")) and "mixer.norm" not in key]
+    assert "decoder.final_layernorm.weight" not in saved
+    assert not [key for key in saved if ".transformer_layer." in key]
+    split = {key: shape for key, shape in serialization.saved_keys(folder).items()
+             if key.startswith("optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight")}
+    assert split == {f"optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.{part}": (rows, H)
+                     for part, rows in MAMBA.items()}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
+def test_a_torch_dist_save_at_tp2_resumes_at_tp1_with_the_same_losses(tmp_path):
+    """Saved by two tensor-parallel ranks with the distributed optimizer (each part of in_proj and
+    conv1d a box per rank), read back by one process (each parameter gathered from its parts, its Adam
+    moments and fp32 masters too): the losses of an uninterrupted single-process run."""
+    reference = training_records(train(MODEL, tmp_path, "single")[0])
+    train(MODEL + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                   "--save", str(tmp_path / "tp2"), "--save-interval", "2", "--exit-interval", "2",
+                   "--ckpt-format", "torch_dist"], tmp_path, "tp2", nproc=2)
+    resumed = training_records(train(MODEL + ["--load", str(tmp_path / "tp2")], tmp_path, "tp1-from-tp2")[0])
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert_same_losses(reference, resumed, "tp1-from-tp2")
+
+
+def test_a_mamba_in_proj_bias_is_refused_in_megatrons_layout(tmp_path, capsys, monkeypatch):
+    from teratron import cli
+
+    monkeypatch.chdir(tmp_path)
+    with_biases = [flag for flag in MODEL if flag != "--disable-bias-linear"]
+    assert cli.main(["train", *with_biases, "--ckpt-format", "torch_dist", "--save", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("teratron: error: ") and "Mamba in_proj bias" in err[0], err
+    assert "--disable-bias-linear" in err[0] and not (tmp_path / "c").exists()
