@@ -93,8 +93,12 @@ def architecture_flag_values(model_args: dict) -> dict:
 def _megatron_model_args(saved: dict) -> dict:
     """Megatron-LM's saved args (a dict of its destinations) as a model record: the names it has,
     --norm-epsilon under its current destination, the query groups without --group-query-attention
-    (Megatron keeps its default 1 then) as the heads, and the old foundation models' disable_bias_linear."""
+    (Megatron keeps its default 1 then) as the heads, the old foundation models' disable_bias_linear,
+    and a hybrid model's layers (`_megatron_hybrid_pattern`)."""
     model_args = {name: saved[name] for name in MODEL_ARG_NAMES if name in saved}
+    pattern = _megatron_hybrid_pattern(saved)
+    if pattern is not None:
+        model_args["hybrid_layer_pattern"] = pattern
     if "layernorm_epsilon" in saved:
         model_args["norm_epsilon"] = saved["layernorm_epsilon"]
     if "disable_bias_linear" in saved:
@@ -102,3 +106,17 @@ def _megatron_model_args(saved: dict) -> dict:
     if "num_attention_heads" in saved and "num_query_groups" in saved and not saved.get("group_query_attention"):
         model_args["num_query_groups"] = saved["num_attention_heads"]
     return model_args
+
+
+def _megatron_hybrid_pattern(saved: dict):
+    """The layers of a Megatron hybrid model's args (None: GPT): --hybrid-layer-pattern, or the
+    older --hybrid-override-pattern with its MTP depths in --mtp-hybrid-override-pattern (repeated
+    --mtp-num-layers times after '/', as Megatron joins them); without '|', which places layers on
+    the pipeline stages of the run that saved it, not of this one."""
+    pattern = saved.get("hybrid_layer_pattern") or saved.get("hybrid_override_pattern")
+    if not pattern:
+        return None
+    mtp = saved.get("mtp_hybrid_override_pattern")
+    if mtp and "/" not in pattern:
+        pattern += f"/{mtp}" * (saved.get("mtp_num_layers") or 1)
+    return pattern.replace("|", "")

@@ -165,6 +165,19 @@ def test_megatron_args_in_teratron_terms(tmp_path):
     assert values["tensor_model_parallel_size"] == 2
 
 
+def test_megatron_hybrid_patterns_of_either_era():
+    """A Megatron hybrid model's layers: --hybrid-layer-pattern, or the older --hybrid-override-pattern
+    and --mtp-hybrid-override-pattern joined as Megatron joins them; '|' (the saving run's pipeline
+    stages) left out."""
+    from teratron.training.checkpoint_args import _megatron_model_args
+
+    assert _megatron_model_args({"num_layers": 4, "hybrid_layer_pattern": None})["hybrid_layer_pattern"] is None
+    assert _megatron_model_args({"hybrid_layer_pattern": "M*|M-/M-"})["hybrid_layer_pattern"] == "M*M-/M-"
+    older = {"hybrid_override_pattern": "M*M-", "mtp_hybrid_override_pattern": "M-", "mtp_num_layers": 2}
+    assert _megatron_model_args(older)["hybrid_layer_pattern"] == "M*M-/M-/M-"
+    assert _megatron_model_args({"hybrid_override_pattern": "MG*E"})["hybrid_layer_pattern"] == "MG*E"
+
+
 def test_mismatch_errors_name_the_flags():
     assert set(flags_by_dest()) >= set(model_args_from_config(_run(TRAINING + ARCHITECTURES["llama"]).model))
     assert flag_values("add_bias_linear", ("saved", False), ("now", True)) == \
