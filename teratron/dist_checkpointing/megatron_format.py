@@ -507,7 +507,9 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
         items += optimizer_items
     experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
     ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid) for item in items]
-    twins = {box.key for found in ways for way in found[1:] for box in way}  # the same tensor under another name
+    # The same tensors under other names, not read: every rank's (another stage's layers are another rank's)
+    twins = set().union(*serialization.all_gather_objects({box.key for found in ways for way in found[1:]
+                                                           for box in way}))
     # the first way of each; a missing one under its own name, which the load names
     items = [box for found, item in zip(ways, items) for box in (found[0] if found else [item])]
     serialization.load(items, checkpoint_dir,

@@ -77,10 +77,11 @@ def test_teratron_writes_the_names_and_parts_megatrons_hybrid_model_saves(tmp_pa
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
-def test_a_torch_dist_save_at_tp2_resumes_at_tp1_with_the_same_losses(tmp_path):
+def test_a_torch_dist_save_at_tp2_resumes_at_tp1_and_pp2_with_the_same_losses(tmp_path):
     """Saved by two tensor-parallel ranks with the distributed optimizer (each part of in_proj and
     conv1d a box per rank), read back by one process (each parameter gathered from its parts, its Adam
-    moments and fp32 masters too): the losses of an uninterrupted single-process run."""
+    moments and fp32 masters too) and by two pipeline stages (the MTP depth on the last): the losses of
+    an uninterrupted single-process run."""
     reference = training_records(train(MODEL, tmp_path, "single")[0])
     train(MODEL + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
                    "--save", str(tmp_path / "tp2"), "--save-interval", "2", "--exit-interval", "2",
@@ -88,6 +89,9 @@ def test_a_torch_dist_save_at_tp2_resumes_at_tp1_with_the_same_losses(tmp_path):
     resumed = training_records(train(MODEL + ["--load", str(tmp_path / "tp2")], tmp_path, "tp1-from-tp2")[0])
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert_same_losses(reference, resumed, "tp1-from-tp2")
+    staged = TINY + ["--hybrid-layer-pattern", PATTERN.replace("*-", "*|-"), "--pipeline-model-parallel-size", "2",
+                     "--load", str(tmp_path / "tp2")]
+    assert_same_losses(reference, training_records(train(staged, tmp_path, "pp2-from-tp2", nproc=2)[0]), "pp2-from-tp2")
 
 
 def test_a_mamba_in_proj_bias_is_refused_in_megatrons_layout(tmp_path, capsys, monkeypatch):
