@@ -2,8 +2,8 @@
 
     q, k, v, z, b, a = in_proj(hidden)          q, k [key heads * dk]; v, z [value heads * dv]; b, a [value heads]
     q, k, v = silu(causal_conv1d([q; k; v]))    a short depthwise convolution over the sequence
-    q, k    = l2norm(q) / sqrt(dk), l2norm(k)   per head, in fp32, rounded to v's dtype; each key head then
-                                                repeated for its group of value heads
+    q, k    = l2norm(q) / sqrt(dk), l2norm(k)   per head, in fp32, then rounded to v's dtype; each key head
+                                                then repeated for its group of value heads
     g       = -exp(A_log) * softplus(a + dt_bias),   beta = sigmoid(b)       per value head and token
     o       = gated delta rule(q, k, v, g, beta)     (teratron.ssm.gated_delta_rule)
     out     = out_proj(out_norm(o) * silu(z))        out_norm over each value head's dv channels
@@ -130,9 +130,9 @@ class GatedDeltaNet(nn.Module):
         return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
 
     def _value_heads(self, x, scale: float = 1.0):
-        """[b, s, key heads * dk] -> L2-normalised per head (in fp32) times `scale`, in x's dtype (as
-        FLA's l2norm returns it: 16-bit q and k halve the rule's reads), each key head repeated for its
-        group of value heads: [b, s, value heads, dk]."""
+        """[b, s, key heads * dk] -> L2-normalised per head (in fp32) times `scale`, rounded to x's dtype
+        (16-bit q and k halve the rule's reads; FLA's l2norm also returns x's dtype, scaling q after),
+        each key head repeated for its group of value heads: [b, s, value heads, dk]."""
         heads = x.unflatten(-1, (self.num_key_heads_local, self.key_head_dim)).float()
         heads = (heads * (scale * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS))).to(x.dtype)
         return heads.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)

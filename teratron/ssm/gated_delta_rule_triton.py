@@ -41,8 +41,8 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
       dg    = reverse running sum of dG in the chunk                      (_chunk_backward_kernel)
 
 Every sum accumulates in fp32. Q K^T and K K^T multiply q and k as they come (16-bit from
-GatedDeltaNet, which rounds them to v's dtype after their L2 norm, as FLA's l2norm returns them:
-exact products, half the reads); every other tile is converted to fp32, and those products run on
+GatedDeltaNet, which rounds them to v's dtype after their L2 norm and q's 1/sqrt(dk): exact
+products, half the reads); every other tile is converted to fp32, and those products run on
 tensor cores in tf32 when v is bf16 or fp16 (T's joining products in 3xTF32, fp32's accuracy) and
 in full fp32 ("ieee") when v is fp32: correct, but that variant's
 state passings spill several KiB of registers a thread on sm_90 (fp32 FMA products), so it is
@@ -108,7 +108,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: in
     if k.shape[-1] > MAX_KEY_DIM:
         raise ValueError(f"gated_delta_rule_triton: key head dim {k.shape[-1]} is over {MAX_KEY_DIM}, the "
                          "kernels' state tile (gated_delta_rule_chunked takes any)")
-    if q.dtype != k.dtype:  # the kernels' Q K^T products take tiles of one dtype
+    if q.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:  # Q K^T takes tiles of one dtype tl.dot takes
         q, k = q.float(), k.float()
     o, final, *_ = _gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size)
     return o, final

@@ -573,8 +573,9 @@ if triton is not None:
         row = ((bi * heads + head) * m + c) * L + tl.arange(0, L)
         if block == 0:
             dcum += tl.load(dcum_intra + row)
+            part_size = tl.num_programs(0).to(tl.int64) * heads * L  # one n block's [b, h, m * L]
             for n0 in range(0, n, BLOCK_N):  # in order: the same sum every run
-                dcum += tl.load(dcum_earlier_parts + (n0 // BLOCK_N) * tl.num_programs(0) * heads * L + row)
+                dcum += tl.load(dcum_earlier_parts + (n0 // BLOCK_N) * part_size + row)
         da = tl.cumsum(dcum, 0, reverse=True)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
         t = c * L + tl.arange(0, L)

@@ -107,6 +107,15 @@ def main() -> None:
         assert_close_to(got, want, result_names(), rtol, str(dtype))
         checked += 1
 
+    # float64 q and k with fp32 v: the kernels take q and k in fp32 (their dot tiles have one 16/32-bit dtype).
+    q, k, v, g, beta, state = make_inputs(1, 37, 2, 16, 8, True, seed=8)
+    inputs = [q.double(), k.double(), v, g, beta, state]
+    want = outputs_and_grads(chunked, [t.double() for t in inputs], 16)
+    got = outputs_and_grads(gated_delta_rule_triton, inputs, 16)
+    assert (got[2].dtype, got[3].dtype, got[0].dtype) == (torch.float64, torch.float64, torch.float32)
+    assert_close_to(got, want, result_names(), 1e-5, "float64 q, k")
+    checked += 1
+
     # `gated_delta_rule` takes the kernels here, also for q, k, v strided views of one [b, s, ...] tensor.
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("gated_delta_rule took gated_delta_rule_chunked, not the Triton kernels")
