@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import CheckpointException
 from teratron.dist_checkpointing import megatron_format, serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import is_model_key, model_sharded_items, param_layouts, unwrap
-from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, missing_state_error,
+from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, report_fresh_states,
                                                          optimizer_common_state, optimizer_sharded_items,
                                                          prepare_for_load)
 from teratron.dist_checkpointing.safe_load import read_common_state
@@ -404,8 +404,7 @@ def load_checkpoint(checkpoint_dir, model_chunks, optimizer=None, load_optimizer
                 "parameter groups; the checkpoint is damaged (add --no-load-optim to load the model only)")
         optimizer_items, refresh_masters, missing = prepare_for_load(optimizer, layouts,
                                                                      serialization.saved_keys(checkpoint_dir))
-        if not all_ranks_true(not missing):  # before the collective load: every rank stops
-            raise missing_state_error(f"--load {checkpoint_dir}", missing)
+        report_fresh_states(f"--load {checkpoint_dir}", missing)
         items += optimizer_items
     rng = None
     load_rng = load_rng and metadata.get("has_rng", False)

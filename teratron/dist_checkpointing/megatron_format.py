@@ -50,7 +50,7 @@ from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import model_sharded_items, param_layouts, unwrap
 from teratron.dist_checkpointing.optimizer_state import (GROUP_SIGNATURE, load_optimizer_common_state,
-                                                         missing_state_error, prepare_for_load, set_step_count,
+                                                         prepare_for_load, report_fresh_states, set_step_count,
                                                          signed_groups, step_count)
 
 SHARDED_BACKEND = "torch_dist"
@@ -105,8 +105,7 @@ def _mtp_layer(depth_path: str, j) -> str:
 
 
 def hybrid_layout(model_chunks) -> HybridLayout | None:
-    """The HybridLayout of a hybrid model (None for a GPT model); ValueError, one line, for a Mamba
-    in_proj bias (Megatron stores it unsplit, its rows in another order under TP)."""
+    """The HybridLayout of a hybrid model (None for a GPT model)."""
     from teratron.models.hybrid import Symbols, parse_hybrid_pattern
     from teratron.ssm.gated_delta_net import GatedDeltaNet
     from teratron.ssm.mamba_mixer import MambaMixer
@@ -124,9 +123,6 @@ def hybrid_layout(model_chunks) -> HybridLayout | None:
             prefix = {MambaMixer: "mixer.", GatedDeltaNet: "self_attention."}.get(type(module))
             if prefix is None:
                 continue
-            if prefix == "mixer." and module.in_proj.bias is not None:
-                raise ValueError("--ckpt-format torch_dist: Megatron-LM keeps a Mamba in_proj bias in another row "
-                                 "order; use --ckpt-format teratron or --disable-bias-linear")
             own = dict(module.named_parameters())
             for name, (sizes, parts) in _SPLIT_PARTS.items():
                 if name.startswith(prefix) and name[len(prefix):] in own:
@@ -411,7 +407,8 @@ def mtp_layout(model_chunks) -> dict:
     from teratron.transformer.moe.moe_logging import moe_layer_indices
 
     config = unwrap(model_chunks[0]).config
-    # A hybrid depth's layers are Megatron's hybrid stack, per-layer keys: none, as for per-layer decoder layers
+    # Hybrid models get no `_extra_state` objects (Megatron's Transformer Engine modules' set is not known
+    # here: docs/checkpoints.md)
     depths = (config.mtp_num_layers or 0) if config.hybrid_layer_pattern is None else 0
     moe = depths > 0 and config.num_moe_experts is not None and config.num_layers in moe_layer_indices(config)
     return {"mtp_num_layers": depths, "mtp_moe": moe}
@@ -500,10 +497,7 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
         optimizer_common, step = _megatron_optimizer_common(common["optimizer"], optimizer, where)
         optimizer_items, refresh_masters, missing = prepare_for_load(optimizer, layouts,
                                                                      _teratron_view(saved, num_layers))
-        from teratron.dist_checkpointing.checkpoint import all_ranks_true
-
-        if not all_ranks_true(not missing):  # before the collective load: every rank stops
-            raise missing_state_error(where, missing)
+        report_fresh_states(where, missing)
         items += optimizer_items
     experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
     ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid) for item in items]

@@ -53,15 +53,16 @@ def saved_state_names(saved: dict) -> dict:
 def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     """Create the state entries the checkpoint holds (torch optimizers make them lazily), then
     return (items to load, whether any master weights must be refreshed from the model, the keys of
-    this rank's parameters the checkpoint holds no state for while it holds others': another model's
-    state, which `missing_state_error` names)."""
+    this rank's parameters without stepped state (moments, step count) while others have theirs:
+    frozen when it was saved (MTP-only training), or another model's state; `report_fresh_states`)."""
     by_key = saved_state_names(saved)
+    stepped = {key for key, names in by_key.items() if set(names) - {"fp32_param"}}
     refresh_masters, missing = False, []
     for opt in optimizer.chained_optimizers:
         on_device = _stepped_on_device(opt)
         for param, main, _ in opt.main_param_shards():
             names = by_key.get(layouts[param].key, {})
-            if by_key and not names:
+            if stepped and layouts[param].key not in stepped:
                 missing.append(layouts[param].key)
             if main is not param and "fp32_param" not in names:
                 refresh_masters = True
@@ -79,12 +80,18 @@ def prepare_for_load(optimizer, layouts, saved: dict) -> tuple:
     return items, refresh_masters, missing
 
 
-def missing_state_error(where: str, missing: list) -> ValueError:
-    """The one-line error for `prepare_for_load`'s missing keys (empty: another rank's)."""
-    name = missing[0] if missing else "a parameter of another rank"
-    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    return ValueError(f"{where}: no optimizer state for {name}{more}, though the checkpoint holds other parameters': "
-                      "it is another model's state; add --no-load-optim to load the weights only")
+def report_fresh_states(where: str, missing: list) -> None:
+    """Say (first rank) which parameters start with fresh optimizer state: `prepare_for_load`'s missing
+    keys of every rank (a collective)."""
+    import torch.distributed as dist
+
+    from teratron.dist_checkpointing.serialization import all_gather_objects
+
+    every = sorted({key for keys in all_gather_objects(missing) for key in keys})
+    if every and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"NOTE: {where} holds no optimizer state for {len(every)} of the model's parameters ({every[0]}"
+              f"{', ...' if len(every) > 1 else ''}) while it holds the others': theirs start fresh (frozen when it "
+              "was saved, e.g. MTP-only training; else it is another model's state)", flush=True)
 
 
 def _stepped_on_device(opt) -> set:

@@ -10,7 +10,9 @@ Tensor parallelism splits heads and groups: in_proj is column-parallel with the 
 [z; x; B; C; dt] each split over TP (a tuple partition stride), the convolution, dt_bias, A_log,
 D and the norm's weight are split alike, out_proj is row-parallel; so each rank runs whole heads
 and groups and nothing is exchanged inside the mixer. With sequence parallelism in_proj gathers the
-sequence and out_proj reduce-scatters it, as attention's projections do.
+sequence and out_proj reduce-scatters it, as attention's projections do. No biases on the two
+projections, whatever add_bias_linear says (Megatron's MambaMixer defaults to bias=False and its
+HybridModel keeps that); the convolution has one.
 
 Initialisation follows Mamba-2 and is layout-invariant (each parameter is drawn whole, then
 sharded): dt_bias is the inverse softplus of dt ~ exp(U(log dt_min, log dt_max)) (at least
@@ -67,10 +69,10 @@ class MambaMixer(nn.Module):
         # Global rows of in_proj's and conv1d's parts (z x B C dt; x B C), each split over TP
         self.in_proj_parts = parts = (self.d_inner, self.d_inner, bc, bc, self.nheads)
         self.in_proj = ColumnParallelLinear(config.hidden_size, sum(parts), config=config,
-                                            init_method=config.init_method, bias=config.add_bias_linear,
+                                            init_method=config.init_method, bias=False,
                                             stride=parts, tp_group=self.tp_group)
         self.out_proj = RowParallelLinear(self.d_inner, config.hidden_size, config=config,
-                                          init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+                                          init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=False, tp_group=self.tp_group)
 
         device = param_device(config)

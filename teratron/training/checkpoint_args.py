@@ -111,12 +111,12 @@ def _megatron_model_args(saved: dict) -> dict:
 def _megatron_hybrid_pattern(saved: dict):
     """The layers of a Megatron hybrid model's args (None: GPT): --hybrid-layer-pattern, or the
     older --hybrid-override-pattern with its MTP depths in --mtp-hybrid-override-pattern (repeated
-    --mtp-num-layers times after '/', as Megatron joins them); without '|', which places layers on
-    the pipeline stages of the run that saved it, not of this one."""
+    --mtp-num-layers times after '/', as Megatron joins them; none without MTP layers); without '|',
+    which places layers on the pipeline stages of the run that saved it, not of this one."""
     pattern = saved.get("hybrid_layer_pattern") or saved.get("hybrid_override_pattern")
     if not pattern:
         return None
-    mtp = saved.get("mtp_hybrid_override_pattern")
-    if mtp and "/" not in pattern:
-        pattern += f"/{mtp}" * (saved.get("mtp_num_layers") or 1)
+    mtp, depths = saved.get("mtp_hybrid_override_pattern"), saved.get("mtp_num_layers") or 0
+    if mtp and depths > 0 and "/" not in pattern:
+        pattern += f"/{mtp}" * depths
     return pattern.replace("|", "")

@@ -395,9 +395,6 @@ class RunConfig:
             flag = "--sequence-packing" if self.data.sequence_packing else "--reset-attention-mask"
             raise NotImplementedError(f"{flag} with {kinds} layers: their scans would run across document "
                                       "boundaries (per-document states are not supported yet); drop the flag")
-        if "M" in recurrent and self.transformer.add_bias_linear and self.checkpoint.ckpt_format == "torch_dist":
-            raise ValueError("--ckpt-format torch_dist with Mamba (M) layers with biases: Megatron-LM keeps a Mamba "
-                             "in_proj bias in another row order; use --ckpt-format teratron or --disable-bias-linear")
 
     def _check_sequence_packing(self):
         """A packed micro-batch is one row of --seq-length tokens; micro-batches hold different token

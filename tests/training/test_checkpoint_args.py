@@ -176,6 +176,8 @@ def test_megatron_hybrid_patterns_of_either_era():
     older = {"hybrid_override_pattern": "M*M-", "mtp_hybrid_override_pattern": "M-", "mtp_num_layers": 2}
     assert _megatron_model_args(older)["hybrid_layer_pattern"] == "M*M-/M-/M-"
     assert _megatron_model_args({"hybrid_override_pattern": "MG*E"})["hybrid_layer_pattern"] == "MG*E"
+    without_depths = {"hybrid_override_pattern": "M*", "mtp_hybrid_override_pattern": "M-", "mtp_num_layers": None}
+    assert _megatron_model_args(without_depths)["hybrid_layer_pattern"] == "M*"  # Megatron builds no MTP then
 
 
 def test_mismatch_errors_name_the_flags():
