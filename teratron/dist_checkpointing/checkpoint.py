@@ -29,9 +29,9 @@ from torch.distributed.checkpoint import CheckpointException
 from teratron.dist_checkpointing import megatron_format, serialization, storage
 from teratron.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from teratron.dist_checkpointing.model_state import is_model_key, model_sharded_items, param_layouts, unwrap
-from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, report_fresh_states,
-                                                         optimizer_common_state, optimizer_sharded_items,
-                                                         prepare_for_load)
+from teratron.dist_checkpointing.optimizer_state import (load_optimizer_common_state, optimizer_common_state,
+                                                         optimizer_sharded_items, prepare_for_load,
+                                                         report_fresh_states)
 from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.process_groups import ProcessGroupCollection, get_pg_size
 

@@ -249,7 +249,7 @@ def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: 
         for stacked in (False, True):
             box = _megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
             boxes = _split_parts(box, split) if split and not stacked else [box]
-            if all(box.key in saved for box in boxes):
+            if all(part.key in saved for part in boxes):
                 ways.append(boxes)
     return ways
 

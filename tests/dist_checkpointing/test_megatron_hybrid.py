@@ -14,10 +14,6 @@ No Megatron-written hybrid checkpoint is among the fixtures (Megatron's hybrid l
 Engine, mamba_ssm and causal_conv1d).
 """
 
-import sys
-
-import pytest
-
 from test_hybrid_training import TINY
 from train_runs import assert_same_losses, train, training_records
 
@@ -76,7 +72,6 @@ def test_teratron_writes_the_names_and_parts_megatrons_hybrid_model_saves(tmp_pa
                      for part, rows in MAMBA.items()}
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
 def test_a_torch_dist_save_at_tp2_resumes_at_tp1_and_pp2_with_the_same_losses(tmp_path):
     """Saved by two tensor-parallel ranks with the distributed optimizer (each part of in_proj and
     conv1d a box per rank), read back by one process (each parameter gathered from its parts, its Adam
