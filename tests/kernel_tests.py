@@ -27,17 +27,18 @@ H100_SHARED_MEMORY = 227 * 1024  # bytes a block may use
 
 
 def compile_for_sm90(kernel, dtype: str, activations: str, fp32: str = "", floats: str = "", constexprs=None,
-                     options=None):
+                     options=None, ints: str = ""):
     """Triton and ptxas compile `kernel` for sm_90 without a GPU: `activations` (names, space-separated)
-    point to `dtype` ("bf16", "fp32"), `fp32` to fp32, `floats` are fp32 scalars, the other arguments
-    int32 unless `constexprs` names them. Returns the compiled kernel's metadata (shared memory, ...)."""
+    point to `dtype` ("bf16", "fp32"), `fp32` to fp32, `ints` to int32, `floats` are fp32 scalars, the
+    other arguments int32 unless `constexprs` names them. Returns the compiled kernel's metadata (shared
+    memory, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constexprs = {arg: value for arg, value in (constexprs or {}).items() if arg in kernel.arg_names}
     types = {**{arg: f"*{dtype}" for arg in activations.split()}, **{arg: "*fp32" for arg in fp32.split()},
-             **{arg: "fp32" for arg in floats.split()}}
+             **{arg: "*i32" for arg in ints.split()}, **{arg: "fp32" for arg in floats.split()}}
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(arg),): value
                                                       for arg, value in constexprs.items()})

@@ -3,13 +3,14 @@ the single process: every iteration's loss and grad norm must equal it.
 
 The pattern mixes every layer kind: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-), MoE (E). Layouts: TP 2
 with sequence parallelism, PP 2 placed by the pattern's '|' (MG*-E|MG*-E), DP 2 with the distributed optimizer,
-EP 2, full recompute; a checkpoint saved at TP 2 loads into one process and continues alike.
+EP 2, full recompute; a checkpoint saved at TP 2 loads into one process and continues alike; packed documents
+(each a zero state in the Mamba and Gated DeltaNet layers) under TP 2 + SP, PP 2 and DP 2.
 """
 
 import pytest
 
 from teratron import cli
-from train_runs import assert_same_losses, train, training_records
+from train_runs import assert_same_losses, train, training_records, write_documents
 
 PATTERN = "MG*-EMG*-E"
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--hidden-size", "32",
@@ -63,6 +64,30 @@ def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_p
         assert_same_losses(reference, run, name, keys)
 
 
+def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
+    """Rows of several documents (--reset-attention-mask; tests/ssm checks that each document runs in
+    the recurrent layers as alone) train to the single process's losses under TP 2 + SP, PP 2 and DP 2;
+    so do --sequence-packing's THD rows under DP 2, which packs other rows than the single process."""
+    write_documents(str(tmp_path / "docs"))
+    data = TINY[1:] + ["--data-path", str(tmp_path / "docs"), "--split", "90,5,5", "--eod-mask-loss"]
+    rows = data + ["--reset-attention-mask", "--reset-position-ids", "--hybrid-layer-pattern", PATTERN]
+    reference = _train(rows, tmp_path, "docs-single")
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    for name, extra in (("docs-tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("docs-dp2", ["--use-distributed-optimizer"])):
+        assert_same_losses(reference, _train(rows + extra, tmp_path, name, 2), name)
+    pp2 = data + ["--reset-attention-mask", "--reset-position-ids", "--hybrid-layer-pattern", "MG*-E|MG*-E",
+                  "--pipeline-model-parallel-size", "2"]
+    assert_same_losses(reference, _train(pp2, tmp_path, "docs-pp2", 2), "docs-pp2")
+    # Each rank packs its own documents into rows: rows differ from the single process's, so only
+    # per-document layers give its losses (no MoE: its auxiliary loss is per micro-batch).
+    no_moe = data[:data.index("--num-experts")] + data[data.index("--moe-aux-loss-coeff") + 2:]
+    packing = no_moe + ["--hybrid-layer-pattern", "MG*-MG*-", "--sequence-packing", "--calculate-per-token-loss",
+                        "--micro-batch-size", "1"]
+    packed_reference = _train(packing, tmp_path, "packing-single")
+    assert_same_losses(packed_reference, _train(packing, tmp_path, "packing-dp2", 2), "packing-dp2")
+
+
 @pytest.mark.parametrize("flags, phrase", [
     (["--hybrid-layer-pattern", "M*X"], "'X' is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*+"], "multi-latent attention layers (+) are not supported yet"),
@@ -75,7 +100,6 @@ def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_p
     (["--hybrid-layer-pattern", "M*|-E", "--pipeline-model-parallel-layout", "Et|ttL",
       "--pipeline-model-parallel-size", "2"], "drop --pipeline-model-parallel-layout or the '|'"),
     (["--hybrid-layer-pattern", "ME", "--mamba-num-groups", "3"], "do not split into 3 groups"),
-    (["--hybrid-layer-pattern", "G*E", "--reset-attention-mask"], "--reset-attention-mask with Gated DeltaNet (G)"),
 ])
 def test_bad_patterns_are_one_line(tmp_path, capsys, monkeypatch, flags, phrase):
     monkeypatch.chdir(tmp_path)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 
@@ -53,3 +54,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def write_documents(prefix: str) -> None:
+    """An indexed dataset at `prefix` (.bin, .idx) of 400 documents of 2..12 tokens, each ending with
+    the NullTokenizer's EOD (99): rows of --seq-length 16 hold several."""
+    from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16) as builder:
+        for _ in range(400):
+            builder.add_item(list(rng.integers(1, 99, size=int(rng.integers(1, 12)))) + [99])
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")

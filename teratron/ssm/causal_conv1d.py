@@ -5,6 +5,12 @@ x [b, s, c], weight [c, k], bias [c] or None, initial_state [b, c, k - 1] or Non
 inputs before this sequence; zeros when None) -> (y [b, s, c], final state [b, c, k - 1]: the last
 k - 1 inputs, what the next call of a decoding step continues from).
 
+seq_idx [b, s] (any integer dtype) or None: packed documents (Megatron's sequence packing, mamba_ssm's
+seq_idx), the document of every token, each document's tokens contiguous in their row. No output reads
+across a document's start: taps from another document count as zeros, as if each document ran alone
+from a zero state; the final state keeps the last document's inputs alone (what continuing it needs).
+Packed documents start from zero states, so seq_idx with an initial_state is refused.
+
 Computed as k shifted multiply-adds in fp32 (as cuDNN accumulates; wider dtypes stay wider), in x's [b, s, c] layout: under
 `--torch-compile` Inductor fuses them with the bias and the SiLU after into one kernel each way,
 where a depthwise F.conv1d would need transposes and runs slow kernels both ways.
@@ -22,27 +28,57 @@ import torch
 from teratron.ssm.causal_conv1d_triton import causal_conv1d_silu_triton, runs_here
 
 
-def causal_conv1d(x, weight, bias=None, initial_state=None):
+def causal_conv1d(x, weight, bias=None, initial_state=None, seq_idx=None):
     k, s = weight.shape[-1], x.shape[1]
+    if seq_idx is not None and initial_state is not None:
+        raise ValueError("causal_conv1d: seq_idx (packed documents, each from a zero state) with an initial_state "
+                         "(one sequence continued): pass seq_idx=None to continue a state, or no initial_state")
     if initial_state is None:
         padded = F.pad(x, (0, 0, k - 1, 0))  # [b, k - 1 + s, c]
     else:
         padded = torch.cat([initial_state.transpose(1, 2).to(x.dtype), x], dim=1)
+    if seq_idx is not None:
+        # the document of each row of padded; the padding's rows get a value no document has
+        documents = seq_idx.to(torch.int64)
+        before = (documents.amin(1, keepdim=True) - 1).expand(-1, k - 1)
+        padded_documents = torch.cat([before, documents], dim=1)  # [b, k - 1 + s]
     dtype = torch.promote_types(x.dtype, torch.float32)
     taps = weight.to(dtype)
-    y = padded[:, :s].to(dtype) * taps[:, 0]
+
+    def tap_inputs(i):
+        """What tap i reads for each output: zeros where its token is in another document than the output's."""
+        inputs = padded[:, i:i + s].to(dtype)
+        if seq_idx is None:
+            return inputs
+        return torch.where((padded_documents[:, i:i + s] == documents)[..., None], inputs, 0.0)
+
+    y = tap_inputs(0) * taps[:, 0]
     for i in range(1, k):
-        y = y + padded[:, i:i + s].to(dtype) * taps[:, i]
+        y = y + tap_inputs(i) * taps[:, i]
     if bias is not None:
         y = y + bias.to(dtype)
-    return y.to(x.dtype), padded[:, s:].transpose(1, 2)
+    last_inputs = padded[:, s:]  # [b, k - 1, c]
+    if seq_idx is not None:
+        last_inputs = _of_the_last_document(last_inputs, padded_documents[:, s:], documents)
+    return y.to(x.dtype), last_inputs.transpose(1, 2)
 
 
-def causal_conv1d_silu(x, weight, bias=None, initial_state=None):
+def _of_the_last_document(last_inputs, their_documents, documents):
+    """last_inputs [b, k - 1, c] with the rows whose document (their_documents [b, k - 1]) is not the
+    last token's zeroed."""
+    return torch.where((their_documents == documents[:, -1:])[..., None], last_inputs, 0.0)
+
+
+def causal_conv1d_silu(x, weight, bias=None, initial_state=None, seq_idx=None):
     """(silu(y), final state) of `causal_conv1d`'s arguments: the Triton kernels where they run."""
     if not runs_here(x, weight, initial_state):
-        y, final_state = causal_conv1d(x, weight, bias, initial_state)
+        y, final_state = causal_conv1d(x, weight, bias, initial_state, seq_idx)
         return F.silu(y), final_state
     k, s = weight.shape[-1], x.shape[1]
-    last_inputs = F.pad(x[:, max(s - (k - 1), 0):], (0, 0, max(k - 1 - s, 0), 0))  # [b, k - 1, c]
-    return causal_conv1d_silu_triton(x, weight, bias), last_inputs.transpose(1, 2)
+    first = max(s - (k - 1), 0)
+    last_inputs = F.pad(x[:, first:], (0, 0, k - 1 - (s - first), 0))  # [b, k - 1, c]
+    if seq_idx is not None:  # the rows of padding before a short sequence are zeros whatever they match
+        documents = seq_idx.to(torch.int64)
+        last_inputs = _of_the_last_document(last_inputs, F.pad(documents[:, first:], (k - 1 - (s - first), 0)),
+                                            documents)
+    return causal_conv1d_silu_triton(x, weight, bias, seq_idx), last_inputs.transpose(1, 2)

@@ -12,6 +12,11 @@ gradient g are rounded to x's dtype, as the PyTorch path's convolution and SiLU 
 in fp32. The weight and bias gradients are summed per program of the gate pass (TILES tiles of tokens
 in turn), then over the programs in a fixed order (deterministic).
 
+Packed documents (seq_idx [b, s], the document of every token, passed to the kernels as contiguous
+int32): a tap whose token is in another document than the output's counts as zero, in the forward, the
+gate pass (a and dw) and the dx pass alike (`_same_document`), so no document reads or feeds another;
+without seq_idx the kernels compile without that work (HAS_SEQ_IDX).
+
 x [b, s, c] may be any view whose channels are contiguous (the mixer's slice of its input projection):
 it is read by its strides; y and dx are contiguous [b, s, c]. A pair of custom ops with autograd between
 them, so a compiled layer traces through them without a graph break.
@@ -44,13 +49,19 @@ def runs_here(x, weight, initial_state) -> bool:
             and x.dtype in SUPPORTED_DTYPES and weight.shape[-1] <= MAX_TAPS)
 
 
-def causal_conv1d_silu_triton(x, weight, bias=None):
-    """x [b, s, c], weight [c, k], bias [c] or None -> silu(causal_conv1d(x)) [b, s, c] in x's dtype."""
-    return _conv_silu(x, weight, bias)
+def causal_conv1d_silu_triton(x, weight, bias=None, seq_idx=None):
+    """x [b, s, c], weight [c, k], bias [c] or None, seq_idx [b, s] or None (packed documents) ->
+    silu(causal_conv1d(x)) [b, s, c] in x's dtype."""
+    return _conv_silu(x, weight, bias, seq_idx)
 
 
 def _channels_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _documents(seq_idx):
+    """seq_idx as the kernels read it: contiguous int32 [b, s]."""
+    return seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
 
 
 def _wide(t) -> bool:
@@ -64,38 +75,42 @@ def _grid(b: int, s: int, c: int, block_t: int, block_c: int):
 
 
 @torch.library.custom_op("teratron::causal_conv1d_silu", mutates_args=())
-def _conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    x, weight = _channels_contiguous(x), weight.contiguous()
+def _conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               seq_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    x, weight, documents = _channels_contiguous(x), weight.contiguous(), _documents(seq_idx)
     b, s, c = x.shape
     y = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
     _forward_kernel[_grid(b, s, c, BLOCK_T, BLOCK_C)](
-        x, weight, bias if bias is not None else weight, y, s, c, x.stride(0), x.stride(1),
-        WIDE=_wide(x), HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+        x, weight, bias if bias is not None else weight, documents if documents is not None else weight, y, s, c,
+        x.stride(0), x.stride(1), WIDE=_wide(x), HAS_BIAS=bias is not None, HAS_SEQ_IDX=documents is not None,
+        K=weight.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
     return y
 
 
 @_conv_silu.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, seq_idx):
     return x.new_empty(x.shape)
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight, bias)
+    x, weight, bias, seq_idx = inputs
+    ctx.save_for_backward(x, weight, bias, seq_idx)
     ctx.has_bias = bias is not None
 
 
 def _autograd(ctx, dy):
-    x, weight, bias = ctx.saved_tensors
-    dx, dweight, dbias = _conv_silu_backward(dy, x, weight, bias)
-    return dx, dweight, dbias if ctx.has_bias else None
+    x, weight, bias, seq_idx = ctx.saved_tensors
+    dx, dweight, dbias = _conv_silu_backward(dy, x, weight, bias, seq_idx)
+    return dx, dweight, dbias if ctx.has_bias else None, None
 
 
 @torch.library.custom_op("teratron::causal_conv1d_silu_backward", mutates_args=())
-def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                        bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        seq_idx: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, the weight and the bias (the last unused without a bias)."""
     x, dy, weight = _channels_contiguous(x), _channels_contiguous(dy), weight.contiguous()
+    documents = _documents(seq_idx)
+    has_seq_idx, seq_idx_ptr = documents is not None, documents if documents is not None else weight
     b, s, c = x.shape
     k = weight.shape[1]
     gate = torch.empty(b, s, c, device=x.device, dtype=x.dtype)  # g: the gradient of a
@@ -103,18 +118,19 @@ def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dweight_parts = torch.empty(programs, c, k, device=x.device, dtype=torch.float32)
     dbias_parts = torch.empty(programs, c, device=x.device, dtype=torch.float32)
     _gate_kernel[(programs, triton.cdiv(c, GATE_BLOCK_C))](
-        x, weight, bias if bias is not None else weight, dy, gate, dweight_parts, dbias_parts, s, c, x.stride(0),
-        x.stride(1), dy.stride(0), dy.stride(1), WIDE=_wide(x) or _wide(dy), HAS_BIAS=bias is not None, K=k,
-        TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
+        x, weight, bias if bias is not None else weight, seq_idx_ptr, dy, gate, dweight_parts, dbias_parts, s, c,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), WIDE=_wide(x) or _wide(dy), HAS_BIAS=bias is not None,
+        HAS_SEQ_IDX=has_seq_idx, K=k, TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
     dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-    _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](weight, gate, dx, s, c, gate.stride(0), WIDE=_wide(gate), K=k,
-                                                       BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
+    _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](
+        weight, seq_idx_ptr, gate, dx, s, c, gate.stride(0), WIDE=_wide(gate), HAS_SEQ_IDX=has_seq_idx, K=k,
+        BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
     dbias_dtype = bias.dtype if bias is not None else weight.dtype
     return dx, dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
 
 
 @_conv_silu_backward.register_fake
-def _(dy, x, weight, bias):
+def _(dy, x, weight, bias, seq_idx):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), (bias if bias is not None else weight).new_empty(
         weight.shape[0])
 
@@ -142,33 +158,55 @@ if triton is not None:
         return tl.load(ptr + offsets, mask=ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _preactivation(x, weight, bias, bi, rows, channels, channel_ok, s, stride_b, stride_s, WIDE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _same_document(seq_idx, bi, rows, other_rows, s):
+        """[BLOCK_T] whether each of `rows` of sequence bi is in the document of the same entry of
+        `other_rows`: never where either is outside 0 .. s - 1 (whatever document ids seq_idx holds)."""
+        ok = (rows >= 0) & (rows < s) & (other_rows >= 0) & (other_rows < s)
+        documents = tl.load(seq_idx + bi * s + rows, mask=ok, other=0)
+        return ok & (documents == tl.load(seq_idx + bi * s + other_rows, mask=ok, other=0))
+
+    @triton.jit
+    def _taps_of(x, seq_idx, bi, rows, i, channels, channel_ok, s, stride_b, stride_s, WIDE: tl.constexpr,
+                 HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr):
+        """[BLOCK_T, BLOCK_C] fp32 of what tap i reads for the outputs at `rows`, x_{row-K+1+i}: zeros
+        before the sequence and, with HAS_SEQ_IDX, in another document than the output's."""
+        tap_rows = rows - (K - 1) + i
+        inputs = _load_rows(x, bi, tap_rows, channels, channel_ok, s, stride_b, stride_s, WIDE)
+        if HAS_SEQ_IDX:
+            inputs = tl.where(_same_document(seq_idx, bi, tap_rows, rows, s)[:, None], inputs, 0.0)
+        return inputs
+
+    @triton.jit
+    def _preactivation(x, weight, bias, seq_idx, bi, rows, channels, channel_ok, s, stride_b, stride_s,
+                       WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """a at `rows`: sum_i w_i x_{row-K+1+i} (+ bias), rounded to x's dtype."""
         a = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for i in tl.static_range(K):
             tap = tl.load(weight + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
-            a += _load_rows(x, bi, rows - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s, WIDE) * tap[None, :]
+            a += _taps_of(x, seq_idx, bi, rows, i, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX,
+                          K) * tap[None, :]
         if HAS_BIAS:
             a += tl.load(bias + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
         return a.to(x.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _forward_kernel(x, weight, bias, y, s, c, stride_b, stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _forward_kernel(x, weight, bias, seq_idx, y, s, c, stride_b, stride_s, WIDE: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
         tiles = tl.cdiv(s, BLOCK_T)
         bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
         t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-        a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_BIAS, K,
-                           BLOCK_T, BLOCK_C)
+        a = _preactivation(x, weight, bias, seq_idx, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE,
+                           HAS_BIAS, HAS_SEQ_IDX, K, BLOCK_T, BLOCK_C)
         out = a * tl.sigmoid(a)
         offsets = (bi * s + t[:, None]) * c + channels[None, :]
         tl.store(y + offsets, out.to(y.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
 
     @triton.jit
-    def _gate_kernel(x, weight, bias, dy, gate, dweight_parts, dbias_parts, s, c, stride_b, stride_s, dy_stride_b,
-                     dy_stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _gate_kernel(x, weight, bias, seq_idx, dy, gate, dweight_parts, dbias_parts, s, c, stride_b, stride_s,
+                     dy_stride_b, dy_stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                     K: tl.constexpr, TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program (bi and TILES tiles of tokens, block of channels): g of those tokens, and their
         share of dw and dbias."""
         programs = tl.cdiv(s, BLOCK_T * TILES)
@@ -185,8 +223,8 @@ if triton is not None:
         tl.static_assert(K <= 4, "the gate pass keeps a sum for each of at most 4 taps (MAX_TAPS)")
         for ti in range(first_tile, tl.minimum(first_tile + TILES, tl.cdiv(s, BLOCK_T))):
             t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-            a = _preactivation(x, weight, bias, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_BIAS, K,
-                               BLOCK_T, BLOCK_C)
+            a = _preactivation(x, weight, bias, seq_idx, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE,
+                               HAS_BIAS, HAS_SEQ_IDX, K, BLOCK_T, BLOCK_C)
             sig = tl.sigmoid(a)
             g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s, WIDE)
             g = g * sig * (1 + a * (1 - sig))
@@ -196,7 +234,8 @@ if triton is not None:
             g = g.to(tl.float32)  # the rounded g, as dx's pass reads it
             dbias += g
             for i in tl.static_range(K):
-                tap_grads = _load_rows(x, bi, t - (K - 1) + i, channels, channel_ok, s, stride_b, stride_s, WIDE) * g
+                tap_grads = _taps_of(x, seq_idx, bi, t, i, channels, channel_ok, s, stride_b, stride_s, WIDE,
+                                     HAS_SEQ_IDX, K) * g
                 if i == 0:
                     dw0 += tap_grads
                 elif i == 1:
@@ -218,15 +257,19 @@ if triton is not None:
         tl.store(dbias_parts + part * c + channels, tl.sum(dbias, 0), mask=channel_ok)
 
     @triton.jit
-    def _dx_kernel(weight, gate, dx, s, c, gate_stride_b, WIDE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-        """dx of a tile: the outputs at t + j, which x_t feeds through tap K - 1 - j."""
+    def _dx_kernel(weight, seq_idx, gate, dx, s, c, gate_stride_b, WIDE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dx of a tile: the outputs at t + j, which x_t feeds through tap K - 1 - j (with HAS_SEQ_IDX,
+        those of x_t's document alone)."""
         tiles = tl.cdiv(s, BLOCK_T)
         bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
         t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
         dx_tile = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(K):
             tap = tl.load(weight + channels * K + (K - 1 - j), mask=channel_ok, other=0.0).to(tl.float32)
-            dx_tile += _load_rows(gate, bi, t + j, channels, channel_ok, s, gate_stride_b, c, WIDE) * tap[None, :]
+            gates = _load_rows(gate, bi, t + j, channels, channel_ok, s, gate_stride_b, c, WIDE)
+            if HAS_SEQ_IDX:
+                gates = tl.where(_same_document(seq_idx, bi, t + j, t, s)[:, None], gates, 0.0)
+            dx_tile += gates * tap[None, :]
         tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty),
                  mask=(t < s)[:, None] & channel_ok[None, :])

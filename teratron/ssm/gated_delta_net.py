@@ -104,28 +104,32 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> (the same shape, None).
-        The layer is causal by construction: the attention arguments of the enclosing layer are unused.
+        The layer is causal by construction: of the attention arguments of the enclosing layer it reads
+        only packed documents (attention_mask a PackedSeqParams: each document from a zero state).
         With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
         request's tokens continue from the convolution and delta-rule states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        y = mix_tokens(self._mix, projected, self.layer_number, inference_context)
+        y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
         return self.out_proj(y)  # y [s, b, v_dim / tp]
 
-    def _mix(self, projected, state):
+    def _mix(self, projected, state, seq_idx=None):
         """projected [b, s, parts / tp] and the (convolution, delta-rule) state before it (None:
-        zeros) -> (the gated, normed output [b, s, v_dim / tp], the state after it)."""
+        zeros), seq_idx [b, s] (packed documents) or None -> (the gated, normed output
+        [b, s, v_dim / tp], the state after it)."""
         conv_state, rule_state = state if state is not None else (None, None)
         qkv, z, beta, alpha = projected.split(
             [2 * self.qk_dim_local + self.v_dim_local, self.v_dim_local, self.num_value_heads_local,
              self.num_value_heads_local], dim=-1)  # [b, s, ...]
-        qkv, conv_state = causal_conv1d_silu(qkv, self.conv1d.weight[:, 0], initial_state=conv_state)
+        qkv, conv_state = causal_conv1d_silu(qkv, self.conv1d.weight[:, 0], initial_state=conv_state,
+                                             seq_idx=seq_idx)
         q, k, v = qkv.split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
         b, s = v.shape[:2]
         q = self._value_heads(q, 1 / math.sqrt(self.key_head_dim))  # [b, s, value heads / tp, dk]
         k = self._value_heads(k)
         g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
         o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
-                                         torch.sigmoid(beta), initial_state=rule_state, chunk_size=self.chunk_size)
+                                         torch.sigmoid(beta), initial_state=rule_state, chunk_size=self.chunk_size,
+                                         seq_idx=seq_idx)
         y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
         return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
 

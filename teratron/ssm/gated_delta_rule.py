@@ -19,8 +19,11 @@ so the chunk's U solves one unit lower-triangular system, (I + diag(beta) M) U =
     S_L = gamma_L S_0 + sum_j (gamma_L / gamma_j) u_j k_j^T
 
 Shapes: q, k [b, s, h, dk], v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or
-None -> (o [b, s, h, dv], final state [b, h, dv, dk]). Computed in fp32 (or wider), returned in v's
-dtype. Layers normalise q and k (as Gated DeltaNet does) before calling this.
+None, seq_idx [b, s] int or None -> (o [b, s, h, dv], final state [b, h, dv, dk]). Computed in fp32
+(or wider), returned in v's dtype. Layers normalise q and k (as Gated DeltaNet does) before calling
+this. With seq_idx (packed documents, teratron.ssm.recurrence) each document starts from a zero
+state: alpha = 0 where a row's seq_idx changes (the initial state, if any, goes to the row's first
+document); the chunked forms add DOCUMENT_START_LOG_DECAY to g there.
 
 `gated_delta_rule` is what layers call: the same computation by Triton kernels
 (`gated_delta_rule_triton`, teratron.ssm.gated_delta_rule_triton) on CUDA tensors, by
@@ -30,6 +33,8 @@ dtype. Layers normalise q and k (as Gated DeltaNet does) before calling this.
 import torch
 import torch.nn.functional as F
 
+from teratron.ssm.recurrence import document_starts, start_log_decay
+
 from teratron.ssm.gated_delta_rule_triton import (INTERPRETED, MAX_KEY_DIM, SUPPORTED_DTYPES,
                                                   gated_delta_rule_triton, triton)
 
@@ -38,15 +43,17 @@ def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def gated_delta_rule_sequential(q, k, v, g, beta, initial_state=None):
-    """The recurrence, one token at a time (see the module docstring)."""
+def gated_delta_rule_sequential(q, k, v, g, beta, initial_state=None, seq_idx=None):
+    """The recurrence, one token at a time (see the module docstring); a document's first token
+    (seq_idx) keeps none of the state before it."""
     b, s, h, dk = k.shape
     dtype, out_dtype = _compute_dtype(v), v.dtype
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     state = v.new_zeros(b, h, v.shape[-1], dk) if initial_state is None else initial_state.to(dtype)
+    starts = torch.zeros(b, s, dtype=torch.bool, device=v.device) if seq_idx is None else document_starts(seq_idx)
     outputs = []
     for t in range(s):
-        alpha = torch.exp(g[:, t])[..., None, None]  # [b, h, 1, 1]
+        alpha = torch.exp(g[:, t]).masked_fill(starts[:, t, None], 0.0)[..., None, None]  # [b, h, 1, 1]
         kt, vt = k[:, t], v[:, t]
         predicted = torch.einsum("bhvk,bhk->bhv", state, kt)  # S_{t-1} k_t
         state = alpha * state + (beta[:, t, :, None] * (vt - alpha[..., 0] * predicted))[..., None] * kt[:, :, None]
@@ -54,10 +61,12 @@ def gated_delta_rule_sequential(q, k, v, g, beta, initial_state=None):
     return torch.stack(outputs, dim=1).to(out_dtype), state.to(out_dtype)
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """The same as `gated_delta_rule_sequential`, in chunks of `chunk_size` tokens (the end padded
     with beta = 0 and g = 0: those tokens neither change the state nor are returned)."""
     b, s, h, dk = k.shape
+    if seq_idx is not None:
+        g = g.to(_compute_dtype(g)) + start_log_decay(seq_idx).to(_compute_dtype(g))[..., None]
     dv = v.shape[-1]
     dtype, out_dtype = _compute_dtype(v), v.dtype
     pad = -s % chunk_size
@@ -92,12 +101,12 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
     return o.to(out_dtype), state.to(out_dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """`gated_delta_rule_triton` for float32, bfloat16 and float16 v on CUDA when Triton is installed
     (and on CPU tensors under TRITON_INTERPRET=1) with dk up to 128, else `gated_delta_rule_chunked`:
     the same results and gradients."""
     args = (q, k, v, g, beta, initial_state)
     if (triton is not None and (v.is_cuda or INTERPRETED) and v.dtype in SUPPORTED_DTYPES
             and k.shape[-1] <= MAX_KEY_DIM):
-        return gated_delta_rule_triton(*args, chunk_size=chunk_size)
-    return gated_delta_rule_chunked(*args, chunk_size=chunk_size)
+        return gated_delta_rule_triton(*args, chunk_size=chunk_size, seq_idx=seq_idx)
+    return gated_delta_rule_chunked(*args, chunk_size=chunk_size, seq_idx=seq_idx)

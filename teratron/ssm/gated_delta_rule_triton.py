@@ -57,6 +57,8 @@ from typing import Optional
 
 import torch
 
+from teratron.ssm.recurrence import start_log_decay
+
 try:
     import triton
     import triton.language as tl
@@ -95,9 +97,10 @@ LAUNCH = dict(solve=(4, 3), solved=(2, 4), state_passing=(4, 2), output=(2, 4), 
               state_passing_backward=(4, 1), backward=(4, 2))
 
 
-def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """`gated_delta_rule_chunked` by the Triton kernels (the module docstring): q, k [b, s, h, dk],
-    v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or None -> (o [b, s, h, dv],
+    v [b, s, h, dv], g and beta [b, s, h], initial_state [b, h, dv, dk] or None, seq_idx [b, s] int or
+    None (packed documents: their first tokens' g take DOCUMENT_START_LOG_DECAY) -> (o [b, s, h, dv],
     final state [b, h, dv, dk]), both in v's dtype. chunk_size: 16, 32 or 64; dk at most 128."""
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"gated_delta_rule_triton: chunk_size {chunk_size} must be one of "
@@ -110,6 +113,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: in
                          "kernels' state tile (gated_delta_rule_chunked takes any)")
     if q.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:  # Q K^T takes tiles of one dtype tl.dot takes
         q, k = q.float(), k.float()
+    if seq_idx is not None:
+        g = g.float() + start_log_decay(seq_idx)[..., None]
     o, final, *_ = _gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size)
     return o, final
 

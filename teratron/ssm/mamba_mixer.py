@@ -107,17 +107,19 @@ class MambaMixer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None).
-        The mixer is causal by construction: the attention arguments a layer passes are unused.
+        The mixer is causal by construction: of the attention arguments a layer passes it reads only
+        packed documents (attention_mask a PackedSeqParams: each document from a zero state).
         With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
         request's tokens continue from the convolution and scan states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        y = mix_tokens(self._mix, projected, self.layer_number, inference_context)
+        y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
         out, _ = self.out_proj(y)  # y [s, b, d_inner / tp]
         return out, None
 
-    def _mix(self, projected, state):
-        """projected [b, s, parts / tp] and the (convolution, scan) state before it (None: zeros)
-        -> (the gated, normed scan output [b, s, d_inner / tp], the state after it)."""
+    def _mix(self, projected, state, seq_idx=None):
+        """projected [b, s, parts / tp] and the (convolution, scan) state before it (None: zeros),
+        seq_idx [b, s] (packed documents) or None -> (the gated, normed scan output [b, s, d_inner / tp],
+        the state after it)."""
         conv_state, scan_state = state if state is not None else (None, None)
         bc = self.ngroups_local * self.d_state
         # Split in the projection's memory order ([s, b] in training): the gradient's concatenation then
@@ -126,7 +128,8 @@ class MambaMixer(nn.Module):
                                                 dim=-1)
         z, xbc, dt = (part.transpose(0, 1) for part in parts)
         # [b, s, c]
-        xbc, conv_state = causal_conv1d_silu(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state)
+        xbc, conv_state = causal_conv1d_silu(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state,
+                                             seq_idx=seq_idx)
         x, B, C = xbc.split([self.d_inner_local, bc, bc], dim=-1)
         b, s = x.shape[:2]
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
@@ -134,7 +137,7 @@ class MambaMixer(nn.Module):
         x = x.unflatten(-1, (self.nheads_local, self.head_dim))
         B, C = (t.unflatten(-1, (self.ngroups_local, self.d_state)) for t in (B, C))
         y, scan_state = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, initial_state=scan_state,
-                            chunk_size=self.chunk_size)
+                            chunk_size=self.chunk_size, seq_idx=seq_idx)
         return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)
 
 

@@ -14,8 +14,11 @@ its running sum inside a chunk, cum_i,
     from earlier chunks y_i += exp(cum_i) H_c C_i
 
 Shapes: x [b, s, h, p], dt [b, s, h] (positive: after softplus), A [h] (negative), B and C
-[b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p], final state
-[b, h, p, n]). Computed in fp32 (or the inputs' wider dtype), returned in x's dtype.
+[b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None, seq_idx [b, s] int or None ->
+(y [b, s, h, p], final state [b, h, p, n]). Computed in fp32 (or the inputs' wider dtype), returned
+in x's dtype. With seq_idx (packed documents, teratron.ssm.recurrence) each document starts from a
+zero state: the state is dropped where a row's seq_idx changes (the initial state, if any, goes to
+the row's first document); the chunked forms add DOCUMENT_START_LOG_DECAY to a there.
 
 `ssd` is what layers call: the same computation by Triton kernels (`ssd_triton`, teratron.ssm.ssd_triton)
 on CUDA tensors, by `ssd_chunked` elsewhere.
@@ -24,6 +27,7 @@ on CUDA tensors, by `ssd_chunked` elsewhere.
 import torch
 import torch.nn.functional as F
 
+from teratron.ssm.recurrence import document_starts, start_log_decay
 from teratron.ssm.ssd_triton import INTERPRETED, SUPPORTED_DTYPES, ssd_triton, triton
 
 
@@ -36,16 +40,18 @@ def _heads(t, h: int):
     return t.repeat_interleave(h // t.shape[2], dim=2)
 
 
-def ssd_sequential(x, dt, A, B, C, D=None, initial_state=None):
-    """The recurrence, one token at a time (see the module docstring)."""
+def ssd_sequential(x, dt, A, B, C, D=None, initial_state=None, seq_idx=None):
+    """The recurrence, one token at a time (see the module docstring); a document's first token
+    (seq_idx) keeps none of the state before it."""
     b, s, h, p = x.shape
     dtype = _compute_dtype(x)
     x, dt, A = x.to(dtype), dt.to(dtype), A.to(dtype)
     B, C = _heads(B, h).to(dtype), _heads(C, h).to(dtype)
     state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    starts = torch.zeros(b, s, dtype=torch.bool, device=x.device) if seq_idx is None else document_starts(seq_idx)
     ys = []
     for t in range(s):
-        decay = torch.exp(dt[:, t] * A)  # [b, h]
+        decay = torch.exp(dt[:, t] * A).masked_fill(starts[:, t, None], 0.0)  # [b, h]
         state = decay[..., None, None] * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
         ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
     y = torch.stack(ys, dim=1)
@@ -64,7 +70,7 @@ def _segment_sums(a):
     return sums.masked_fill(~causal, float("-inf"))
 
 
-def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """The same as `ssd_sequential`, in chunks of `chunk_size` tokens (the end padded with dt = 0,
     which neither decays nor adds to the state)."""
     b, s, h, p = x.shape
@@ -75,7 +81,10 @@ def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64
     m = (s + pad) // chunk_size
     # [b, m, L, h, ...]: chunks of L tokens
     xs, dts, Bs, Cs = (t.reshape(b, m, chunk_size, *t.shape[2:]) for t in (xs, dts, Bs, Cs))
-    a = (dts * A.to(dtype)).permute(0, 1, 3, 2)  # [b, m, h, L]
+    a = dts * A.to(dtype)  # [b, m, L, h]
+    if seq_idx is not None:
+        a = a + F.pad(start_log_decay(seq_idx).to(dtype), (0, pad)).reshape(b, m, chunk_size, 1)
+    a = a.permute(0, 1, 3, 2)  # [b, m, h, L]
     cum = torch.cumsum(a, dim=-1)
     weighted_x = xs * dts[..., None]  # dt_j x_j [b, m, L, h, p]
 
@@ -102,10 +111,10 @@ def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64
     return y.to(x.dtype), state.to(x.dtype)
 
 
-def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """`ssd_triton` for float32, bfloat16 and float16 CUDA tensors when Triton is installed (and for
     CPU tensors under TRITON_INTERPRET=1), else `ssd_chunked`: the same results and gradients."""
     args = (x, dt, A, B, C, D, initial_state)
     if triton is not None and (x.is_cuda or INTERPRETED) and x.dtype in SUPPORTED_DTYPES:
-        return ssd_triton(*args, chunk_size=chunk_size)
-    return ssd_chunked(*args, chunk_size=chunk_size)
+        return ssd_triton(*args, chunk_size=chunk_size, seq_idx=seq_idx)
+    return ssd_chunked(*args, chunk_size=chunk_size, seq_idx=seq_idx)

@@ -8,7 +8,9 @@ last entry Lam = cum_{L-1}, xw_j = dt_j x_j, decay_ij = exp(cum_i - cum_j) for j
 M = (C B^T) o decay [L, L] (o: elementwise), the chunk's own state S_c and H_c the one entering it:
 
     forward, each program one (batch, chunk, head) unless said
-      cum        cumsum of a in the chunk                                    (_chunk_cumsum_kernel)
+      cum        cumsum of a in the chunk (packed documents: a += DOCUMENT_START_LOG_DECAY at a
+                 document's first token, the one place seq_idx is read; a constant, so the
+                 backward is unchanged)                                       (_chunk_cumsum_kernel)
       S_c        sum_j exp(Lam - cum_j) xw_j B_j^T = (x o w)^T B             (_chunk_state_kernel)
       H_c        H_0 = initial; H_{c+1} = exp(Lam_c) H_c + S_c, a loop over
                  chunks per (batch, head, block of the p x n state)          (_state_passing_kernel)
@@ -60,6 +62,8 @@ from typing import Optional
 
 import torch
 
+from teratron.ssm.recurrence import DOCUMENT_START_LOG_DECAY
+
 try:
     import triton
     import triton.language as tl
@@ -94,17 +98,20 @@ LAUNCH = dict(cumsum=(4, 1), chunk_state=(2, 2), state_passing=(4, 3), state_pas
               scores=(4, 1), scan=(8, 3), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
 
 
-def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seq_idx=None):
     """`ssd_chunked` by the Triton kernels (the module docstring): x [b, s, h, p], dt [b, s, h],
-    A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None -> (y [b, s, h, p],
-    final state [b, h, p, n]), both in x's dtype. chunk_size: 16, 32, 64 or 128."""
+    A [h], B and C [b, s, g, n], D [h] or None, initial_state [b, h, p, n] or None, seq_idx [b, s]
+    int or None (packed documents) -> (y [b, s, h, p], final state [b, h, p, n]), both in x's dtype.
+    chunk_size: 16, 32, 64 or 128."""
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"ssd_triton: chunk_size {chunk_size} must be one of {', '.join(map(str, CHUNK_SIZES))} "
                          "(the kernels' tile sizes; MambaMixer's default is 128)")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"ssd_triton: x is {x.dtype}; the kernels take float32, bfloat16 or float16 "
                          "(ssd_chunked computes other dtypes)")
-    y, final, *_ = _ssd_scan(x, dt, A, B, C, D, initial_state, chunk_size)
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    y, final, *_ = _ssd_scan(x, dt, A, B, C, D, initial_state, chunk_size, seq_idx)
     return y, final
 
 
@@ -202,15 +209,16 @@ def _empty_tokens(t):
 # frame on the stack, leaving each piece compiled apart).
 @torch.library.custom_op("teratron::ssd_scan", mutates_args=())
 def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-              D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, final state in x's dtype, and what the backward keeps: the chunks' cumulative decays cum,
-    C B^T per group and the states entering each chunk, fp32)."""
+              D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], chunk_size: int,
+              seq_idx: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """(y, final state in x's dtype, and what the backward keeps: the chunks' cumulative decays cum
+    (their documents' starts included), C B^T per group and the states entering each chunk, fp32)."""
     shape = _Shape.of(x, B, chunk_size)
     x, B, C = _token_inputs(x, B, C)
     dt = dt.contiguous()
     A32 = A.float().contiguous()
-    cum, states, final = _scan_states(x, dt, A32, B, initial_state, shape)
+    cum, states, final = _scan_states(x, dt, A32, B, initial_state, seq_idx, shape)
     b, m, g, L = shape.batch, shape.chunks, shape.groups, shape.chunk
     scores = torch.empty(b, m, g, L, L, device=x.device, dtype=torch.float32)  # C B^T per group
     _chunk_scores_kernel[(b * m, g)](B, C, scores, **_row_strides(bc=B), **shape.sizes(),
@@ -228,7 +236,7 @@ def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
 
 @_ssd_scan.register_fake
-def _(x, dt, A, B, C, D, initial_state, chunk_size):
+def _(x, dt, A, B, C, D, initial_state, chunk_size, seq_idx):
     shape = _Shape.of(x, B, chunk_size)
     b, h, m, L = shape.batch, shape.heads, shape.chunks, shape.chunk
     g, p, n = shape.groups, shape.head_dim, shape.d_state
@@ -238,7 +246,7 @@ def _(x, dt, A, B, C, D, initial_state, chunk_size):
 
 
 def _setup_scan(ctx, inputs, output):
-    x, dt, A, B, C, D, initial_state, chunk_size = inputs
+    x, dt, A, B, C, D, initial_state, chunk_size, _ = inputs
     _, _, cum, scores, states = output
     ctx.save_for_backward(x, dt, A, B, C, D, initial_state, cum, scores, states)
     ctx.chunk_size = chunk_size
@@ -253,7 +261,7 @@ def _scan_autograd(ctx, dy, dfinal, *unused):
         dfinal = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3])
     dx, ddt, dA, dB, dC, dD, dinitial = _ssd_scan_backward(dy, dfinal, x, dt, A, B, C, D, initial_state, cum,
                                                            scores, states, ctx.chunk_size)
-    return (dx, ddt, dA, dB, dC, dD if ctx.has_D else None, dinitial if ctx.has_initial else None, None)
+    return (dx, ddt, dA, dB, dC, dD if ctx.has_D else None, dinitial if ctx.has_initial else None, None, None)
 
 
 @torch.library.custom_op("teratron::ssd_scan_backward", mutates_args=())
@@ -314,12 +322,14 @@ def _(dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores, states, chunk_s
 _ssd_scan.register_autograd(_scan_autograd, setup_context=_setup_scan)
 
 
-def _scan_states(x, dt, A32, B, initial_state, shape):
+def _scan_states(x, dt, A32, B, initial_state, seq_idx, shape):
     """The chunks' cumulative decays cum [b, h, m * L] and the states entering each chunk
     [b, m, h, p, n] (fp32), and the final state [b, h, p, n] (fp32)."""
     b, h, m, L, p, n = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.head_dim, shape.d_state
     cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
-    _chunk_cumsum_kernel[(b * m, h)](dt, A32, cum, shape.seq, h, m, L=L, **shape.launch("cumsum"))
+    _chunk_cumsum_kernel[(b * m, h)](dt, A32, seq_idx if seq_idx is not None else dt, cum, shape.seq, h, m,
+                                     START_LOG_DECAY=DOCUMENT_START_LOG_DECAY, HAS_SEQ_IDX=seq_idx is not None,
+                                     L=L, **shape.launch("cumsum"))
     states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks)](
         x, B, dt, cum, states, **_row_strides(u=x, v=B), **shape.sizes(), FROM_START=False,
@@ -376,9 +386,17 @@ if triton is not None:
         return tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
 
     @triton.jit
-    def _chunk_cumsum_kernel(dt, A, cum, s, heads, m, L: tl.constexpr):
+    def _chunk_cumsum_kernel(dt, A, seq_idx, cum, s, heads, m, START_LOG_DECAY: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, L: tl.constexpr):
+        """cum of chunk c: the running sum of a = dt A (+ START_LOG_DECAY where seq_idx [b, s] changes:
+        a document's first token)."""
         bi, c, head = program_chunk(m)
         a = _load_dt(dt, bi, c, head, s, heads, L) * tl.load(A + head)
+        if HAS_SEQ_IDX:
+            t = c * L + tl.arange(0, L)
+            document = tl.load(seq_idx + bi * s + t, mask=t < s, other=0)
+            before = tl.load(seq_idx + bi * s + t - 1, mask=(t > 0) & (t < s), other=0)
+            a += tl.where((t > 0) & (t < s) & (document != before), START_LOG_DECAY, 0.0)
         tl.store(cum + ((bi * heads + head) * m + c) * L + tl.arange(0, L), tl.cumsum(a, 0))
 
     @triton.jit

@@ -381,8 +381,8 @@ class RunConfig:
                              f"{' x TP' if t.sequence_parallel else ''} = {parts} under --context-parallel-size {cp}")
 
     def _check_recurrent_layers(self):
-        """Mamba-2 and Gated DeltaNet layers scan the whole sequence row: they run neither on a CP
-        shard of it nor over packed documents (which they would read as one)."""
+        """Mamba-2 and Gated DeltaNet layers scan the whole sequence row: they do not run on a CP
+        shard of it (packed documents they take, each from a zero state)."""
         pattern = self.transformer.hybrid_layer_pattern or ""
         recurrent = [symbol for symbol in "MG" if symbol in pattern]
         if not recurrent:
@@ -391,10 +391,6 @@ class RunConfig:
         if self.transformer.context_parallel_size > 1:
             raise NotImplementedError(f"--context-parallel-size with {kinds} layers: context parallelism inside "
                                       "these layers is not supported yet; use CP 1")
-        if self.data.sequence_packing or self.data.reset_attention_mask:
-            flag = "--sequence-packing" if self.data.sequence_packing else "--reset-attention-mask"
-            raise NotImplementedError(f"{flag} with {kinds} layers: their scans would run across document "
-                                      "boundaries (per-document states are not supported yet); drop the flag")
 
     def _check_sequence_packing(self):
         """A packed micro-batch is one row of --seq-length tokens; micro-batches hold different token

@@ -6,12 +6,16 @@ defined):
 
 compares `causal_conv1d_silu` on the Triton path with silu(causal_conv1d) computed in float64 on the
 same values: the output, the final state and the gradients of x, the weight and the bias, for each of CASES (x as a
-strided slice of a wider tensor, as the mixers pass it), and with the PyTorch path for float16
-inputs; prints how many it checked.
+strided slice of a wider tensor, as the mixers pass it) and of DOCUMENT_CASES (packed documents, seq_idx),
+and with the PyTorch path for float16 inputs; prints how many it checked.
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from ssm.packed_documents import seq_idx_of
 
 # (b, s, c, k, with bias, transposed: x a [s, b] tensor seen as [b, s]): tiles cut mid-sequence
 # and mid-channels, a sequence shorter than the kernel, kernels of 2 and 4 taps.
@@ -20,6 +24,15 @@ CASES = [
     (1, 130, 70, 4, False, True),
     (2, 2, 9, 4, True, True),
     (1, 65, 66, 2, True, False),
+]
+
+# (a case as above, each row's document lengths): packed documents against the forward's 64-token
+# tiles and the gate's and dx's 32: documents across 32, 64 and 96 and starting at 32 or 64, of length 1
+# (first, mid-row, last, two in a row) and 2, a row of one document; kernels of 4, 3 and 2 taps.
+DOCUMENT_CASES = [
+    ((2, 130, 10, 4, True, False), [[1, 31, 33, 1, 2, 62], [64, 1, 1, 3, 61]]),
+    ((2, 100, 70, 3, False, True), [[2, 30, 1, 67], [100]]),
+    ((1, 70, 9, 2, True, True), [[32, 1, 31, 5, 1]]),
 ]
 
 
@@ -44,10 +57,10 @@ def output_and_grads(conv, x, weight, bias, seed=1):
     return [y.detach(), *grads] + ([None] if bias is None else [])
 
 
-def reference(x, weight, bias):
+def reference(x, weight, bias, seq_idx=None):
     """silu(causal_conv1d) in float64, back in x's dtype."""
     from teratron.ssm.causal_conv1d import causal_conv1d
-    y, _ = causal_conv1d(x.double(), weight.double(), bias.double() if bias is not None else None)
+    y, _ = causal_conv1d(x.double(), weight.double(), bias.double() if bias is not None else None, seq_idx=seq_idx)
     return F.silu(y).to(x.dtype)
 
 
@@ -57,9 +70,9 @@ def assert_within_one_rounding(got, want):
     torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=rtol * want.abs().max().item())
 
 
-def pytorch_path(x, weight, bias):
+def pytorch_path(x, weight, bias, seq_idx=None):
     from teratron.ssm.causal_conv1d import causal_conv1d
-    return F.silu(causal_conv1d(x, weight, bias)[0])
+    return F.silu(causal_conv1d(x, weight, bias, seq_idx=seq_idx)[0])
 
 
 def main():
@@ -67,9 +80,9 @@ def main():
     from teratron.ssm.causal_conv1d import causal_conv1d, causal_conv1d_silu
     from teratron.ssm.causal_conv1d_triton import runs_here
 
-    def triton_path(x, weight, bias):
+    def triton_path(x, weight, bias, seq_idx=None):
         assert runs_here(x, weight, None), "the kernels do not take these inputs"
-        y, _ = causal_conv1d_silu(x, weight, bias)
+        y, _ = causal_conv1d_silu(x, weight, bias, seq_idx=seq_idx)
         return y
 
     x, weight, _ = make_inputs(1, 8, 4, 4, False, False)
@@ -80,17 +93,28 @@ def main():
     wide = kernels._wide
     # the CASES, then the second with one tile per program of the gate pass (several programs a
     # sequence: the weight and bias gradients summed over programs), then the first with offsets
-    # computed in int64 (what sequences past 2**31 elements take)
-    for case, kernels.TILES, kernels._wide in ([(case, tiles, wide) for case in CASES] + [(CASES[1], 1, wide)]
-                                               + [(CASES[0], tiles, lambda t: True)]):
+    # computed in int64 (what sequences past 2**31 elements take); then the DOCUMENT_CASES (seq_idx of
+    # int64, int32 and uint8), the first again with one tile per program and with int64 offsets
+    def int64_offsets(t) -> bool:
+        return True
+
+    runs = [(case, None, tiles, wide) for case in CASES] + [(CASES[1], None, 1, wide),
+                                                            (CASES[0], None, tiles, int64_offsets)]
+    runs += [(case, lengths, tiles, wide) for case, lengths in DOCUMENT_CASES]
+    runs += [(*DOCUMENT_CASES[0], 1, wide), (*DOCUMENT_CASES[0], tiles, int64_offsets)]
+    index_dtypes = [torch.int64, torch.int32, torch.uint8]
+    for run, (case, lengths, kernels.TILES, kernels._wide) in enumerate(runs):
         inputs = make_inputs(*case)
-        for got, want in zip(output_and_grads(triton_path, *inputs), output_and_grads(reference, *inputs)):
+        seq_idx = seq_idx_of(*lengths, dtype=index_dtypes[run % 3]) if lengths is not None else None
+        got_all = output_and_grads(partial(triton_path, seq_idx=seq_idx), *inputs)
+        for got, want in zip(got_all, output_and_grads(partial(reference, seq_idx=seq_idx), *inputs)):
             if want is None:
                 assert got is None
                 continue
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        # the final state (the last k - 1 inputs), what a decoding step continues from
-        torch.testing.assert_close(causal_conv1d_silu(*inputs)[1], causal_conv1d(*inputs)[1], rtol=0, atol=0)
+        # the final state (the last k - 1 inputs, of the last document alone), what a decoding step continues from
+        torch.testing.assert_close(causal_conv1d_silu(*inputs, seq_idx=seq_idx)[1],
+                                   causal_conv1d(*inputs, seq_idx=seq_idx)[1], rtol=0, atol=0)
         checked += 1
     kernels.TILES, kernels._wide = tiles, wide
     # float16 inputs against the PyTorch path in float16 (the pre-activation rounded to float16 in both):

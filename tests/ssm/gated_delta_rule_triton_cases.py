@@ -5,15 +5,18 @@ tensors that it runs in a subprocess (Triton reads TRITON_INTERPRET when kernels
 
 compares `gated_delta_rule_triton`, run by Triton's interpreter, with `gated_delta_rule_chunked` in
 float64 on the same values: outputs, final states and the gradients of every input, for each of
-CASES, for 16-bit inputs, through `gated_delta_rule` on strided views (as GatedDeltaNet passes v)
+CASES, for 16-bit inputs, for packed documents (seq_idx), through `gated_delta_rule` on strided views (as GatedDeltaNet passes v)
 and past the largest key head dim (the PyTorch path), and GatedDeltaNet's layer (forward and
 backward, and a state carried across two calls) against the layer on the PyTorch path; prints how
 many it checked.
 """
 
+import functools
 import os
 
 import torch
+
+from ssm.packed_documents import seq_idx_of
 
 # (b, s, h, dk, dv, chunk_size, with an initial state): ragged last chunks, one short chunk, dk != dv,
 # sides that are not powers of 2 (padded tiles), chunks of 16, 32 and 64 (GatedDeltaNet's).
@@ -116,6 +119,15 @@ def main() -> None:
     assert_close_to(got, want, result_names(), 1e-5, "float64 q, k")
     checked += 1
 
+    # Packed documents (seq_idx): a document of 1 token, ones starting on and off chunk boundaries (16),
+    # one crossing chunks, with an initial state (the rows' first documents take it).
+    seq_idx = seq_idx_of([5, 1, 10, 34], [16, 34])
+    inputs = make_inputs(2, 50, 2, 16, 8, True, seed=10)
+    want = outputs_and_grads(functools.partial(chunked, seq_idx=seq_idx), [t.double() for t in inputs], 16)
+    got = outputs_and_grads(functools.partial(gated_delta_rule_triton, seq_idx=seq_idx), inputs, 16)
+    assert_close_to(got, want, result_names(), 1e-5, "packed documents")
+    checked += 1
+
     # `gated_delta_rule` takes the kernels here, also for q, k, v strided views of one [b, s, ...] tensor.
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("gated_delta_rule took gated_delta_rule_chunked, not the Triton kernels")
@@ -155,10 +167,12 @@ def main() -> None:
 
 def check_the_layer(rule_module, chunked_must_not_run):
     """GatedDeltaNet (2 key heads of 16, 4 value heads of 8, chunks of 16) on the kernels equals a
-    float64 copy of it on gated_delta_rule_chunked: output and every gradient over 40 tokens, and
-    the output and states of 15 more tokens that continue from the first 25's state (the inference
-    path)."""
+    float64 copy of it on gated_delta_rule_chunked: output and every gradient over 40 tokens, the
+    output and x's gradient on rows of packed documents, and the output and states of 15 more tokens
+    that continue from the first 25's state (the inference path)."""
     import copy
+
+    from teratron.packed_seq_params import PackedSeqParams, cu_seqlens_from_documents
 
     from teratron.ssm import GatedDeltaNet
     from teratron.transformer.transformer_config import TransformerConfig
@@ -173,22 +187,27 @@ def check_the_layer(rule_module, chunked_must_not_run):
     x = torch.randn(40, 2, 32)  # [s, b, h]
     out_weight = torch.randn(40, 2, 32, dtype=torch.float64)
 
+    cu = cu_seqlens_from_documents(seq_idx_of([7, 1, 8, 24], [40]))
+    packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
     def run(layer, x):
         x = x.clone().requires_grad_()
         out = layer(x)[0]
         grads = torch.autograd.grad((out.double() * out_weight).sum(), [x, *layer.parameters()])
+        out_packed = layer(x, attention_mask=packed)[0]
+        dx_packed = torch.autograd.grad((out_packed.double() * out_weight).sum(), x)[0]
         with torch.no_grad():
             projected = layer.in_proj(x)[0].transpose(0, 1)  # [b, s, parts]
             _, state = layer._mix(projected[:, :25], None)
             y, (conv_state, rule_state) = layer._mix(projected[:, 25:], state)
-        return [out.detach(), *grads, y, conv_state, rule_state]
+        return [out.detach(), *grads, out_packed.detach(), dx_packed, y, conv_state, rule_state]
 
     want = run(copy.deepcopy(layer).double(), x.double())  # float64: gated_delta_rule_chunked
     rule_module.gated_delta_rule_chunked, chunked = chunked_must_not_run, rule_module.gated_delta_rule_chunked
     got = run(layer, x)
     rule_module.gated_delta_rule_chunked = chunked
-    names = ["out", "dx", *(f"d {name}" for name, _ in layer.named_parameters()), "continued out", "conv state",
-             "rule state"]
+    names = ["out", "dx", *(f"d {name}" for name, _ in layer.named_parameters()), "packed out", "packed dx",
+             "continued out", "conv state", "rule state"]
     assert_close_to(got, want, names, 1e-5, "GatedDeltaNet")
 
 

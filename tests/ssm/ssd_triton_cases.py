@@ -5,12 +5,16 @@ runs in a subprocess (Triton reads TRITON_INTERPRET when kernels are defined):
 
 compares `ssd_triton`, run by Triton's interpreter, with `ssd_chunked` in float64 on the same
 values: outputs, final states and the gradients of every input, for each of CASES, for 16-bit
-inputs, and through `ssd` on strided views (as MambaMixer passes them); prints how many it checked.
+inputs, for packed documents (seq_idx), and through `ssd` on strided views (as MambaMixer passes
+them); prints how many it checked.
 """
 
+import functools
 import os
 
 import torch
+
+from ssm.packed_documents import seq_idx_of
 
 # (b, s, h, g, p, n, chunk_size, with D, with an initial state): ragged last chunks, one short
 # chunk, groups of 1 and 2 heads, sides that are not powers of 2 (padded tiles), chunks of 16 and 32.
@@ -113,6 +117,16 @@ def main() -> None:
         assert [t.dtype for t in got] == [dtype, dtype, dtype, torch.float32, torch.float32, dtype, dtype,
                                           torch.float32, dtype]
         assert_close_to(got, want, result_names(), rtol, str(dtype))
+        checked += 1
+
+    # Packed documents (seq_idx): a document of 1 token, ones starting on and off chunk boundaries (16, 32),
+    # one crossing chunks; chunks of 16 and 32, with an initial state (the rows' first documents take it).
+    seq_idx = seq_idx_of([5, 1, 10, 27, 27], [32, 38])
+    inputs = make_inputs(2, 70, 4, 2, 8, 16, True, True, seed=8)
+    for chunk in (16, 32):
+        want = outputs_and_grads(functools.partial(ssd_chunked, seq_idx=seq_idx), [t.double() for t in inputs], chunk)
+        got = outputs_and_grads(functools.partial(ssd_triton, seq_idx=seq_idx), inputs, chunk)
+        assert_close_to(got, want, result_names(), 1e-5, f"packed documents, chunks of {chunk}")
         checked += 1
 
     # `ssd` takes the kernels here, also for strided views of one [b, s, h * p + 2 * g * n] tensor laid

@@ -1,7 +1,8 @@
 """Gated DeltaNet's mixer: one process against its definition written out plainly (projection,
 causal convolution, L2 norms, grouped heads, the recurrence token by token, the per-head norm gated
 by z), Megatron's parameter names and initialisation, TP 2 (with and without sequence parallelism)
-equal to TP 1 built from the same seed (outputs, input and weight grads), and the sizes refused."""
+equal to TP 1 built from the same seed (outputs, input and weight grads), packed documents each run
+as alone, and the sizes refused."""
 
 import math
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from dist import run_distributed
+from ssm.packed_documents import assert_documents_run_as_alone
 from teratron.ssm import GatedDeltaNet, gated_delta_rule_sequential
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.transformer.transformer_config import TransformerConfig
@@ -84,6 +86,13 @@ def test_one_process_equals_the_definition(normalization):
     out, bias = m(x)
     assert bias is None and out.shape == (S, B, H)
     assert_close(out.double(), _definition(m, x, normalization == "LayerNorm"), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_each_run_as_alone():
+    """Rows of packed documents (documents of 1 token, starting on and off the chunks of 4): every
+    document's output and gradients equal the layer's on the document alone (float64 parameters and
+    inputs; the gates are computed in fp32, hence fp32's tolerance)."""
+    assert_documents_run_as_alone(_layer().double(), _inputs()[0].double(), ([3, 1, 6], [4, 2, 4]), tol=1e-6)
 
 
 def test_bf16_parameters_give_bf16_outputs_and_grads_near_the_definition():

@@ -1,9 +1,11 @@
 """Gated DeltaNet's chunked gated delta rule equals the recurrence it computes (float64, forward and
-backward, ragged chunks, with and without an initial state), and carries its state across calls."""
+backward, ragged chunks, with and without an initial state, packed documents, which the recurrence
+runs each as alone), and carries its state across calls."""
 
 import pytest
 import torch
 
+from ssm.packed_documents import documents, seq_idx_of
 from teratron.ssm import gated_delta_rule_chunked, gated_delta_rule_sequential
 
 
@@ -44,14 +46,22 @@ def test_sequential_is_the_definition():
     torch.testing.assert_close(final, final_ref, rtol=1e-12, atol=1e-12)
 
 
+# 29 tokens a row: documents of 1 token, one starting on a chunk boundary of 4 and 16 (token 16),
+# one crossing several chunks; a row of one document
+PACKED_ROWS = ([7, 1, 8, 13], [29])
+
+
 @pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunked_equals_sequential_forward_and_backward(chunk_size, with_state):
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_equals_sequential_forward_and_backward(chunk_size, with_state, packed):
+    """packed: the rows' documents of PACKED_ROWS (an initial state goes to each row's first document)."""
     inputs = [t.requires_grad_() for t in _inputs()]
     q, k, v, g, beta, state = inputs
     state = state if with_state else None
-    o, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
-    o_ref, final_ref = gated_delta_rule_sequential(q, k, v, g, beta, state)
+    seq_idx = seq_idx_of(*PACKED_ROWS) if packed else None
+    o, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size, seq_idx=seq_idx)
+    o_ref, final_ref = gated_delta_rule_sequential(q, k, v, g, beta, state, seq_idx=seq_idx)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
     weights = torch.randn_like(o), torch.randn_like(final)
@@ -81,3 +91,16 @@ def test_bf16_values_come_back_in_bf16_computed_in_fp32(rule):
     o_ref, final_ref = gated_delta_rule_sequential(q, k, v.bfloat16().double(), g, beta, state)
     torch.testing.assert_close(o, o_ref.bfloat16(), rtol=1.6e-2, atol=1e-5)
     torch.testing.assert_close(final, final_ref.bfloat16(), rtol=1.6e-2, atol=1e-5)
+
+
+def test_packed_documents_each_run_as_alone():
+    """The recurrence with seq_idx gives each document what it gives the document alone, from a
+    zero state; the final state is the last document's."""
+    q, k, v, g, beta, _ = _inputs()
+    o, final = gated_delta_rule_sequential(q, k, v, g, beta, seq_idx=seq_idx_of(*PACKED_ROWS))
+    finals = {}
+    for row, part in documents(PACKED_ROWS):
+        rows = slice(row, row + 1)
+        o_alone, finals[row] = gated_delta_rule_sequential(*(t[rows, part] for t in (q, k, v, g, beta)))
+        torch.testing.assert_close(o[rows, part], o_alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final, torch.cat([finals[0], finals[1]]), rtol=1e-12, atol=1e-12)

@@ -18,7 +18,7 @@ from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 
 def test_triton_kernels_in_the_interpreter_match_gated_delta_rule_chunked():
     assert run_in_the_interpreter(__file__, "gated_delta_rule_triton_cases.py") == (
-        f"checked {len(CASES) + 8} cases on the Triton path")
+        f"checked {len(CASES) + 9} cases on the Triton path")
 
 
 def test_gated_delta_rule_on_the_cpu_runs_gated_delta_rule_chunked(monkeypatch):

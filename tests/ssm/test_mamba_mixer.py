@@ -1,6 +1,7 @@
 """Mamba-2's mixer: one process against its definition written out plainly (projection, causal
 convolution, the recurrence step by step, the per-group gated norm), and TP 2 (with and without
-sequence parallelism) equal to TP 1 built from the same seed: outputs, input and weight grads."""
+sequence parallelism) equal to TP 1 built from the same seed: outputs, input and weight grads; packed
+documents each run as alone."""
 
 import torch
 import torch.distributed as dist
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from dist import run_distributed
+from ssm.packed_documents import assert_documents_run_as_alone
 from teratron.ssm import ssd_sequential
 from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.tensor_parallel.utils import shard_tensor
@@ -58,6 +60,13 @@ def test_one_process_equals_the_definition():
     out, bias = m(x)
     assert bias is None and out.shape == (S, B, H)
     assert_close(out.double(), _definition(m, x), rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_each_run_as_alone():
+    """Rows of packed documents (documents of 1 token, starting on and off the chunks of 4): every
+    document's output and gradients equal the mixer's on the document alone (float64 parameters and
+    inputs; the gates are computed in fp32, hence fp32's tolerance)."""
+    assert_documents_run_as_alone(_mixer().double(), _inputs()[0].double(), ([3, 1, 6], [4, 2, 4]), tol=1e-6)
 
 
 def _run(m, x, grad, r=0, n=1, sp=False):

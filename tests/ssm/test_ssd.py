@@ -1,9 +1,11 @@
-"""Mamba-2's chunked scan equals the recurrence it computes (float64, forward and backward), and
-the causal convolution equals its definition; both carry state across calls as one call does."""
+"""Mamba-2's chunked scan equals the recurrence it computes (float64, forward and backward; packed
+documents too, which the recurrence runs each as alone), and the causal convolution equals its
+definition; both carry state across calls as one call does."""
 
 import pytest
 import torch
 
+from ssm.packed_documents import documents, seq_idx_of
 from teratron.ssm import causal_conv1d, ssd_chunked, ssd_sequential
 
 
@@ -42,15 +44,23 @@ def test_sequential_is_the_definition():
     torch.testing.assert_close(final, final_ref, rtol=1e-12, atol=1e-12)
 
 
+# 37 tokens a row: documents of 1 token, one starting on a chunk boundary of 8 and 16 (token 16),
+# one crossing several chunks; a row of one document
+PACKED_ROWS = ([5, 1, 10, 21], [37])
+
+
 @pytest.mark.parametrize("chunk_size", [1, 8, 16, 64])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunked_equals_sequential_forward_and_backward(chunk_size, with_state):
-    """37 tokens: ragged last chunk (or one padded chunk); 4 heads in 2 groups."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_equals_sequential_forward_and_backward(chunk_size, with_state, packed):
+    """37 tokens: ragged last chunk (or one padded chunk); 4 heads in 2 groups; packed: the rows'
+    documents of PACKED_ROWS (an initial state goes to each row's first document)."""
     inputs = [t.requires_grad_() for t in _inputs()]
     x, dt, A, B, C, D, state = inputs
     state = state if with_state else None
-    y, final = ssd_chunked(x, dt, A, B, C, D, state, chunk_size=chunk_size)
-    y_ref, final_ref = ssd_sequential(x, dt, A, B, C, D, state)
+    seq_idx = seq_idx_of(*PACKED_ROWS) if packed else None
+    y, final = ssd_chunked(x, dt, A, B, C, D, state, chunk_size=chunk_size, seq_idx=seq_idx)
+    y_ref, final_ref = ssd_sequential(x, dt, A, B, C, D, state, seq_idx=seq_idx)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
     weights = torch.randn_like(y), torch.randn_like(final)
@@ -99,3 +109,17 @@ def test_causal_conv1d_is_its_definition_and_continues_across_calls():
     y2, end = causal_conv1d(x[:, 5:], weight, bias, mid)
     torch.testing.assert_close(torch.cat([y1, y2], dim=1), y, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(end, state)
+
+
+def test_packed_documents_each_run_as_alone():
+    """The recurrence with seq_idx gives each document what it gives the document alone, from a
+    zero state; the final state is the last document's."""
+    x, dt, A, B, C, D, _ = _inputs()
+    seq_idx = seq_idx_of(*PACKED_ROWS)
+    y, final = ssd_sequential(x, dt, A, B, C, D, seq_idx=seq_idx)
+    finals = {}
+    for row, part in documents(PACKED_ROWS):
+        rows = slice(row, row + 1)
+        y_alone, finals[row] = ssd_sequential(x[rows, part], dt[rows, part], A, B[rows, part], C[rows, part], D)
+        torch.testing.assert_close(y[rows, part], y_alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final, torch.cat([finals[0], finals[1]]), rtol=1e-12, atol=1e-12)

@@ -17,7 +17,7 @@ from teratron.ssm.ssd_triton import ssd_triton
 
 def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
     assert run_in_the_interpreter(__file__, "ssd_triton_cases.py") == (
-        f"checked {len(CASES) + 6} cases on the Triton path")
+        f"checked {len(CASES) + 8} cases on the Triton path")
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
@@ -81,6 +81,17 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
         compiled = compile_for_sm90(getattr(kernels, name), dtype, activations, fp32, constexprs=constexprs,
                                     options=shape.launch(launch))
         assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, compiled.shared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_cumsum_kernel_compiles_for_an_h100(packed):
+    """The one kernel that reads seq_idx (int32; packed documents), with and without it."""
+    chunk = max(kernels.CHUNK_SIZES)
+    shape = kernels._Shape(batch=1, seq=chunk, heads=1, head_dim=1, groups=1, d_state=1, chunk=chunk, chunks=1)
+    constexprs = dict(START_LOG_DECAY=kernels.DOCUMENT_START_LOG_DECAY, HAS_SEQ_IDX=packed, L=chunk)
+    compile_for_sm90(kernels._chunk_cumsum_kernel, "fp32", "", "dt A cum", ints="seq_idx", constexprs=constexprs,
+                     options=shape.launch("cumsum"))
 
 
 @gpu_test

@@ -16,13 +16,11 @@ Sequence packing (documents as samples, balanced over DP ranks by tokens, packed
 under CP 2 x DP 2: each document split into 2 x CP chunks.
 """
 
-import numpy
 import pytest
 
-from teratron.datasets.indexed_dataset import IndexedDatasetBuilder
 from teratron.training.arguments import parse_train_args
 from teratron.training.config import run_config_from_args
-from train_runs import assert_same_losses, train, training_records
+from train_runs import assert_same_losses, train, training_records, write_documents
 
 TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -110,18 +108,8 @@ def test_multi_latent_attention(tmp_path):
     _assert_equal(reference, _train(MOCK + MLA + CP2, tmp_path, "mla-cp2", nproc=2), "mla-cp2")
 
 
-def _documents(prefix: str) -> None:
-    """400 documents of 2..12 tokens, each ending with the NullTokenizer's EOD (99)."""
-    rng = numpy.random.default_rng(0)
-    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16) as builder:
-        for _ in range(400):
-            builder.add_item(list(rng.integers(1, 99, size=int(rng.integers(1, 12)))) + [99])
-            builder.end_document()
-        builder.finalize(f"{prefix}.idx")
-
-
 def test_packed_documents_with_pipeline(tmp_path):
-    _documents(str(tmp_path / "docs"))
+    write_documents(str(tmp_path / "docs"))
     data = ["--data-path", str(tmp_path / "docs")] + DOCUMENTS
     reference = _train(data, tmp_path, "docs-single")
     run = _train(data + CP2 + ["--pipeline-model-parallel-size", "2"], tmp_path, "docs-cp2-pp2", nproc=4)
@@ -142,7 +130,7 @@ def test_multi_token_prediction_with_data_parallel_distributed_optimizer(tmp_pat
 def test_multi_token_prediction_and_qk_clip_on_packed_documents_with_per_token_loss(tmp_path):
     """The MTP shift stays inside each document and runs along the whole sequence across CP
     ranks; QK-clip's max logit is each head's over its documents' keys, max-reduced over CP."""
-    _documents(str(tmp_path / "docs"))
+    write_documents(str(tmp_path / "docs"))
     data = ["--data-path", str(tmp_path / "docs")] + DOCUMENTS + MTP + QK_CLIP + ["--calculate-per-token-loss"]
     reference = _train(data, tmp_path, "mtp-docs-single")
     assert reference[0][0]["max_attention_logit"] > 0.03  # the threshold: the clip acts
@@ -155,7 +143,7 @@ PACKING = ["--sequence-packing", "--calculate-per-token-loss", "--micro-batch-si
 
 
 def test_sequence_packing_over_data_and_context_parallel_ranks(tmp_path):
-    _documents(str(tmp_path / "docs"))
+    write_documents(str(tmp_path / "docs"))
     data = ["--data-path", str(tmp_path / "docs")] + PACKING
     reference = _train(data, tmp_path, "packed-single")
     run = _train(data + CP2, tmp_path, "packed-cp2-dp2", nproc=4)

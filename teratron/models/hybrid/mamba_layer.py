@@ -39,7 +39,8 @@ class MambaLayer(torch.nn.Module):
         self.mamba_bda = build_module(submodules.mamba_bda)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        mixed = self.mixer(self.norm(hidden_states), inference_context=inference_context)
+        # the mixer reads attention_mask only for packed documents (a PackedSeqParams)
+        mixed = self.mixer(self.norm(hidden_states), attention_mask=attention_mask, inference_context=inference_context)
         residual = hidden_states.float() if self.config.fp32_residual_connection else hidden_states
         with residual_dropout_rng(self.config, self.training):
             out = self.mamba_bda(self.training, self.config.bias_dropout_fusion)(mixed, residual,
