@@ -16,6 +16,13 @@ def seq_idx_of(*rows, dtype=torch.int32):
                         for first, lengths in zip(firsts, rows)]).to(dtype)
 
 
+def gpu_documents(seq: int):
+    """Two rows of `seq` tokens (at least 260) of documents for the GPU tests: documents of one token,
+    one of 127 that ends on a chunk boundary of 64 and 128, documents crossing many chunks."""
+    third = seq // 3
+    return [1, 127, 1, seq - 129], [third, 1, 1, seq - third - 2]
+
+
 def documents(rows):
     """(row, token slice) of every document of `rows` (each row's document lengths), in order."""
     for row, lengths in enumerate(rows):

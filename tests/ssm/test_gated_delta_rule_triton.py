@@ -2,6 +2,7 @@
 gated_delta_rule_chunked (in Triton's interpreter on the CPU, compiled on a GPU: outputs, final
 states and every gradient), and `gated_delta_rule`'s choice of path."""
 
+import functools
 import inspect
 import re
 
@@ -12,6 +13,7 @@ import teratron.ssm.gated_delta_rule as rule_module
 import teratron.ssm.gated_delta_rule_triton as kernels
 from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.gated_delta_rule_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
+from ssm.packed_documents import gpu_documents, seq_idx_of
 from teratron.ssm.gated_delta_rule import gated_delta_rule_chunked
 from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 
@@ -93,26 +95,30 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
 @pytest.mark.parametrize("dtype,qk_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                             (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("seq", [1000, 4096])
-def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, qk_dtype, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_on_a_gpu_matches_gated_delta_rule_chunked(seq, dtype, qk_dtype, packed, monkeypatch):
     """A Gated DeltaNet layer's head shape (dk = dv = 128, 8 heads, chunk 64), a ragged last chunk
-    at 1,000 tokens. fp32: against the float64 rule, to 1e-4 of each tensor's largest entry (the
-    sums run over thousands of terms); bf16 v, beta and state (fp32 g; q and k in bf16 as GatedDeltaNet
-    passes them, or fp32): against gated_delta_rule_chunked on the same inputs (fp32 there, tf32 and
-    bf16 products here), to a bf16 rounding."""
+    at 1,000 tokens; packed: the rows' documents of gpu_documents. fp32: against the float64 rule,
+    to 1e-4 of each tensor's largest entry (the sums run over thousands of terms); bf16 v, beta and
+    state (fp32 g; q and k in bf16 as GatedDeltaNet passes them, or fp32): against
+    gated_delta_rule_chunked on the same inputs (fp32 there, tf32 and bf16 products here), to a
+    bf16 rounding."""
     q, k, v, g, beta, state = make_inputs(2, seq, 8, 128, 128, True, seed=seq, device="cuda")
     inputs = [q.to(qk_dtype), k.to(qk_dtype), v.to(dtype), g, beta.to(dtype), state.to(dtype)]
+    seq_idx = seq_idx_of(*gpu_documents(seq)).cuda() if packed else None
+    chunked = functools.partial(gated_delta_rule_chunked, seq_idx=seq_idx)
     if dtype == torch.float32:
-        want, rtol = outputs_and_grads(gated_delta_rule_chunked, [t.double() for t in inputs], 64), 1e-4
+        want, rtol = outputs_and_grads(chunked, [t.double() for t in inputs], 64), 1e-4
     else:
-        want, rtol = outputs_and_grads(gated_delta_rule_chunked, inputs, 64), 2 ** -7
+        want, rtol = outputs_and_grads(chunked, inputs, 64), 2 ** -7
 
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("gated_delta_rule took gated_delta_rule_chunked on CUDA tensors")
 
     monkeypatch.setattr(rule_module, "gated_delta_rule_chunked", chunked_must_not_run)
-    got = outputs_and_grads(rule_module.gated_delta_rule, inputs, 64)
+    got = outputs_and_grads(functools.partial(rule_module.gated_delta_rule, seq_idx=seq_idx), inputs, 64)
     assert got[0].dtype == dtype and got[0].is_cuda
-    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}")
+    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}, packed {packed}")
 
 
 @gpu_test

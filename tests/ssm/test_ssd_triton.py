@@ -1,6 +1,7 @@
 """ssd_triton, the Triton kernels of Mamba-2's scan, against ssd_chunked (in Triton's interpreter on
 the CPU, compiled on a GPU: outputs, final states and every gradient), and `ssd`'s choice of path."""
 
+import functools
 import inspect
 import re
 
@@ -10,6 +11,7 @@ import torch
 import teratron.ssm.ssd as ssd_module
 import teratron.ssm.ssd_triton as kernels
 from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
+from ssm.packed_documents import gpu_documents, seq_idx_of
 from ssm.ssd_triton_cases import CASES, assert_close_to, make_inputs, outputs_and_grads, result_names
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
@@ -97,25 +99,29 @@ def test_the_cumsum_kernel_compiles_for_an_h100(packed):
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq,chunk_size", [(1000, 64), (4096, 128)])
-def test_triton_on_a_gpu_matches_ssd_chunked(seq, chunk_size, dtype, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_on_a_gpu_matches_ssd_chunked(seq, chunk_size, dtype, packed, monkeypatch):
     """A Mamba-2 layer's head shape (p 64, n 128; 8 heads in 2 groups), a ragged last chunk at
-    1,000 tokens. fp32: against the float64 scan, to 1e-4 of each tensor's largest entry (the sums
-    run over thousands of terms); bf16 x, B, C and state: against ssd_chunked on the same inputs
-    (fp32 there, tf32 products here), to a bf16 rounding."""
+    1,000 tokens; packed: the rows' documents of gpu_documents. fp32: against the float64 scan, to
+    1e-4 of each tensor's largest entry (the sums run over thousands of terms); bf16 x, B, C and
+    state: against ssd_chunked on the same inputs (fp32 there, tf32 products here), to a bf16
+    rounding."""
     x, dt, A, B, C, D, state = make_inputs(2, seq, 8, 2, 64, 128, True, True, seed=seq, device="cuda")
     inputs = [x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, state.to(dtype)]
+    seq_idx = seq_idx_of(*gpu_documents(seq)).cuda() if packed else None
+    chunked = functools.partial(ssd_chunked, seq_idx=seq_idx)
     if dtype == torch.float32:
-        want, rtol = outputs_and_grads(ssd_chunked, [t.double() for t in inputs], chunk_size), 1e-4
+        want, rtol = outputs_and_grads(chunked, [t.double() for t in inputs], chunk_size), 1e-4
     else:
-        want, rtol = outputs_and_grads(ssd_chunked, inputs, chunk_size), 2 ** -7
+        want, rtol = outputs_and_grads(chunked, inputs, chunk_size), 2 ** -7
 
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("ssd took ssd_chunked on CUDA tensors")
 
     monkeypatch.setattr(ssd_module, "ssd_chunked", chunked_must_not_run)
-    got = outputs_and_grads(ssd_module.ssd, inputs, chunk_size)
+    got = outputs_and_grads(functools.partial(ssd_module.ssd, seq_idx=seq_idx), inputs, chunk_size)
     assert got[0].dtype == dtype and got[0].is_cuda
-    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}")
+    assert_close_to(got, want, result_names(), rtol, f"seq {seq}, {dtype}, packed {packed}")
 
 
 @gpu_test
