@@ -2,7 +2,7 @@
 test_causal_conv1d_triton.py runs in a subprocess (Triton reads TRITON_INTERPRET when kernels are
 defined):
 
-    TRITON_INTERPRET=1 python tests/ssm/causal_conv1d_triton_cases.py
+    PYTHONPATH=tests TRITON_INTERPRET=1 python tests/ssm/causal_conv1d_triton_cases.py
 
 compares `causal_conv1d_silu` on the Triton path with silu(causal_conv1d) computed in float64 on the
 same values: the output, the final state and the gradients of x, the weight and the bias, for each of CASES (x as a

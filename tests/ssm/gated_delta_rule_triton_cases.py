@@ -1,7 +1,7 @@
 """Inputs for test_gated_delta_rule_triton.py, and the check of the Triton kernels' code on CPU
 tensors that it runs in a subprocess (Triton reads TRITON_INTERPRET when kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/ssm/gated_delta_rule_triton_cases.py
+    PYTHONPATH=tests TRITON_INTERPRET=1 python tests/ssm/gated_delta_rule_triton_cases.py
 
 compares `gated_delta_rule_triton`, run by Triton's interpreter, with `gated_delta_rule_chunked` in
 float64 on the same values: outputs, final states and the gradients of every input, for each of
