@@ -51,14 +51,14 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
 
 
 def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_path):
-    """'/' depths (Mamba + MLP layers each) on the last stage: LM and MTP losses equal the single
+    """'/' depths (Mamba + MoE layers each) on the last stage: LM and MTP losses equal the single
     process's under TP 2 + SP and PP 2 (the layout puts the depths after the last segment)."""
-    keys = ("lm_loss", "mtp_loss", "grad_norm")
-    reference = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/M-/M-"], tmp_path, "mtp-single")
+    keys = ("lm_loss", "mtp_loss", "grad_norm", "load_balancing_loss")
+    reference = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/ME/ME"], tmp_path, "mtp-single")
     assert all(r["mtp_loss"] > 0 for r in reference)
-    tp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/M-/M-", "--tensor-model-parallel-size", "2",
+    tp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/ME/ME", "--tensor-model-parallel-size", "2",
                          "--sequence-parallel"], tmp_path, "mtp-tp2-sp", 2)
-    pp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E/M-/M-", "--pipeline-model-parallel-size", "2"],
+    pp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E/ME/ME", "--pipeline-model-parallel-size", "2"],
                  tmp_path, "mtp-pp2", 2)
     for name, run in (("mtp-tp2-sp", tp2), ("mtp-pp2", pp2)):
         assert_same_losses(reference, run, name, keys)

@@ -59,18 +59,26 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq) -> list:
     return list(moe_layer_freq)
 
 
+def _tracked_layers_moe(config) -> list:
+    """Per tracker row, 1 for an MoE layer: the decoder layers, then the multi-token-prediction
+    layers (global layer numbers past num_layers). A GPT model's MoE layers are where moe_layer_freq
+    puts them, with every MTP layer MoE when the last decoder layer is (an MTP layer has its spec);
+    a hybrid model's are its pattern's E layers, the MTP depths' after the decoder's (the pattern
+    without its '/' lists them in that order)."""
+    if config.hybrid_layer_pattern is not None:
+        return [int(symbol == "E") for symbol in config.hybrid_layer_pattern.replace("/", "")]
+    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    return pattern + [pattern[-1]] * (config.mtp_num_layers or 0)
+
+
 def num_tracked_layers(config) -> int:
-    """Rows of the tracker: the decoder layers, then the multi-token-prediction layers (global
-    layer numbers num_layers + 1 .. num_layers + mtp_num_layers)."""
-    return config.num_layers + (config.mtp_num_layers or 0)
+    """Rows of the tracker (see `_tracked_layers_moe`)."""
+    return len(_tracked_layers_moe(config))
 
 
 def moe_layer_indices(config) -> list:
-    """0-based tracker rows of the MoE layers: where moe_layer_freq puts them, and every MTP
-    layer when the last decoder layer is MoE (an MTP layer has the last layer's spec)."""
-    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
-    pattern += [pattern[-1]] * (config.mtp_num_layers or 0)
-    return [i for i, moe in enumerate(pattern) if moe]
+    """0-based tracker rows of the MoE layers."""
+    return [i for i, moe in enumerate(_tracked_layers_moe(config)) if moe]
 
 
 def tracked_names(config) -> list:

@@ -11,7 +11,8 @@ from teratron.transformer.init_rng import component_rng
 from teratron.transformer.moe import (MoEAuxLossAutoScaler, RouterReplayAction, clear_router_replay,
                                       get_moe_module_spec, load_router_replay, save_router_replay, set_replay_routing,
                                       set_router_replay_action, track_moe_metrics)
-from teratron.transformer.moe.moe_logging import clear_aux_losses_tracker
+from teratron.transformer.moe.moe_logging import (clear_aux_losses_tracker, moe_layer_indices, num_tracked_layers,
+                                                  save_to_aux_losses_tracker)
 from teratron.transformer.moe.router_replay import get_recorded_routing
 from teratron.transformer.spec_utils import build_module
 from teratron.transformer.transformer_config import TransformerConfig
@@ -286,6 +287,17 @@ def test_metrics_tracker():
     assert metrics["tokens_per_expert_layer_2"] == counts.tolist()
     assert metrics["moe_load_imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
     assert track_moe_metrics(0.5, config)["load_balancing_loss"] == 0.0  # the tracker was cleared
+
+
+def test_a_hybrid_models_tracker_rows_are_its_pattern_s_layers():
+    """'M*E/ME/ME': the decoder's 3 layers, then each MTP depth's 2 (7 rows), MoE at layers 3, 5 and
+    7; the losses are averaged over those three alone, and the depths' MoE layers have their rows."""
+    config = make_config(num_layers=3, hybrid_layer_pattern="M*E/ME/ME", mtp_num_layers=2, moe_aux_loss_coeff=0.01)
+    assert num_tracked_layers(config) == 7 and moe_layer_indices(config) == [2, 4, 6]
+    clear_aux_losses_tracker()
+    for layer_number, value in ((3, 1.0), (5, 2.0), (7, 6.0)):
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(value), layer_number, num_tracked_layers(config))
+    assert track_moe_metrics(1.0, config)["load_balancing_loss"] == pytest.approx((1.0 + 2.0 + 6.0) / 3)
 
 
 def test_unsupported_options_raise():
