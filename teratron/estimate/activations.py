@@ -49,6 +49,11 @@ recomputes the softmax in backward; its passes are compiled kernels on CUDA, eag
 `cross_entropy_loss_fusion` the int64 targets only, the logits living one chunk at a time
 (`fused_loss_transients`).
 
+A hybrid model's layer (--hybrid-layer-pattern) keeps its one norm and what its kind keeps
+(`hybrid_layer_storages`): attention's, the MLP's or the MoE layer's storages as above, or a Mamba or
+Gated DeltaNet mixer's as its Triton kernels keep them (what a GPU runs; on the CPU the PyTorch
+reference scans keep far more and are not modelled).
+
 Each multi-token-prediction depth (on the last stage) keeps what its embedding lookup keeps
 (the shifted int64 ids), enorm's and hnorm's storages (hnorm's input is the previous output,
 which its output layer keeps), the [Tn, 2h] concatenation eh_proj keeps (gathered under SP), a
@@ -61,7 +66,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from teratron.estimate.kernels import KernelProfile
-from teratron.estimate.params import ModelShape
+from teratron.estimate.params import ModelShape, hybrid_symbols, mtp_depth_layers
+from teratron.models.hybrid import Symbols
+from teratron.ssm.gated_delta_net import CHUNK_SIZE as GATED_DELTA_NET_CHUNK_SIZE
+from teratron.ssm.mamba_mixer import CHUNK_SIZE as MAMBA_CHUNK_SIZE
+from teratron.ssm.mamba_mixer import mamba_num_heads
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
 from teratron.transformer.context_parallel import layer_cp_comm_type
 from teratron.transformer.enums import AttnBackend
@@ -145,14 +154,21 @@ def norm_storages(config, kernels: KernelProfile, part: str, elements: int, rows
     """What one norm keeps; `input_is_new` when nothing else keeps its input alive."""
     kept = [_saved(part, input_bytes * elements, elements, saver, *([] if input_is_new else [OTHER]),
                    counted=input_is_new)]
-    if config.normalization == "LayerNorm":  # input, mean and 1/std per row
-        return kept + 2 * [_saved(part, kernels.layer_norm_stat_bytes * rows, rows, saver)]
+    # Its weight (and a LayerNorm's bias) in the input's dtype: new tensors, kept, when cast from the
+    # parameters' dtype (an fp32 input of 16-bit parameters) or zero-centred (1 + w).
+    width, cast = elements // rows, input_bytes != config.params_dtype.itemsize
+    layer_norm = config.normalization == "LayerNorm"
+    gamma = [_saved(part, input_bytes * width, width, saver)] * (
+        int(cast or config.layernorm_zero_centered_gamma) + int(cast and layer_norm))
+    if layer_norm:  # input, mean and 1/std per row (fp32 on CUDA, the input's dtype on the CPU)
+        stat_bytes = max(kernels.layer_norm_stat_bytes, input_bytes)
+        return kept + gamma + 2 * [_saved(part, stat_bytes * rows, rows, saver)]
     if kernels.fused_rms_norm:
-        return kept + [_saved(part, 4 * rows, rows, saver)]
+        return kept + gamma + [_saved(part, 4 * rows, rows, saver)]
     # Composite: an fp32 upcast of the input (the input itself when already fp32) and the fp32
     # normalised value before the weight, plus 1/rms per row.
     upcast = [_saved(part, 4 * elements, elements, saver)] if (input_bytes != 4 or input_is_new) else []
-    return upcast + [_saved(part, 4 * elements, elements, saver), _saved(part, 4 * rows, rows, saver)]
+    return upcast + gamma + [_saved(part, 4 * elements, elements, saver), _saved(part, 4 * rows, rows, saver)]
 
 
 def norm_bytes(config, kernels: KernelProfile, elements: int, rows: int, input_bytes: int,
@@ -297,9 +313,11 @@ def _moe_storages(config, d: Dims) -> list:
     etp = config.expert_tensor_parallel_size
     local_tokens = d.tokens // d.tp if d.tp > 1 else d.tokens  # scattered over TP when not SP
     expert_tokens = local_tokens * k * etp
-    # Router, per token: logits and scores [E] (activation dtype), the top-k softmax (fp32) and
-    # indices (int64), the boolean routing map.
-    router = d.norm_tokens * (2 * a * experts + 12 * k + experts)
+    # Router, per token: logits [E] (activation dtype), the top-k softmax (fp32) and indices (int64).
+    # The permutation's masked_select, per token the all-gather dispatcher gathers over expert-TP
+    # (local_tokens x etp): the local experts' transposed probabilities (activation dtype) and the
+    # routing mask (bool), E / ep experts of ep x as many tokens.
+    router = d.norm_tokens * (a * experts + 12 * k) + local_tokens * etp * experts * (a + 1)
     if config.moe_aux_loss_coeff and config.moe_router_load_balancing_type != "none":
         # fp32 scores of every expert per token, the int64 token count per expert, the loss.
         router += d.norm_tokens * 4 * experts + 8 * experts + 4
@@ -319,6 +337,126 @@ def _moe_storages(config, d: Dims) -> list:
         # Without SP the shared expert's fc1 input is the MoE input itself.
         out += shared if d.sp else shared[1:]
     return out
+
+
+def _mamba_storages(config, d: Dims, compiled: bool) -> list:
+    """A Mamba mixer on the scan kernels (heads, groups / tp; L its chunk, m = ceil(s / L) chunks):
+    in_proj's input [T, h] (gathered under SP); the convolution's input, in_proj's whole output
+    [T, z + xBC + dt] (xBC is a view of it); softplus's fp32 input [T, heads]; -exp(A_log) (exp's
+    output and its negation); the scan's x, B and C (views of the convolution's output [T, xBC]),
+    dt (fp32), the fp32 cum [b, heads, m L], C B^T [b, m, groups, L, L] and entering states
+    [b, m, heads, p, n]; the gated norm's y [T, d_inner] and fp32 1/rms [T, groups]; out_proj's
+    input [T, d_inner] (a contiguous copy of the norm's [b, s] output). Compiled, Inductor keeps one
+    of softplus's input and output and one of exp(A_log) and its negation, except that with fp32
+    activations (no cast between in_proj's output and the gate's arithmetic) it keeps both of the
+    former."""
+    a, T, h, tp = d.a, d.tokens, config.hidden_size, d.tp
+    heads, groups = mamba_num_heads(config) // tp, config.mamba_num_groups // tp
+    p, n = config.mamba_head_dim, config.mamba_state_dim
+    d_inner, xbc = heads * p, heads * p + 2 * groups * n
+    L = MAMBA_CHUNK_SIZE
+    m = -(-d.s // L)
+    return [_saved("mamba in_proj input", a * T * h, T * h),
+            _saved("mamba in_proj output", a * T * (d_inner + xbc + heads), T * (d_inner + xbc + heads)),
+            _saved("mamba dt", _gate_copies(compiled, a) * 4 * T * heads, T * heads),
+            _saved("mamba dt", (1 if compiled else 2) * 4 * heads, heads),
+            _saved("mamba convolution output", a * T * xbc, T * xbc),
+            _saved("mamba scan", 4 * d.b * heads * m * L, d.b * heads * m * L),
+            _saved("mamba scan", 4 * d.b * m * groups * L * L, d.b * m * groups * L * L),
+            _saved("mamba scan", 4 * d.b * m * heads * p * n, d.b * m * heads * p * n),
+            _saved("mamba gated norm", a * T * d_inner + 4 * T * groups, T * d_inner),
+            _saved("mamba out_proj input", a * T * d_inner, T * d_inner)]
+
+
+def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled: bool) -> list:
+    """A Gated DeltaNet on the rule's kernels (key heads nk, value heads nv / tp; qk = nk dk, v = nv
+    dv; L its chunk, m chunks): in_proj's input [T, h] and whole output [T, q k v z b a] (the
+    convolution's input; z, b and a are views of it); q's and k's L2 norms in fp32 (copies of the
+    convolution's [T, qk] slices, or its output itself when fp32) with 1/norm and its scaled form
+    [T, nk] each; g's exp(A_log), its negation, softplus's input and output (fp32); sigmoid(b)
+    [T, nv]; the rule's q and k [T, nv dk] (each key head repeated for its value heads), v (a view of
+    the convolution's output [T, 2 qk + v]), g, the fp32 cum [b, nv, m L] and solved systems
+    [b, m, nv, L, L]; out_norm over each value head of the fp32 output (the model's norm), the fp32
+    norm output, silu's fp32 input (z's copy with 16-bit activations) and output; out_proj's input
+    [T, v] (a contiguous copy). Compiled, Inductor
+    keeps the convolution's output, in_proj's, each of q and k's 1/norm [T, nk] (fp32) with the
+    rule's repeated q and k, g (and with fp32 activations one more [T, nv] fp32 gate tensor),
+    sigmoid(b), the rule's output o [T, v] and saved cum and systems, out_norm's statistics of o
+    and out_proj's input: the norms and the gating are recomputed from them."""
+    a, T, h, tp = d.a, d.tokens, config.hidden_size, d.tp
+    nk, nv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    qk, v = nk * dk, nv * dv
+    L = GATED_DELTA_NET_CHUNK_SIZE
+    m = -(-d.s // L)
+    out = [_saved("gdn in_proj input", a * T * h, T * h),
+           _saved("gdn in_proj output", a * T * (2 * qk + 2 * v + 2 * nv), T * (2 * qk + 2 * v + 2 * nv)),
+           _saved("gdn convolution output", a * T * (2 * qk + v), T * (2 * qk + v))]
+    rule = [_saved("gdn rule", 4 * d.b * nv * m * L, d.b * nv * m * L),
+            _saved("gdn rule", 4 * d.b * m * nv * L * L, d.b * m * nv * L * L)]
+    if compiled:
+        # out_norm's fp32 statistics of o per row: 1/rms, or a LayerNorm's mean and 1/std (one of them
+        # with fp32 activations, where Inductor keeps the extra gate tensor instead)
+        stats = 2 if config.normalization == "LayerNorm" and a != 4 else 1
+        return out + 2 * [_saved("gdn q, k norms", 4 * T * nk + a * T * nv * dk, T * nv * dk)] + [
+            _saved("gdn gates", _gate_copies(compiled, a) * 4 * T * nv, T * nv), _saved("gdn gates", a * T * nv, T * nv),
+            _saved("gdn rule", a * T * v, T * v)] + rule + [
+            _saved("gdn out_norm", stats * 4 * T * nv, T * nv), _saved("gdn out_proj input", a * T * v, T * v)]
+    fp32_copies = a != 4  # 16-bit activations: .float() copies (fp32 ones are the tensors themselves)
+    if fp32_copies:
+        out += 2 * [_saved("gdn q, k norms", 4 * T * qk, T * qk)]
+    out += 4 * [_saved("gdn q, k norms", 4 * T * nk, T * nk)]
+    out += [_saved("gdn gates", 2 * 4 * nv + 2 * 4 * T * nv, T * nv), _saved("gdn gates", a * T * nv, T * nv),
+            _saved("gdn rule", 2 * a * T * nv * dk, T * nv * dk), _saved("gdn rule", 4 * T * nv, T * nv)] + rule
+    out += norm_storages(config, kernels, "gdn out_norm", T * v, T * nv, 4, True)
+    out += (1 + fp32_copies) * [_saved("gdn gated output", 4 * T * v, T * v)]
+    return out + [_saved("gdn gated output", 4 * T * v, T * v), _saved("gdn out_proj input", a * T * v, T * v)]
+
+
+def _gate_copies(compiled: bool, a: int) -> int:
+    """[T, heads] fp32 gate tensors a Mamba or Gated DeltaNet layer keeps besides its scan's (softplus's
+    input and output; compiled, one, or both with fp32 activations)."""
+    return 2 if not compiled or a == 4 else 1
+
+
+def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, symbol: str,
+                          input_is_new: bool = True, compiled: bool = False) -> list:
+    """The storages one hybrid layer keeps (no recompute): its norm, then the half of a GPT layer
+    `symbol` names (* attention, - MLP, E MoE) or its recurrent mixer (M Mamba, G Gated DeltaNet),
+    and its dropout mask. Compiled: decomposed norms and dropout, RoPE's tables and SwiGLU's pieces
+    recomputed as in a GPT layer."""
+    if compiled:
+        kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
+    h, Tn = config.hidden_size, d.norm_tokens
+    out = norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, input_is_new)
+    if symbol == Symbols.ATTENTION:
+        out += [s for s in _attention_storages(config, kernels, d, rope_dim, False)
+                if not (compiled and s.part == "rope tables")]
+    elif symbol == Symbols.MLP:
+        mlp = _mlp_storages(config, d.tokens, config.ffn_hidden_size, d.tp, d.a)
+        out += mlp[:2] + mlp[-1:] if compiled else mlp
+    elif symbol == Symbols.MOE:
+        out += _moe_storages(config, d)
+    elif symbol == Symbols.MAMBA:
+        out += _mamba_storages(config, d, compiled)
+    else:
+        out += _gated_delta_net_storages(config, kernels, d, compiled)
+    if config.hidden_dropout > 0:
+        out.append(_saved("dropout masks", kernels.dropout_bytes_per_element(d.a) * Tn * h, Tn * h))
+    return out
+
+
+def _check_hybrid(config, kernels: KernelProfile) -> None:
+    """What the estimate does not model for hybrid models: one line each."""
+    symbols = hybrid_symbols(config)
+    if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and not kernels.triton_scans:
+        raise NotModelled("Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans, which the "
+                          "estimate does not model; estimate for CUDA (the default device)")
+    for flag, used in (("selective recompute", bool(_selective(config))),
+                       ("--fine-grained-activation-offloading", config.fine_grained_activation_offloading)):
+        if used:
+            raise NotModelled(f"{flag} with --hybrid-layer-pattern: the estimate does not model what the hybrid "
+                              "layers keep then; drop one")
 
 
 def _selective(config) -> set:
@@ -366,12 +504,14 @@ def _offloaded_savers(config, saved: Saved) -> set:
 
 
 def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: bool,
-                input_is_new: bool = True, compiled: bool = False, a2a: int = 1) -> tuple:
-    """({part: bytes on the device}, bytes copied to the host) of one transformer layer. An
-    offloading module copies a storage to the host; it leaves the device only when every module
-    keeping it offloads."""
+                input_is_new: bool = True, compiled: bool = False, a2a: int = 1, symbol: str | None = None) -> tuple:
+    """({part: bytes on the device}, bytes copied to the host) of one transformer layer (`symbol`:
+    a hybrid model's layer). An offloading module copies a storage to the host; it leaves the
+    device only when every module keeping it offloads."""
     parts, host = {}, 0
-    for saved in layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled, a2a):
+    storages = (hybrid_layer_storages(config, kernels, d, rope_dim, symbol, input_is_new, compiled) if symbol else
+                layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled, a2a))
+    for saved in storages:
         offloaded = _offloaded_savers(config, saved)
         host += saved.nbytes if offloaded else 0
         if saved.counted and offloaded != saved.savers:
@@ -413,6 +553,9 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     if config.multi_latent_attention and config.fine_grained_activation_offloading:
         raise NotModelled("fine_grained_activation_offloading with multi_latent_attention: the estimate does not "
                           "model which latents each module offloads; drop one")
+    symbols = hybrid_symbols(config)
+    if symbols:
+        _check_hybrid(config, kernels)
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
     moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
@@ -441,11 +584,11 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
     for i, n in enumerate(layer_numbers):
         parts, offloaded = layer_bytes(config, kernels, d, rope, n in moe_layers,
                                        input_is_new=pre_process or i > 0, compiled=compiled,
-                                       a2a=a2a_group_size(config, n))
+                                       a2a=a2a_group_size(config, n), symbol=symbols[n - 1] if symbols else None)
         layers.append(parts)
         host.append(offloaded)
     if layers or (post_process and config.mtp_num_layers):
-        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, bool(moe_layers))
+        result.backward_transient = BACKWARD_GRADIENT_FACTOR * _largest_tensor(config, d, bool(moe_layers), symbols)
     if config.recompute_granularity == "full":
         layers = _full_recompute(config, result, layers, hidden, pre_process, rope, d)
         host = host[len(host) - (len(layers) - 1):]  # recomputed layers offload nothing
@@ -560,8 +703,15 @@ def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int
             kept["mtp norms"] = sum(x.nbytes for x in norms if x.counted) + dropout + (
                 d.r * (T - Tn) * h if whole_kept else 0)
             kept["mtp eh_proj input"] = d.a * (T if d.sp else Tn) * 2 * h
-            layer, offloaded = layer_bytes(config, kernels, d, rope, number in moe_layers, compiled=compiled)
-            kept.update(layer)
+            symbols, offloaded = hybrid_symbols(config), 0
+            for n in mtp_depth_layers(config, number):
+                symbol = symbols[n - 1] if symbols else None
+                # --torch-compile compiles TransformerLayers and the decoder's layers: not a depth's Mamba layers
+                layer, layer_offloaded = layer_bytes(config, kernels, d, rope, n in moe_layers, symbol=symbol,
+                                                     compiled=compiled and symbol != Symbols.MAMBA)
+                offloaded += layer_offloaded
+                for part, nbytes in layer.items():
+                    kept[part] = kept.get(part, 0) + nbytes
             result.host += offloaded
             result.forward_transient = max(result.forward_transient, offloaded)
             if d.sp and d.tp > 1 and ("layernorm" in _selective(config)
@@ -607,8 +757,9 @@ def fused_loss_transients(a: int, tokens: int, hidden: int, vocab: int, chunk: i
     return a * elements + loss_forward, a * tokens * hidden + 4 * vocab * hidden + chunk_peak
 
 
-def _largest_tensor(config, d: Dims, has_moe: bool) -> int:
-    """Bytes of the biggest activation of a layer: the fc1 output, the QKV output or [T, h]."""
+def _largest_tensor(config, d: Dims, has_moe: bool, symbols: str = "") -> int:
+    """Bytes of the biggest activation of a layer: the fc1 output, the QKV output, [T, h] or a
+    recurrent mixer's in_proj output."""
     gate = 2 if config.gated_linear_unit else 1
     hn = config.kv_channels
     sizes = [d.tokens * config.hidden_size,
@@ -617,6 +768,13 @@ def _largest_tensor(config, d: Dims, has_moe: bool) -> int:
     if config.multi_latent_attention:  # the kv up projection's output, q or k
         sizes[1] = d.tokens * config.num_attention_heads // d.tp * max(
             config.qk_head_dim + config.v_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim)
+    if Symbols.MAMBA in symbols:
+        heads, bc = mamba_num_heads(config), config.mamba_num_groups * config.mamba_state_dim
+        sizes.append(d.tokens * (2 * heads * config.mamba_head_dim + 2 * bc + heads) // d.tp)
+    if Symbols.GDN in symbols:
+        v_heads = config.linear_num_value_heads
+        sizes.append(d.tokens * 2 * (config.linear_num_key_heads * config.linear_key_head_dim
+                                     + v_heads * config.linear_value_head_dim + v_heads) // d.tp)
     if has_moe:
         etp = config.expert_tensor_parallel_size
         local_tokens = d.tokens // d.tp if d.tp > 1 else d.tokens

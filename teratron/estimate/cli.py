@@ -9,6 +9,7 @@ and --lr are optional here. Its own flags: --world-size (GPUs of the job), --tar
 demo's shape and schedule never mix with flags or a --config that are given.
 """
 
+import contextlib
 import json
 import sys
 
@@ -48,7 +49,9 @@ def run(args) -> int:
     world_size = default_world_size(args) if args.world_size is None else args.world_size
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    estimate = estimate_from_args(args, world_size, args.target_device)
+    # With --json stdout is the JSON alone: the run description's NOTEs go to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        estimate = estimate_from_args(args, world_size, args.target_device)
     print(json.dumps(estimate.to_json(), indent=1) if args.json else format_table(estimate))
     return 0
 

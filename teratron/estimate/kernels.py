@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from teratron.ssm.ssd_triton import INTERPRETED, triton
+
 
 @dataclass(frozen=True)
 class KernelProfile:
@@ -33,13 +35,14 @@ class KernelProfile:
     layer_norm_stat_bytes: int
     compiled_loss: bool = False  # the cross entropy's passes run compiled (tensor_parallel.cross_entropy)
     fused_adam: bool = False  # Adam steps on-device parameters with torch's fused kernel (no temporaries)
+    triton_scans: bool = False  # Mamba's and Gated DeltaNet's Triton kernels run (not their PyTorch paths)
 
     def dropout_bytes_per_element(self, act_bytes: int) -> int:
         return 1 if self.fused_dropout else act_bytes
 
 
 CUDA_KERNELS = KernelProfile(fused_rms_norm=True, fused_dropout=True, layer_norm_stat_bytes=4, compiled_loss=True,
-                            fused_adam=True)
+                            fused_adam=True, triton_scans=True)
 
 
 def _saved_bytes(fn, *inputs) -> int:
@@ -67,7 +70,8 @@ def probe_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
     layer_norm = _saved_bytes(lambda t, w: F.layer_norm(t, (width,), w, None, 1e-5), x, weight)
     return KernelProfile(fused_rms_norm=norm < rows * width * 8, fused_dropout=drop < rows * width * element,
                          layer_norm_stat_bytes=(layer_norm - rows * width * element) // (2 * rows),
-                         compiled_loss=device.type == "cuda", fused_adam=device.type == "cuda")
+                         compiled_loss=device.type == "cuda", fused_adam=device.type == "cuda",
+                         triton_scans=triton is not None and (device.type == "cuda" or INTERPRETED))
 
 
 def kernels_for(device_type: str, dtype: torch.dtype) -> KernelProfile:

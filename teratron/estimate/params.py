@@ -7,12 +7,16 @@ LayerNorm), the vocab-parallel word embedding [V / tp, h], a replicated learned 
 and under MoE a replicated router [E, h], E / ep local experts sharded over expert-TP and an
 optional TP-sharded shared expert. The multi-token-prediction depths sit with the loss: each
 holds three norms, eh_proj [h / tp, 2h] and a layer like the last decoder layer, and their stage
-a copy of the word embedding (which a tied output layer then uses). Tests compare them with the
-numel of real GPTModels.
+a copy of the word embedding (which a tied output layer then uses). A hybrid model's layers
+(--hybrid-layer-pattern) are each one norm and one half of a GPT layer (`*` attention, `-` MLP,
+`E` MoE) or a recurrent mixer (`mamba_params`, `gated_delta_net_params`); its MTP depths hold the
+layers after '/'. Tests compare them with the numel of real models.
 """
 
 from dataclasses import dataclass, field
 
+from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+from teratron.ssm.mamba_mixer import mamba_num_heads
 from teratron.transformer.moe.moe_logging import moe_layer_indices
 
 
@@ -122,6 +126,49 @@ def moe_params(config) -> tuple:
     return dense, experts
 
 
+def mamba_params(config) -> list:
+    """A Mamba mixer on one rank: in_proj [z, x, B, C, dt] / tp by h, the depthwise convolution over
+    [x, B, C] / tp (weight and bias), dt_bias, A_log and D per head, the gated norm's weight
+    [d_inner / tp] and out_proj [h, d_inner / tp]; no projection biases."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    heads, bc = mamba_num_heads(config), config.mamba_num_groups * config.mamba_state_dim
+    d_inner = heads * config.mamba_head_dim
+    conv = (d_inner + 2 * bc) // tp
+    return [(2 * d_inner + 2 * bc + heads) // tp * h, conv * 4, conv, *3 * [heads // tp], d_inner // tp,
+            h * (d_inner // tp)]
+
+
+def gated_delta_net_params(config) -> list:
+    """A Gated DeltaNet on one rank: in_proj [q, k, v, z, b, a] / tp by h, the convolution over
+    [q, k, v] / tp (no bias), dt_bias and A_log per value head, out_norm over a value head (whole on
+    every rank) and out_proj [h, v / tp]; no projection biases."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    qk = config.linear_num_key_heads * config.linear_key_head_dim
+    v, v_heads = config.linear_num_value_heads * config.linear_value_head_dim, config.linear_num_value_heads
+    return [(2 * qk + 2 * v + 2 * v_heads) // tp * h, (2 * qk + v) // tp * config.linear_conv_kernel_dim,
+            v_heads // tp, v_heads // tp, _norm(config, config.linear_value_head_dim), h * (v // tp)]
+
+
+def hybrid_symbols(config) -> str:
+    """A hybrid model's layer symbols, decoder layers then each MTP depth's (layer n is symbol
+    n - 1), or '' for a GPT model."""
+    if config.hybrid_layer_pattern is None:
+        return ""
+    pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
+    return pattern.layers + pattern.mtp_layers * pattern.mtp_depths
+
+
+def mtp_depth_layers(config, depth_number: int) -> list:
+    """The layer numbers (as `hybrid_symbols` counts them) of MTP depth `depth_number` (the model's
+    num_layers + 1, + 2, ...): one number, a GPT depth's layer like the last decoder layer, or a
+    hybrid depth's layers."""
+    if config.hybrid_layer_pattern is None:
+        return [depth_number]
+    per_depth = len(parse_hybrid_pattern(config.hybrid_layer_pattern).mtp_layers)
+    first = config.num_layers + (depth_number - config.num_layers - 1) * per_depth + 1
+    return list(range(first, first + per_depth))
+
+
 def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bool,
                  post_process: bool) -> ChunkParams:
     """Parameters on one rank of the chunk holding global layers `layer_numbers` (1-based; the
@@ -134,13 +181,15 @@ def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bo
     if pre_process and shape.position_embedding_type == "learned_absolute":
         params.add("embedding", shape.max_position_embeddings * h)
     moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
+    symbols = hybrid_symbols(config)
     for number in layer_numbers:
-        _add_layer(params, config, number in moe_layers)
+        _add_layer(params, config, number in moe_layers, symbols[number - 1] if symbols else None)
     if mtp:
         for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
             params.add("mtp", 3 * _norm(config, h))  # enorm, hnorm, final norm
             params.add("mtp", h // tp * 2 * h)  # eh_proj
-            _add_layer(params, config, number in moe_layers)
+            for layer in mtp_depth_layers(config, number):
+                _add_layer(params, config, layer in moe_layers, symbols[layer - 1] if symbols else None)
     if post_process:
         params.add("norms", _norm(config, h))
         if not ((pre_process or mtp) and shape.share_embeddings_and_output_weights):
@@ -148,10 +197,19 @@ def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bo
     return params
 
 
-def _add_layer(params: ChunkParams, config, is_moe: bool) -> None:
-    params.add("norms", 2 * _norm(config, config.hidden_size))
-    for size in attention_params(config):
-        params.add("attention", size)
+def _add_layer(params: ChunkParams, config, is_moe: bool, symbol: str | None = None) -> None:
+    """A GPT layer (symbol None), or a hybrid layer: one norm and the part `symbol` names."""
+    params.add("norms", (1 if symbol else 2) * _norm(config, config.hidden_size))
+    if symbol in (None, Symbols.ATTENTION):
+        for size in attention_params(config):
+            params.add("attention", size)
+    if symbol in (Symbols.MAMBA, Symbols.GDN):
+        name, sizes = (("mamba", mamba_params(config)) if symbol == Symbols.MAMBA
+                       else ("gated deltanet", gated_delta_net_params(config)))
+        for size in sizes:
+            params.add(name, size)
+    if symbol in (Symbols.ATTENTION, Symbols.MAMBA, Symbols.GDN):
+        return
     if is_moe:
         dense, experts = moe_params(config)
         for size in dense:

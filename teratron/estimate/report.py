@@ -119,11 +119,6 @@ def estimate_from_run(run, device_type: str = "cuda") -> Estimate:
     from teratron.training.metrics import num_floating_point_operations
 
     config, training, model = run.transformer, run.training, run.model
-    if config.hybrid_layer_pattern is not None:
-        from teratron.estimate.activations import NotModelled
-
-        raise NotModelled("hybrid models (--hybrid-layer-pattern): the estimate does not model Mamba and Gated "
-                          "DeltaNet layers yet")
     shape = ModelShape.of(model, training.seq_length)
     dp = run.distributed.data_parallel_size
     par = Parallelism(data_parallel_size=dp,

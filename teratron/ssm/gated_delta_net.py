@@ -47,6 +47,7 @@ from teratron.transformer.norms import Norm
 
 L2NORM_EPS = 1e-6  # of q and k's L2 normalisation (FLA's l2norm, which Megatron calls)
 A_INIT_RANGE = (1.0, 16.0)  # A = exp(A_log) is drawn uniformly from this range
+CHUNK_SIZE = 64  # tokens per chunk of the gated delta rule (Megatron's)
 
 
 class GatedDeltaNet(nn.Module):
@@ -57,7 +58,7 @@ class GatedDeltaNet(nn.Module):
             tp_group = pg_collection.tp
         self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.chunk_size = 64  # tokens per chunk of the gated delta rule (Megatron's)
+        self.chunk_size = CHUNK_SIZE
         self.tp_group = resolve_tp_group(tp_group)
         tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         if self.num_key_heads % tp:  # value heads are a multiple of key heads (config), so they split too

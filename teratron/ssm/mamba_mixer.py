@@ -35,10 +35,19 @@ from teratron.tensor_parallel.layers import param_device, set_tensor_model_paral
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
 
 
+CHUNK_SIZE = 128  # tokens per chunk of the scan (Megatron's mamba_chunk_size)
+EXPAND = 2  # Mamba-2's d_inner / hidden_size when --mamba-num-heads is not given
+
+
+def mamba_num_heads(config) -> int:
+    """A layer's Mamba heads: --mamba-num-heads, else EXPAND x hidden_size / --mamba-head-dim."""
+    return config.mamba_num_heads or EXPAND * config.hidden_size // config.mamba_head_dim
+
+
 class MambaMixer(nn.Module):
     def __init__(self, config, layer_number: int | None = None, pg_collection=None, d_state: int | None = None,
                  head_dim: int | None = None, ngroups: int | None = None, nheads: int | None = None,
-                 expand: int = 2, d_conv: int = 4, chunk_size: int = 128, dt_min: float = 0.001,
+                 expand: int = EXPAND, d_conv: int = 4, chunk_size: int = CHUNK_SIZE, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_init_range=(1.0, 16.0), tp_group=None):
         """Sizes left None come from the config (mamba_state_dim, mamba_head_dim, mamba_num_groups,
         mamba_num_heads; heads default to expand * hidden_size / head_dim)."""

@@ -84,12 +84,13 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
     plus the output layer, 6 * h * padded_vocab; each MTP depth ('/') adds its layers, its eh_proj
     and the output layer as a GPT model's depth does."""
     from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+    from teratron.ssm.mamba_mixer import mamba_num_heads
 
     t, h, s = model.transformer, model.transformer.hidden_size, seq_length
     fb_fma = 3 * 2
     q_size, kv_size = t.kv_channels * t.num_attention_heads, t.kv_channels * t.num_query_groups
     ffn_factor = 3 if t.gated_linear_unit else 2
-    heads = t.mamba_num_heads or 2 * h // t.mamba_head_dim
+    heads = mamba_num_heads(t)
     d_inner, groups_state = heads * t.mamba_head_dim, t.mamba_num_groups * t.mamba_state_dim
     per_layer = {
         Symbols.ATTENTION: fb_fma * (h * (q_size + 2 * kv_size) + q_size * s / 2 * 2 + q_size * h),

@@ -60,6 +60,11 @@ CASES = [
     "--bf16 --qk-layernorm --group-query-attention --num-query-groups 2 --normalization RMSNorm",
     "--qk-layernorm --position-embedding-type rope --normalization RMSNorm",
     "--bf16 --hidden-dropout 0.1 --untie-embeddings-and-output-weights",
+    # fp32 residuals of bf16 parameters (each norm keeps its weight, and a LayerNorm its bias, cast to
+    # fp32; a LayerNorm's statistics are fp32), zero-centred norms (each keeps 1 + w)
+    "--bf16 --fp32-residual-connection",
+    "--bf16 --fp32-residual-connection --normalization RMSNorm",
+    "--bf16 --apply-layernorm-1p --qk-layernorm --normalization RMSNorm",
     "--bf16 --recompute-granularity selective",
     "--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "--bf16 --num-layers 3 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2 "
@@ -116,6 +121,11 @@ def test_saved_activations_per_tensor_parallel_rank():
         "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --recompute-granularity full "
         "--recompute-method uniform --recompute-num-layers 1",
         "--tensor-model-parallel-size 2 --bf16 --num-experts 4 --moe-router-topk 2 --swiglu --disable-bias-linear",
+        # The dispatcher gathers the routing over expert-TP: with SP (ETP 2), without SP at ETP 1.
+        "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --num-experts 4 --moe-router-topk 2 "
+        "--disable-bias-linear",
+        "--tensor-model-parallel-size 2 --bf16 --num-experts 4 --moe-router-topk 2 --disable-bias-linear "
+        "--expert-tensor-parallel-size 1",
         "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --num-experts 4 --moe-router-topk 2 "
         "--moe-shared-expert-intermediate-size 32 --disable-bias-linear --expert-tensor-parallel-size 1",
         # The first layer's input norm offloads the whole embedding output it keeps a view of.
@@ -177,14 +187,18 @@ def test_probe_reads_the_cpu_kernels():
 
 def test_norm_bytes_by_kernel():
     class Config:
-        normalization = "RMSNorm"
+        normalization, params_dtype, layernorm_zero_centered_gamma = "RMSNorm", torch.bfloat16, False
 
     # fused (CUDA): bf16 input + fp32 1/rms per row; composite: fp32 upcast + fp32 pre-weight value
     assert norm_bytes(Config, CUDA_KERNELS, elements=1000, rows=10, input_bytes=2, input_is_new=True) == 2040
     assert norm_bytes(Config, CUDA_KERNELS, elements=1000, rows=10, input_bytes=2, input_is_new=False) == 40
     composite = KernelProfile(fused_rms_norm=False, fused_dropout=False, layer_norm_stat_bytes=2)
     assert norm_bytes(Config, composite, elements=1000, rows=10, input_bytes=2, input_is_new=False) == 8040
-    assert norm_bytes(Config, composite, elements=1000, rows=10, input_bytes=4, input_is_new=False) == 4040
+    # an fp32 input (fp32 residuals) of bf16 parameters: also the weight cast to fp32 [100]
+    assert norm_bytes(Config, composite, elements=1000, rows=10, input_bytes=4, input_is_new=False) == 4440
+    Config.layernorm_zero_centered_gamma = True  # 1 + w: a new [100] tensor in the input's dtype
+    assert norm_bytes(Config, CUDA_KERNELS, elements=1000, rows=10, input_bytes=2, input_is_new=False) == 240
+    Config.layernorm_zero_centered_gamma = False
     Config.normalization = "LayerNorm"
     assert norm_bytes(Config, CUDA_KERNELS, elements=1000, rows=10, input_bytes=2, input_is_new=True) == 2080
 

@@ -150,7 +150,7 @@ def test_benchmark_shape(capsys):
     assert states["weights"] == 2 * params and states["grads"] == 4 * params
     assert states["master_weights"] == 4 * params and states["optimizer_states"] == 8 * params
     assert out["kernels"] == {"fused_rms_norm": True, "fused_dropout": True, "layer_norm_stat_bytes": 4,
-                              "compiled_loss": True, "fused_adam": True}
+                              "compiled_loss": True, "fused_adam": True, "triton_scans": True}
     assert out["peak_allocated"] > sum(states.values()) - states["step_transient"] - states["host"]
 
 

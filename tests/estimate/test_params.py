@@ -84,12 +84,16 @@ DISTRIBUTED = [
 ]
 
 
-def test_params_per_rank_equal_the_real_model():
-    world_size = 4
-    results = run_distributed(_per_rank, world_size, DISTRIBUTED, world_size)
-    for i, flags in enumerate(DISTRIBUTED):
-        estimate = estimate_from_args(parse_train_args(BASE + flags.split()), world_size, "cpu")
+def assert_params_per_rank(flag_sets: list, device_type: str = "cpu", world_size: int = 4) -> None:
+    """Each rank's real numel equals the estimate's for its pipeline stage, for every flag set."""
+    results = run_distributed(_per_rank, world_size, flag_sets, world_size)
+    for i, flags in enumerate(flag_sets):
+        estimate = estimate_from_args(parse_train_args(BASE + flags.split()), world_size, device_type)
         expected = [sum(stage.params.values()) for stage in estimate.stages]
         for rank_results in results:
             pp_rank, numel = rank_results[i]
             assert numel == expected[pp_rank], (flags, pp_rank)
+
+
+def test_params_per_rank_equal_the_real_model():
+    assert_params_per_rank(DISTRIBUTED)

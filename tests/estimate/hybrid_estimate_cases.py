@@ -1,0 +1,71 @@
+"""The activation model of hybrid models against what autograd keeps, with the Mamba and Gated
+DeltaNet layers on their Triton kernels (what a GPU runs): test_hybrid_estimate.py runs it in
+Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when kernels are defined):
+
+    PYTHONPATH=tests TRITON_INTERPRET=1 python tests/estimate/hybrid_estimate_cases.py
+
+For each case a real hybrid model (built by the training code path) runs one micro-batch forward
+under `saved_tensors_hooks`; the bytes of the storages autograd keeps must equal the estimate's,
+in one process and per rank under TP 2 (gloo). Prints how many cases it checked.
+"""
+
+import os
+
+from dist import run_distributed
+from estimate.test_activations import _tensor_parallel_ranks, estimated_bytes, measured_saved_bytes, parse
+
+SIZES = ("--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 --linear-key-head-dim 16 "
+         "--linear-value-head-dim 16 --linear-num-key-heads 2 --linear-num-value-heads 4 ")
+MOE = " --num-experts 4 --moe-router-topk 2"
+# fp32 and bf16, RMSNorm (the CPU's composite) and LayerNorm, every layer kind, dropout, MTP depths
+# of hybrid layers (an MoE one among them), full recompute, fp32 residuals and zero-centred norms
+# (weights cast or shifted), a sequence of two scan chunks and a ragged one; layers compiled by
+# --torch-compile (Inductor's choices: fp32 and bf16, both norms, a depth's Mamba layer uncompiled).
+CASES = [
+    "--hybrid-layer-pattern M --normalization RMSNorm",
+    "--hybrid-layer-pattern M --normalization RMSNorm --bf16",
+    "--hybrid-layer-pattern G --normalization RMSNorm",
+    "--hybrid-layer-pattern G --bf16",
+    "--hybrid-layer-pattern MG*-MG --bf16 --hidden-dropout 0.1",
+    "--hybrid-layer-pattern MG*-E/M- --position-embedding-type rope --normalization RMSNorm" + MOE,
+    "--hybrid-layer-pattern MGM*- --recompute-granularity full --recompute-method uniform --recompute-num-layers 2 "
+    "--bf16",
+    "--hybrid-layer-pattern MG --seq-length 200 --bf16",
+    "--hybrid-layer-pattern G*M-E --bf16 --apply-layernorm-1p --fp32-residual-connection" + MOE,
+    "--hybrid-layer-pattern MG/G*E --bf16 --position-embedding-type rope --normalization RMSNorm" + MOE,
+    "--torch-compile --hybrid-layer-pattern MG --normalization RMSNorm",
+    "--torch-compile --hybrid-layer-pattern MG --bf16",
+    "--torch-compile --hybrid-layer-pattern GM --bf16 --normalization RMSNorm --hidden-dropout 0.1",
+    "--torch-compile --hybrid-layer-pattern MG*-E --bf16 --position-embedding-type rope --swiglu "
+    "--normalization RMSNorm" + MOE,
+    "--torch-compile --hybrid-layer-pattern M*-G/M- --bf16 --position-embedding-type rope",
+]
+TP_CASES = [
+    "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MG*-E/M- --bf16 --normalization RMSNorm "
+    "--position-embedding-type rope --disable-bias-linear --expert-tensor-parallel-size 1" + MOE,
+    "--tensor-model-parallel-size 2 --hybrid-layer-pattern GM*- --recompute-granularity full --recompute-method "
+    "uniform --recompute-num-layers 1",
+]
+
+
+def main() -> None:
+    import torch
+
+    from teratron.estimate.kernels import probe_kernels
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "needs the interpreter (the scans' Triton path)"
+    assert probe_kernels(torch.device("cpu")).triton_scans
+    checked = 0
+    for flags in CASES:
+        args = parse(SIZES + flags)
+        assert estimated_bytes(args) == measured_saved_bytes(args), flags
+        checked += 1
+    for rank_results in run_distributed(_tensor_parallel_ranks, 2, [SIZES + flags for flags in TP_CASES]):
+        for flags, (measured, estimated) in zip(TP_CASES, rank_results):
+            assert estimated == measured, flags
+    checked += len(TP_CASES)
+    print(f"checked {checked} cases")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`teratron estimate` of hybrid models (--hybrid-layer-pattern): parameters per rank against real
+models' numel (one process, TP 2, PP 2 by the pattern's '|', MTP depths of hybrid layers);
+activations against what autograd keeps with the Mamba and Gated DeltaNet layers on their Triton
+kernels, as a GPU runs them (hybrid_estimate_cases.py, in Triton's interpreter); what the estimate
+does not model refused in one line."""
+
+import json
+
+import pytest
+
+from estimate.hybrid_estimate_cases import CASES, SIZES, TP_CASES
+from estimate.test_params import BASE, assert_params_per_rank, real_numel
+from kernel_tests import run_in_the_interpreter
+from teratron.estimate import cli
+from teratron.estimate.activations import NotModelled
+from teratron.estimate.report import estimate_from_args
+from teratron.training.arguments import parse_train_args
+
+MOE = " --num-experts 4 --moe-router-topk 2"
+SHAPES = [
+    "--hybrid-layer-pattern MG*-",
+    "--hybrid-layer-pattern MG*-E --normalization RMSNorm" + MOE,
+    "--hybrid-layer-pattern M*-/G-/G- --untie-embeddings-and-output-weights --position-embedding-type rope",
+    "--hybrid-layer-pattern GEGE/M- --bf16 --position-embedding-type none --mamba-num-heads 4" + MOE,
+]
+
+
+def _args(flags: str):
+    return parse_train_args(BASE + (SIZES + flags).split())
+
+
+@pytest.mark.parametrize("flags", SHAPES)
+def test_params_equal_the_real_model(flags):
+    args = _args(flags)
+    estimate = estimate_from_args(args, 1, "cuda")  # the CUDA kernels' activations (the CPU's: not modelled)
+    numel = real_numel(args, 1)
+    assert sum(estimate.stages[0].params.values()) == numel
+    assert estimate.model_parameters == numel
+
+
+DISTRIBUTED = [
+    "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MGE*- --disable-bias-linear" + MOE,
+    "--pipeline-model-parallel-size 2 --hybrid-layer-pattern MG*|-M/G- --position-embedding-type rope "
+    "--tensor-model-parallel-size 2",
+]
+
+
+def test_params_per_rank_equal_the_real_model():
+    assert_params_per_rank([SIZES + flags for flags in DISTRIBUTED], "cuda")
+
+
+def test_activations_equal_what_autograd_keeps_on_the_triton_kernels():
+    assert run_in_the_interpreter(__file__, "hybrid_estimate_cases.py") == f"checked {len(CASES) + len(TP_CASES)} cases"
+
+
+@pytest.mark.parametrize("flags, device, phrase", [
+    ("--hybrid-layer-pattern M*", "cpu", "Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans"),
+    ("--hybrid-layer-pattern G*-- --recompute-granularity selective", "cuda", "selective recompute with"),
+    ("--hybrid-layer-pattern M*- --fine-grained-activation-offloading --offload-modules mlp", "cuda",
+     "--fine-grained-activation-offloading with --hybrid-layer-pattern"),
+])
+def test_what_is_not_modelled_is_one_line(flags, device, phrase):
+    with pytest.raises(NotModelled, match=phrase) as error:
+        estimate_from_args(_args(flags), 1, device)
+    assert "\n" not in str(error.value)
+
+
+def test_the_command_on_a_hybrid_model(capsys):
+    """The table and JSON of a Nemotron-H-like pattern over PP 2 on 4 GPUs (the CUDA kernels); the
+    NOTE that the pattern overrides --num-layers goes to stderr under --json."""
+    flags = BASE + (SIZES + "--hybrid-layer-pattern M-M*-|M-M*- --pipeline-model-parallel-size 2 --bf16 "
+                            "--normalization RMSNorm --swiglu --disable-bias-linear").split()
+    assert cli.main(flags + ["--world-size", "4"]) == 0
+    table = capsys.readouterr().out
+    assert "stage 1" in table and "mamba" in table and "PEAK ALLOCATED" in table
+    assert cli.main(flags + ["--world-size", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["dp"] == 2 and all(stage["chunk_activations"][0] > 0 for stage in out["stages"])
