@@ -656,7 +656,8 @@ def _add_data_args(parser):
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="No attention across EOD (documents as packed sequences, no s x s mask).")
+                   help="No attention across EOD (documents as packed sequences, no s x s mask; Mamba and Gated "
+                        "DeltaNet layers start each document from zero states).")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
     g.add_argument("--sequence-packing", action="store_true",
                    help="Each document (cut to --seq-length) is a sample; a step's --global-batch-size samples are "
