@@ -8,8 +8,8 @@ k - 1 inputs, what the next call of a decoding step continues from).
 seq_idx [b, s] (any integer dtype) or None: packed documents (Megatron's sequence packing, mamba_ssm's
 seq_idx), the document of every token, each document's tokens contiguous in their row. No output reads
 across a document's start: taps from another document count as zeros, as if each document ran alone
-from a zero state; the final state keeps the last document's inputs alone (what continuing it needs).
-Packed documents start from zero states, so seq_idx with an initial_state is refused.
+from a zero state (an initial_state continues each row's first document, as in the scans); the final
+state keeps the last document's inputs alone (what continuing it needs).
 
 Computed as k shifted multiply-adds in fp32 (as cuDNN accumulates; wider dtypes stay wider), in x's [b, s, c] layout: under
 `--torch-compile` Inductor fuses them with the bias and the SiLU after into one kernel each way,
@@ -30,18 +30,15 @@ from teratron.ssm.causal_conv1d_triton import causal_conv1d_silu_triton, runs_he
 
 def causal_conv1d(x, weight, bias=None, initial_state=None, seq_idx=None):
     k, s = weight.shape[-1], x.shape[1]
-    if seq_idx is not None and initial_state is not None:
-        raise ValueError("causal_conv1d: seq_idx (packed documents, each from a zero state) with an initial_state "
-                         "(one sequence continued): pass seq_idx=None to continue a state, or no initial_state")
     if initial_state is None:
         padded = F.pad(x, (0, 0, k - 1, 0))  # [b, k - 1 + s, c]
     else:
         padded = torch.cat([initial_state.transpose(1, 2).to(x.dtype), x], dim=1)
     if seq_idx is not None:
-        # the document of each row of padded; the padding's rows get a value no document has
+        # the document of each row of padded: the k - 1 rows before a row (zeros or the initial state)
+        # are its first document's
         documents = seq_idx.to(torch.int64)
-        before = (documents.amin(1, keepdim=True) - 1).expand(-1, k - 1)
-        padded_documents = torch.cat([before, documents], dim=1)  # [b, k - 1 + s]
+        padded_documents = torch.cat([documents[:, :1].expand(-1, k - 1), documents], dim=1)  # [b, k - 1 + s]
     dtype = torch.promote_types(x.dtype, torch.float32)
     taps = weight.to(dtype)
 

@@ -1,4 +1,5 @@
-"""The causal convolution's PyTorch path with packed documents (seq_idx): each document as if run alone."""
+"""The causal convolution's PyTorch path with packed documents (seq_idx): each document as if run alone
+(a row's first one from the initial state, if any)."""
 
 import pytest
 import torch
@@ -40,8 +41,13 @@ def test_packed_documents_match_each_document_run_alone(index_dtype):
     torch.testing.assert_close(dbias, dbias_sum)
 
 
-def test_packed_documents_with_an_initial_state_are_refused():
-    """Packed documents start from zero states; a state continues one sequence."""
-    x, weight, bias = make_inputs(2, 12, 5, 4, True, False)
-    with pytest.raises(ValueError, match="seq_idx.*initial_state"):
-        causal_conv1d(x, weight, bias, initial_state=torch.zeros(2, 5, 3), seq_idx=seq_idx_of(*LENGTHS))
+def test_an_initial_state_continues_each_rows_first_document():
+    """As in the scans: each row's first document continues from its initial state, the others start
+    from zeros."""
+    x, weight, bias = (t.double() for t in make_inputs(2, 12, 5, 4, True, False))
+    state = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y, _ = causal_conv1d(x, weight, bias, initial_state=state, seq_idx=seq_idx_of(*LENGTHS))
+    for row, part in documents(LENGTHS):
+        first = part.start == 0
+        alone, _ = causal_conv1d(x[row:row + 1, part], weight, bias, initial_state=state[row:row + 1] if first else None)
+        torch.testing.assert_close(y[row:row + 1, part], alone, rtol=0, atol=0)

@@ -51,7 +51,7 @@ def test_on_the_cpu_and_from_a_state_the_pytorch_path_runs(monkeypatch):
     monkeypatch.setattr(module, "causal_conv1d_silu_triton", triton_must_not_run)
     x, weight, bias = make_inputs(2, 9, 6, 4, True, False)
     state, seq_idx = torch.randn(2, 6, 3), seq_idx_of([2, 1, 6], [9])
-    for initial, documents in ((None, None), (state, None), (None, seq_idx)):
+    for initial, documents in ((None, None), (state, None), (None, seq_idx), (state, seq_idx)):
         y, final = causal_conv1d_silu(x, weight, bias, initial, documents)
         y_ref, final_ref = causal_conv1d(x, weight, bias, initial, documents)
         assert torch.equal(y, F.silu(y_ref)) and torch.equal(final, final_ref)
