@@ -421,16 +421,23 @@ def _gate_copies(compiled: bool, a: int) -> int:
 
 def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, symbol: str,
                           input_is_new: bool = True, compiled: bool = False) -> list:
-    """The storages one hybrid layer keeps (no recompute): its norm, then the half of a GPT layer
-    `symbol` names (* attention, - MLP, E MoE) or its recurrent mixer (M Mamba, G Gated DeltaNet),
-    and its dropout mask. Compiled: decomposed norms and dropout, RoPE's tables and SwiGLU's pieces
-    recomputed as in a GPT layer."""
+    """The storages one hybrid layer keeps (no full recompute): its norm, then the half of a GPT
+    layer `symbol` names (* attention, - MLP, E MoE) or its recurrent mixer (M Mamba, G Gated
+    DeltaNet), and its dropout mask. Compiled: decomposed norms and dropout, RoPE's tables and
+    SwiGLU's pieces recomputed as in a GPT layer. Selective recompute as in a GPT layer's halves
+    (`layernorm`, `core_attn`, `mlp`, `moe`); a Mamba layer recomputes nothing."""
     if compiled:
         kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
     h, Tn = config.hidden_size, d.norm_tokens
-    out = norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, input_is_new)
-    if symbol == Symbols.ATTENTION:
-        out += [s for s in _attention_storages(config, kernels, d, rope_dim, False)
+    selective = _selective(config) if symbol != Symbols.MAMBA else set()
+    if "layernorm" in selective:  # the checkpoint keeps only the norm's input
+        out = [_saved("norms", d.r * Tn * h, Tn * h)] * int(input_is_new)
+    else:
+        out = norm_storages(config, kernels, "norms", Tn * h, Tn, d.r, input_is_new)
+    if ({Symbols.MLP: "mlp", Symbols.MOE: "moe"}.get(symbol)) in selective:
+        out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
+    elif symbol == Symbols.ATTENTION:
+        out += [s for s in _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
                 if not (compiled and s.part == "rope tables")]
     elif symbol == Symbols.MLP:
         mlp = _mlp_storages(config, d.tokens, config.ffn_hidden_size, d.tp, d.a)
@@ -452,11 +459,9 @@ def _check_hybrid(config, kernels: KernelProfile) -> None:
     if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and not kernels.triton_scans:
         raise NotModelled("Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans, which the "
                           "estimate does not model; estimate for CUDA (the default device)")
-    for flag, used in (("selective recompute", bool(_selective(config))),
-                       ("--fine-grained-activation-offloading", config.fine_grained_activation_offloading)):
-        if used:
-            raise NotModelled(f"{flag} with --hybrid-layer-pattern: the estimate does not model what the hybrid "
-                              "layers keep then; drop one")
+    if config.fine_grained_activation_offloading:
+        raise NotModelled("--fine-grained-activation-offloading with --hybrid-layer-pattern: the estimate does not "
+                          "model what the hybrid layers offload; drop one")
 
 
 def _selective(config) -> set:

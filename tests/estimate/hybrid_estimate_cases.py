@@ -18,7 +18,7 @@ SIZES = ("--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 --linear
          "--linear-value-head-dim 16 --linear-num-key-heads 2 --linear-num-value-heads 4 ")
 MOE = " --num-experts 4 --moe-router-topk 2"
 # fp32 and bf16, RMSNorm (the CPU's composite) and LayerNorm, every layer kind, dropout, MTP depths
-# of hybrid layers (an MoE one among them), full recompute, fp32 residuals and zero-centred norms
+# of hybrid layers (an MoE one among them), full and selective recompute, fp32 residuals and zero-centred norms
 # (weights cast or shifted), a sequence of two scan chunks and a ragged one; layers compiled by
 # --torch-compile (Inductor's choices: fp32 and bf16, both norms, a depth's Mamba layer uncompiled).
 CASES = [
@@ -33,6 +33,9 @@ CASES = [
     "--hybrid-layer-pattern MG --seq-length 200 --bf16",
     "--hybrid-layer-pattern G*M-E --bf16 --apply-layernorm-1p --fp32-residual-connection" + MOE,
     "--hybrid-layer-pattern MG/G*E --bf16 --position-embedding-type rope --normalization RMSNorm" + MOE,
+    "--hybrid-layer-pattern MG*-E --bf16 --recompute-granularity selective --position-embedding-type rope" + MOE,
+    "--hybrid-layer-pattern GM*-E --bf16 --recompute-granularity selective --recompute-modules layernorm mlp moe "
+    "core_attn --normalization RMSNorm" + MOE,
     "--torch-compile --hybrid-layer-pattern MG --normalization RMSNorm",
     "--torch-compile --hybrid-layer-pattern MG --bf16",
     "--torch-compile --hybrid-layer-pattern GM --bf16 --normalization RMSNorm --hidden-dropout 0.1",

@@ -55,7 +55,6 @@ def test_activations_equal_what_autograd_keeps_on_the_triton_kernels():
 
 @pytest.mark.parametrize("flags, device, phrase", [
     ("--hybrid-layer-pattern M*", "cpu", "Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans"),
-    ("--hybrid-layer-pattern G*-- --recompute-granularity selective", "cuda", "selective recompute with"),
     ("--hybrid-layer-pattern M*- --fine-grained-activation-offloading --offload-modules mlp", "cuda",
      "--fine-grained-activation-offloading with --hybrid-layer-pattern"),
 ])
