@@ -33,10 +33,9 @@ document); the chunked forms add DOCUMENT_START_LOG_DECAY to g there.
 import torch
 import torch.nn.functional as F
 
-from teratron.ssm.recurrence import document_starts, start_log_decay
-
 from teratron.ssm.gated_delta_rule_triton import (INTERPRETED, MAX_KEY_DIM, SUPPORTED_DTYPES,
                                                   gated_delta_rule_triton, triton)
+from teratron.ssm.recurrence import document_starts, start_log_decay
 
 
 def _compute_dtype(t):
