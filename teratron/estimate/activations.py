@@ -453,9 +453,8 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
     return out
 
 
-def _check_hybrid(config, kernels: KernelProfile) -> None:
-    """What the estimate does not model for hybrid models: one line each."""
-    symbols = hybrid_symbols(config)
+def _check_hybrid(config, kernels: KernelProfile, symbols: str) -> None:
+    """What the estimate does not model for hybrid models (`symbols`: their layers): one line each."""
     if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and not kernels.triton_scans:
         raise NotModelled("Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans, which the "
                           "estimate does not model; estimate for CUDA (the default device)")
@@ -560,7 +559,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
                           "model which latents each module offloads; drop one")
     symbols = hybrid_symbols(config)
     if symbols:
-        _check_hybrid(config, kernels)
+        _check_hybrid(config, kernels, symbols)
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
     moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
@@ -692,6 +691,7 @@ def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int
     # dropout copied them): what keeps them (the checkpoint, or an enorm keeping its input) keeps it.
     whole = d.sp and d.tp > 1 and not dropout
     layer_kernels = replace(kernels, fused_rms_norm=True) if compiled else kernels
+    symbols = hybrid_symbols(config)
     depths = []
     for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
         # The loss: the shifted fp32 mask of the masked sum, and the clamped token count.
@@ -708,7 +708,7 @@ def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int
             kept["mtp norms"] = sum(x.nbytes for x in norms if x.counted) + dropout + (
                 d.r * (T - Tn) * h if whole_kept else 0)
             kept["mtp eh_proj input"] = d.a * (T if d.sp else Tn) * 2 * h
-            symbols, offloaded = hybrid_symbols(config), 0
+            offloaded = 0
             for n in mtp_depth_layers(config, number):
                 symbol = symbols[n - 1] if symbols else None
                 # --torch-compile compiles TransformerLayers and the decoder's layers: not a depth's Mamba layers

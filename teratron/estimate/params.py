@@ -15,7 +15,7 @@ layers after '/'. Tests compare them with the numel of real models.
 
 from dataclasses import dataclass, field
 
-from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+from teratron.models.hybrid import Symbols, mtp_depth_layer_numbers, parse_hybrid_pattern
 from teratron.ssm.mamba_mixer import mamba_num_heads
 from teratron.transformer.moe.moe_logging import moe_layer_indices
 
@@ -165,8 +165,7 @@ def mtp_depth_layers(config, depth_number: int) -> list:
     if config.hybrid_layer_pattern is None:
         return [depth_number]
     per_depth = len(parse_hybrid_pattern(config.hybrid_layer_pattern).mtp_layers)
-    first = config.num_layers + (depth_number - config.num_layers - 1) * per_depth + 1
-    return list(range(first, first + per_depth))
+    return list(mtp_depth_layer_numbers(config.num_layers, per_depth, depth_number - config.num_layers))
 
 
 def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bool,

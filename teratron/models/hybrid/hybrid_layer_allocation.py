@@ -81,6 +81,14 @@ def parse_hybrid_pattern(pattern: str) -> HybridPattern:
                          mtp_depths=len(depths))
 
 
+def mtp_depth_layer_numbers(num_layers: int, layers_per_depth: int, depth: int) -> range:
+    """The global (1-based) layer numbers of MTP depth `depth` (1-based): they continue past the
+    decoder's, depth d's i-th layer num_layers + (d - 1) k + i (k layers a depth; with k = 1, GPT's
+    MTP layer numbers)."""
+    first = num_layers + (depth - 1) * layers_per_depth + 1
+    return range(first, first + layers_per_depth)
+
+
 def pipeline_layout(pattern: HybridPattern):
     """Megatron's --pipeline-model-parallel-layout for the pattern's `|` (embedding on the first
     segment, MTP depths and loss on the last), or None without them."""

@@ -9,6 +9,7 @@ Layer numbers continue past the decoder's: depth d's i-th layer is num_layers + 
 
 import torch
 
+from teratron.models.hybrid.hybrid_layer_allocation import mtp_depth_layer_numbers
 from teratron.transformer.spec_utils import build_module
 
 
@@ -17,11 +18,10 @@ class HybridStack(torch.nn.Module):
 
     def __init__(self, config, layer_specs: list, layer_number: int, pg_collection=None, vp_stage=None):
         super().__init__()
-        depth = layer_number - config.num_layers
-        first = config.num_layers + (depth - 1) * len(layer_specs) + 1
+        numbers = mtp_depth_layer_numbers(config.num_layers, len(layer_specs), layer_number - config.num_layers)
         self.layers = torch.nn.ModuleList(
-            build_module(spec, config=config, layer_number=first + i, pg_collection=pg_collection, vp_stage=vp_stage)
-            for i, spec in enumerate(layer_specs))
+            build_module(spec, config=config, layer_number=number, pg_collection=pg_collection, vp_stage=vp_stage)
+            for number, spec in zip(numbers, layer_specs))
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         for layer in self.layers:
