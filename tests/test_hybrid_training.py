@@ -3,8 +3,10 @@ the single process: every iteration's loss and grad norm must equal it.
 
 The pattern mixes every layer kind: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-), MoE (E). Layouts: TP 2
 with sequence parallelism, PP 2 placed by the pattern's '|' (MG*-E|MG*-E), DP 2 with the distributed optimizer,
-EP 2, full recompute; a checkpoint saved at TP 2 loads into one process and continues alike; packed documents
-(each a zero state in the Mamba and Gated DeltaNet layers) under TP 2 + SP, PP 2 and DP 2.
+EP 2, CP 2 and TP 2 + SP x CP 2 (the recurrent layers on all-to-all'd head shares; at TP 2 x CP 2 each B / C
+group and key head is repeated on two CP ranks), full recompute; a checkpoint saved at TP 2 loads into one process
+and continues alike; packed documents (each a zero state in the Mamba and Gated DeltaNet layers) under TP 2 + SP,
+PP 2, DP 2 and CP 2.
 """
 
 import pytest
@@ -38,6 +40,8 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
         "pp2-by-pattern": (TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E", "--pipeline-model-parallel-size", "2"], 2),
         "dp2-distributed-optimizer": (["--use-distributed-optimizer"], 2),
         "ep2": (["--expert-model-parallel-size", "2"], 2),
+        "cp2": (["--context-parallel-size", "2"], 2),
+        "tp2-sp-cp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"], 4),
         "recompute-full": (["--recompute-granularity", "full", "--recompute-method", "uniform",
                             "--recompute-num-layers", "2"], None),
     }
@@ -52,7 +56,7 @@ def test_hybrid_model_under_every_layout_and_a_resharded_checkpoint(tmp_path):
 
 def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_path):
     """'/' depths (Mamba + MoE layers each) on the last stage: LM and MTP losses equal the single
-    process's under TP 2 + SP and PP 2 (the layout puts the depths after the last segment)."""
+    process's under TP 2 + SP, PP 2 (the layout puts the depths after the last segment) and CP 2."""
     keys = ("lm_loss", "mtp_loss", "grad_norm", "load_balancing_loss")
     reference = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/ME/ME"], tmp_path, "mtp-single")
     assert all(r["mtp_loss"] > 0 for r in reference)
@@ -60,21 +64,24 @@ def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_p
                          "--sequence-parallel"], tmp_path, "mtp-tp2-sp", 2)
     pp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-E|MG*-E/ME/ME", "--pipeline-model-parallel-size", "2"],
                  tmp_path, "mtp-pp2", 2)
-    for name, run in (("mtp-tp2-sp", tp2), ("mtp-pp2", pp2)):
+    cp2 = _train(TINY + ["--hybrid-layer-pattern", "MG*-EMG*-E/ME/ME", "--context-parallel-size", "2"], tmp_path,
+                 "mtp-cp2", 2)
+    for name, run in (("mtp-tp2-sp", tp2), ("mtp-pp2", pp2), ("mtp-cp2", cp2)):
         assert_same_losses(reference, run, name, keys)
 
 
 def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
     """Rows of several documents (--reset-attention-mask; tests/ssm checks that each document runs in
-    the recurrent layers as alone) train to the single process's losses under TP 2 + SP, PP 2 and DP 2;
-    so do --sequence-packing's THD rows under DP 2, which packs other rows than the single process."""
+    the recurrent layers as alone) train to the single process's losses under TP 2 + SP, PP 2, DP 2 and
+    CP 2; so do --sequence-packing's THD rows under DP 2 and CP 2 x DP 2, which pack other rows than the
+    single process (CP pads every document to a multiple of 2 x CP)."""
     write_documents(str(tmp_path / "docs"))
     data = TINY[1:] + ["--data-path", str(tmp_path / "docs"), "--split", "90,5,5", "--eod-mask-loss"]
     rows = data + ["--reset-attention-mask", "--reset-position-ids", "--hybrid-layer-pattern", PATTERN]
     reference = _train(rows, tmp_path, "docs-single")
     assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
     for name, extra in (("docs-tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                        ("docs-dp2", ["--use-distributed-optimizer"])):
+                        ("docs-dp2", ["--use-distributed-optimizer"]), ("docs-cp2", ["--context-parallel-size", "2"])):
         assert_same_losses(reference, _train(rows + extra, tmp_path, name, 2), name)
     pp2 = data + ["--reset-attention-mask", "--reset-position-ids", "--hybrid-layer-pattern", "MG*-E|MG*-E",
                   "--pipeline-model-parallel-size", "2"]
@@ -86,6 +93,8 @@ def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
                         "--micro-batch-size", "1"]
     packed_reference = _train(packing, tmp_path, "packing-single")
     assert_same_losses(packed_reference, _train(packing, tmp_path, "packing-dp2", 2), "packing-dp2")
+    cp2 = _train(packing + ["--context-parallel-size", "2"], tmp_path, "packing-cp2-dp2", 4)
+    assert_same_losses(packed_reference, cp2, "packing-cp2-dp2")
 
 
 @pytest.mark.parametrize("flags, phrase", [
@@ -106,14 +115,3 @@ def test_bad_patterns_are_one_line(tmp_path, capsys, monkeypatch, flags, phrase)
     assert cli.main(["train"] + TINY + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("teratron: error: ") and phrase in err[0], err
-
-
-def test_context_parallelism_inside_recurrent_layers_is_refused():
-    from teratron.training.arguments import parse_train_args
-    from teratron.training.config import build_run_config
-
-    args = parse_train_args(TINY + ["--hybrid-layer-pattern", "M*E", "--context-parallel-size", "2"])
-    with pytest.raises(NotImplementedError, match=r"^--context-parallel-size with Mamba-2 \(M\) layers: context "):
-        build_run_config(args, world_size=2)
-    assert build_run_config(parse_train_args(TINY + ["--hybrid-layer-pattern", "**E", "--context-parallel-size",
-                                                     "2"]), world_size=2).transformer.context_parallel_size == 2

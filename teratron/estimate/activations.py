@@ -461,6 +461,9 @@ def _check_hybrid(config, kernels: KernelProfile, symbols: str) -> None:
     if config.fine_grained_activation_offloading:
         raise NotModelled("--fine-grained-activation-offloading with --hybrid-layer-pattern: the estimate does not "
                           "model what the hybrid layers offload; drop one")
+    if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and config.context_parallel_size > 1:
+        raise NotModelled("--context-parallel-size with Mamba or Gated DeltaNet layers: the estimate does not model "
+                          "what their convolution and scan keep on a CP rank's share of the heads; estimate at CP 1")
 
 
 def _selective(config) -> set:

@@ -21,7 +21,8 @@ tensor), and because value heads are grouped under their key head in order, rank
 exactly the groups of its key heads: each rank runs whole key-head groups and nothing is exchanged
 inside the mixer. The convolution over [q; k; v], dt_bias and A_log are split alike; out_proj is
 row-parallel. With sequence parallelism in_proj gathers the sequence and out_proj reduce-scatters
-it, as attention's projections do. out_norm's weight is replicated: every rank normalises
+it, as attention's projections do. Context parallelism runs the convolution and the rule on whole
+sequences for a share of the heads (`teratron.ssm.context_parallel`). out_norm's weight is replicated: every rank normalises
 different heads with it, so its gradient is summed over TP (marked like a sequence-parallel norm).
 
 Parameter names are Megatron's (in_proj.weight, conv1d.weight [c, 1, k], dt_bias, A_log,
@@ -38,11 +39,13 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
+from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
 from teratron.ssm.gated_delta_rule import gated_delta_rule
 from teratron.ssm.recurrence import mix_tokens
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
+from teratron.topology import resolve_pg_collection
 from teratron.transformer.norms import Norm
 
 L2NORM_EPS = 1e-6  # of q and k's L2 normalisation (FLA's l2norm, which Megatron calls)
@@ -100,6 +103,30 @@ class GatedDeltaNet(nn.Module):
         self.out_norm = Norm(config, self.value_head_dim, eps=config.layernorm_epsilon)
         for param in self.out_norm.parameters():
             param.sequence_parallel = True  # finalize_model_grads sums these grads over TP
+        self.whole = HeadShare(range(self.num_value_heads_local), range(self.num_key_heads_local))
+        self._context_parallel(resolve_pg_collection(pg_collection).cp, device)
+
+    def _context_parallel(self, cp_group, device):
+        """This CP rank's share of the heads (value heads, grouped by key head) and the channels every
+        share reads (CP > 1)."""
+        self.cp_group, cp = cp_group, get_pg_size(cp_group)
+        self.cp_share = None
+        if cp == 1:
+            return
+        shares = head_shares(self.num_value_heads_local, self.num_key_heads_local, cp,
+                             ("value heads", "key heads", "Gated DeltaNet"))
+        self.cp_share = shares[get_pg_rank(cp_group)]
+        gates = 2 * self.qk_dim_local + 2 * self.v_dim_local  # projected's channels: q k v z b a
+        reads = [channel_index(*self._conv_parts(share), (gates, 1, share.heads),
+                               (gates + self.num_value_heads_local, 1, share.heads)) for share in shares]
+        self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
+        self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
+                             persistent=False)
+
+    def _conv_parts(self, share: HeadShare) -> tuple:
+        """The convolution's channels (q, k, v) a share reads, as channel_index parts."""
+        return ((0, self.key_head_dim, share.groups), (self.qk_dim_local, self.key_head_dim, share.groups),
+                (2 * self.qk_dim_local, self.value_head_dim, share.heads))
 
     recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
 
@@ -110,37 +137,66 @@ class GatedDeltaNet(nn.Module):
         With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
         request's tokens continue from the convolution and delta-rule states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
+        if self.cp_share is not None and inference_context is None:
+            y = self._mix_context_parallel(projected, attention_mask)
+        else:
+            y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
         return self.out_proj(y)  # y [s, b, v_dim / tp]
 
     def _mix(self, projected, state, seq_idx=None):
         """projected [b, s, parts / tp] and the (convolution, delta-rule) state before it (None:
         zeros), seq_idx [b, s] (packed documents) or None -> (the gated, normed output
         [b, s, v_dim / tp], the state after it)."""
-        conv_state, rule_state = state if state is not None else (None, None)
         qkv, z, beta, alpha = projected.split(
             [2 * self.qk_dim_local + self.v_dim_local, self.v_dim_local, self.num_value_heads_local,
              self.num_value_heads_local], dim=-1)  # [b, s, ...]
-        qkv, conv_state = causal_conv1d_silu(qkv, self.conv1d.weight[:, 0], initial_state=conv_state,
-                                             seq_idx=seq_idx)
-        q, k, v = qkv.split([self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
+        o, state = self._rule(qkv, beta, alpha, self.whole, state, seq_idx)
+        y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
+        return y.flatten(2), state
+
+    def _mix_context_parallel(self, projected, attention_mask):
+        """projected [s, b, parts / tp] of this CP rank's tokens -> the gated, normed output
+        [s, b, v_dim / tp]: the convolution and the rule over whole sequences for this rank's share of
+        the heads, between two all-to-alls."""
+        heads = len(self.cp_share.heads)
+        inputs, seq_idx = tokens_to_heads(projected, self.cp_channels, self.cp_group, attention_mask)
+        qkv, beta, alpha = inputs.split([len(self.cp_conv_channels), heads, heads], dim=-1)
+        o, _ = self._rule(qkv, beta, alpha, self.cp_share, None, seq_idx)
+        o = heads_to_tokens(o.flatten(2), self.cp_group, attention_mask)  # [s, b, v_dim / tp]
+        z_start = 2 * self.qk_dim_local + self.v_dim_local
+        z = projected[..., z_start:z_start + self.v_dim_local]
+        per_head = (-1, self.value_head_dim)
+        return self._gated_norm(o.unflatten(-1, per_head), z.unflatten(-1, per_head)).flatten(2)
+
+    def _rule(self, qkv, beta, alpha, share: HeadShare, state, seq_idx):
+        """The convolution and the gated delta rule of a share of the heads: qkv [b, s, its q, k, v
+        channels], beta and alpha [b, s, its value heads] -> (o [b, s, its value heads, dv], the
+        (convolution, delta-rule) state after)."""
+        conv_state, rule_state = state if state is not None else (None, None)
+        weight, dt_bias, A_log = self.conv1d.weight[:, 0], self.dt_bias, self.A_log
+        if share is not self.whole:  # slices taken here, so that gradients reach the rank's parameters
+            heads = slice(share.heads.start, share.heads.stop)
+            weight, dt_bias, A_log = weight.index_select(0, self.cp_conv_channels), dt_bias[heads], A_log[heads]
+        key_heads, value_heads = len(share.groups), len(share.heads)
+        qkv, conv_state = causal_conv1d_silu(qkv, weight, initial_state=conv_state, seq_idx=seq_idx)
+        q, k, v = qkv.split([key_heads * self.key_head_dim, key_heads * self.key_head_dim,
+                             value_heads * self.value_head_dim], dim=-1)
         b, s = v.shape[:2]
-        q = self._value_heads(q, 1 / math.sqrt(self.key_head_dim))  # [b, s, value heads / tp, dk]
-        k = self._value_heads(k)
-        g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, heads / tp]
-        o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, self.num_value_heads_local, self.value_head_dim), g,
+        q = self._value_heads(q, value_heads, 1 / math.sqrt(self.key_head_dim))  # [b, s, value heads, dk]
+        k = self._value_heads(k, value_heads)
+        g = -torch.exp(A_log.float()) * F.softplus(alpha.float() + dt_bias.float())  # [b, s, value heads]
+        o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, value_heads, self.value_head_dim), g,
                                          torch.sigmoid(beta), initial_state=rule_state, chunk_size=self.chunk_size,
                                          seq_idx=seq_idx)
-        y = self._gated_norm(o, z.reshape_as(o))  # [b, s, value heads / tp, dv]
-        return y.reshape(b, s, self.v_dim_local), (conv_state, rule_state)
+        return o, (conv_state, rule_state)
 
-    def _value_heads(self, x, scale: float = 1.0):
+    def _value_heads(self, x, value_heads: int, scale: float = 1.0):
         """[b, s, key heads * dk] -> L2-normalised per head (in fp32) times `scale`, rounded to x's dtype
         (16-bit q and k halve the rule's reads; FLA's l2norm also returns x's dtype, scaling q after),
-        each key head repeated for its group of value heads: [b, s, value heads, dk]."""
-        heads = x.unflatten(-1, (self.num_key_heads_local, self.key_head_dim)).float()
+        each key head repeated for its group of the `value_heads`: [b, s, value heads, dk]."""
+        heads = x.unflatten(-1, (-1, self.key_head_dim)).float()
         heads = (heads * (scale * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS))).to(x.dtype)
-        return heads.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)
+        return heads.repeat_interleave(value_heads // heads.shape[2], dim=2)
 
     def _gated_norm(self, o, z):
         """out_norm of each head's output times silu(z), in fp32; returned in o's dtype."""

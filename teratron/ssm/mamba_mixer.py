@@ -10,7 +10,8 @@ Tensor parallelism splits heads and groups: in_proj is column-parallel with the 
 [z; x; B; C; dt] each split over TP (a tuple partition stride), the convolution, dt_bias, A_log,
 D and the norm's weight are split alike, out_proj is row-parallel; so each rank runs whole heads
 and groups and nothing is exchanged inside the mixer. With sequence parallelism in_proj gathers the
-sequence and out_proj reduce-scatters it, as attention's projections do. No biases on the two
+sequence and out_proj reduce-scatters it, as attention's projections do. Context parallelism runs the
+convolution and the scan on whole sequences for a share of the heads (`teratron.ssm.context_parallel`). No biases on the two
 projections, whatever add_bias_linear says (Megatron's MambaMixer defaults to bias=False and its
 HybridModel keeps that); the convolution has one.
 
@@ -28,11 +29,13 @@ from torch import nn
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
+from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
 from teratron.ssm.recurrence import mix_tokens
 from teratron.ssm.ssd import ssd
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
+from teratron.topology import resolve_pg_collection
 
 
 CHUNK_SIZE = 128  # tokens per chunk of the scan (Megatron's mamba_chunk_size)
@@ -111,6 +114,34 @@ class MambaMixer(nn.Module):
             set_tensor_model_parallel_attributes(param, True, 0, stride)
         for param in (self.conv1d.weight, self.conv1d.bias, self.norm.weight):
             param.data = param.data.to(config.params_dtype)
+        self.whole = HeadShare(range(self.nheads_local), range(self.ngroups_local))
+        self._context_parallel(resolve_pg_collection(pg_collection).cp, device)
+
+    def _context_parallel(self, cp_group, device):
+        """This CP rank's share of the heads and the channels every share reads (CP > 1)."""
+        self.cp_group, cp = cp_group, get_pg_size(cp_group)
+        self.cp_share = None
+        if cp == 1:
+            return
+        shares = head_shares(self.nheads_local, self.ngroups_local, cp, ("heads", "groups", "Mamba"))
+        self.cp_share = shares[get_pg_rank(cp_group)]
+        z = self.d_inner_local
+        # projected's channels: z, then the convolution's (x, B, C), then dt
+        reads = [channel_index(*self._conv_parts(share, offset=z), (z + self._conv_width(), 1, share.heads))
+                 for share in shares]
+        self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
+        self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
+                             persistent=False)
+
+    def _conv_width(self) -> int:
+        return self.d_inner_local + 2 * self.ngroups_local * self.d_state
+
+    def _conv_parts(self, share: HeadShare, offset: int = 0) -> tuple:
+        """The convolution's channels (x, B, C) a share reads, as channel_index parts."""
+        b_start = offset + self.d_inner_local
+        c_start = b_start + self.ngroups_local * self.d_state
+        return ((offset, self.head_dim, share.heads), (b_start, self.d_state, share.groups),
+                (c_start, self.d_state, share.groups))
 
     recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
 
@@ -121,7 +152,10 @@ class MambaMixer(nn.Module):
         With `inference_context` (the engine's step: [t, 1, h], requests back to back) each
         request's tokens continue from the convolution and scan states its earlier ones left."""
         projected, _ = self.in_proj(hidden_states)  # [s, b, parts / tp]
-        y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
+        if self.cp_share is not None and inference_context is None:
+            y = self._mix_context_parallel(projected, attention_mask)
+        else:
+            y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
         out, _ = self.out_proj(y)  # y [s, b, d_inner / tp]
         return out, None
 
@@ -129,25 +163,45 @@ class MambaMixer(nn.Module):
         """projected [b, s, parts / tp] and the (convolution, scan) state before it (None: zeros),
         seq_idx [b, s] (packed documents) or None -> (the gated, normed scan output [b, s, d_inner / tp],
         the state after it)."""
-        conv_state, scan_state = state if state is not None else (None, None)
-        bc = self.ngroups_local * self.d_state
         # Split in the projection's memory order ([s, b] in training): the gradient's concatenation then
         # comes out laid out as the input projection's backward reads it (no transposing copy).
-        parts = projected.transpose(0, 1).split([self.d_inner_local, self.d_inner_local + 2 * bc, self.nheads_local],
-                                                dim=-1)
-        z, xbc, dt = (part.transpose(0, 1) for part in parts)
-        # [b, s, c]
-        xbc, conv_state = causal_conv1d_silu(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state,
-                                             seq_idx=seq_idx)
-        x, B, C = xbc.split([self.d_inner_local, bc, bc], dim=-1)
+        parts = projected.transpose(0, 1).split([self.d_inner_local, self._conv_width(), self.nheads_local], dim=-1)
+        z, xbc, dt = (part.transpose(0, 1) for part in parts)  # [b, s, c]
+        y, state = self._scan(xbc, dt, self.whole, state, seq_idx)
+        return self.norm(y, z), state
+
+    def _mix_context_parallel(self, projected, attention_mask):
+        """projected [s, b, parts / tp] of this CP rank's tokens -> the gated, normed scan output
+        [s, b, d_inner / tp]: the convolution and scan over whole sequences for this rank's share of
+        the heads, between two all-to-alls."""
+        share = self.cp_share
+        inputs, seq_idx = tokens_to_heads(projected, self.cp_channels, self.cp_group, attention_mask)
+        xbc, dt = inputs.split([len(self.cp_conv_channels), len(share.heads)], dim=-1)
+        y, _ = self._scan(xbc, dt, share, None, seq_idx)
+        y = heads_to_tokens(y, self.cp_group, attention_mask)  # [s, b, d_inner / tp]
+        z = projected[..., :self.d_inner_local]
+        return self.norm(y.transpose(0, 1), z.transpose(0, 1)).transpose(0, 1)
+
+    def _scan(self, xbc, dt, share: HeadShare, state, seq_idx):
+        """The convolution and the scan of a share of the heads: xbc [b, s, its x, B, C channels],
+        dt [b, s, its heads] -> (y [b, s, its heads x head_dim], the (convolution, scan) state after)."""
+        conv_state, scan_state = state if state is not None else (None, None)
+        weight, bias, dt_bias, A_log, D = self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log, self.D
+        if share is not self.whole:  # slices taken here, so that gradients reach the rank's parameters
+            heads = slice(share.heads.start, share.heads.stop)
+            weight, bias = weight.index_select(0, self.cp_conv_channels), bias.index_select(0, self.cp_conv_channels)
+            dt_bias, A_log, D = dt_bias[heads], A_log[heads], D[heads]
+        nheads, bc = len(share.heads), len(share.groups) * self.d_state
+        xbc, conv_state = causal_conv1d_silu(xbc, weight, bias, conv_state, seq_idx=seq_idx)
+        x, B, C = xbc.split([nheads * self.head_dim, bc, bc], dim=-1)
         b, s = x.shape[:2]
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
+        dt = F.softplus(dt.float() + dt_bias.float())  # [b, s, heads]
         # Views of the convolution's output: the scan's kernels read them by their strides (no copies).
-        x = x.unflatten(-1, (self.nheads_local, self.head_dim))
-        B, C = (t.unflatten(-1, (self.ngroups_local, self.d_state)) for t in (B, C))
-        y, scan_state = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, initial_state=scan_state,
+        x = x.unflatten(-1, (nheads, self.head_dim))
+        B, C = (t.unflatten(-1, (len(share.groups), self.d_state)) for t in (B, C))
+        y, scan_state = ssd(x, dt, -torch.exp(A_log.float()), B, C, D, initial_state=scan_state,
                             chunk_size=self.chunk_size, seq_idx=seq_idx)
-        return self.norm(y.reshape(b, s, self.d_inner_local), z), (conv_state, scan_state)
+        return y.reshape(b, s, nheads * self.head_dim), (conv_state, scan_state)
 
 
 class GroupGatedRMSNorm(nn.Module):

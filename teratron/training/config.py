@@ -341,7 +341,6 @@ class RunConfig:
         self._check_run_length()
         self._check_context_parallel()
         self._check_sequence_packing()
-        self._check_recurrent_layers()
         self._check_profiled_range()
         self._check_cuda_graph_loop()
         self._check_fsdp()
@@ -379,18 +378,6 @@ class RunConfig:
         if cp > 1 and seq % parts:
             raise ValueError(f"--seq-length ({seq}) must be a multiple of 2 x CP"
                              f"{' x TP' if t.sequence_parallel else ''} = {parts} under --context-parallel-size {cp}")
-
-    def _check_recurrent_layers(self):
-        """Mamba-2 and Gated DeltaNet layers scan the whole sequence row: they do not run on a CP
-        shard of it (packed documents they take, each from a zero state)."""
-        pattern = self.transformer.hybrid_layer_pattern or ""
-        recurrent = [symbol for symbol in "MG" if symbol in pattern]
-        if not recurrent:
-            return
-        kinds = " and ".join({"M": "Mamba-2 (M)", "G": "Gated DeltaNet (G)"}[symbol] for symbol in recurrent)
-        if self.transformer.context_parallel_size > 1:
-            raise NotImplementedError(f"--context-parallel-size with {kinds} layers: context parallelism inside "
-                                      "these layers is not supported yet; use CP 1")
 
     def _check_sequence_packing(self):
         """A packed micro-batch is one row of --seq-length tokens; micro-batches hold different token

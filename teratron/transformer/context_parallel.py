@@ -694,11 +694,14 @@ def _all_to_all(x, group, to_sequence: bool):
     return received.permute(1, 2, 0, 3, 4).reshape(s_all // a, b, a * n_local, h)
 
 
-def _heads_to_sequence(t, group):
+def heads_to_sequence(t, group):
+    """[s, b, n, h] of this rank's tokens -> [a * s, b, n / a, h]: the group's tokens (in rank order)
+    for this rank's 1/a of the n heads (its index in the group picks them)."""
     return _AllToAll.apply(t, group, True)
 
 
-def _sequence_to_heads(t, group):
+def sequence_to_heads(t, group):
+    """`heads_to_sequence`'s inverse: [a * s, b, n / a, h] -> [s, b, n, h]."""
     return _AllToAll.apply(t, group, False)
 
 
@@ -775,7 +778,7 @@ def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropou
     first = get_pg_rank(config.cp_group) - index  # a2a groups are runs of consecutive CP ranks
     members = tuple(range(first, first + size))
     order, back = layout.order(members, query.device)
-    q, k, v = (_heads_to_sequence(t, a2a_group).index_select(0, order).permute(1, 2, 0, 3)
+    q, k, v = (heads_to_sequence(t, a2a_group).index_select(0, order).permute(1, 2, 0, 3)
                for t in (query, key, value))
     mine = slice(index * heads // size, (index + 1) * heads // size)  # the heads this rank attends
     sink = None if sink is None else sink[mine]
@@ -787,7 +790,7 @@ def _attention_after_a2a(config, layout, query, key, value, causal, sink, dropou
         out = _attend(config, "p2p", ring_group, layout, participants, get_pg_rank(ring_group), q, k, v, causal,
                       sink, dropout_p, max_logits)
     out = out.permute(2, 0, 1, 3).index_select(0, back)
-    return _sequence_to_heads(out.contiguous(), a2a_group)
+    return sequence_to_heads(out.contiguous(), a2a_group)
 
 
 def _attend(config, exchange, group, layout, participants, me, q, k, v, causal, sink, dropout_p, max_logits=None):
