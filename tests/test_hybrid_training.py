@@ -1,7 +1,8 @@
 """`teratron train` of a hybrid model (`--hybrid-layer-pattern`) under torchrun (gloo, CPU) against
 the single process: every iteration's loss and grad norm must equal it.
 
-The pattern mixes every layer kind: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-), MoE (E). Layouts: TP 2
+The pattern mixes every layer kind: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-), MoE (E); multi-latent
+attention layers (+) stand in for attention under TP 2 + SP, PP 2 and CP 2. Layouts: TP 2
 with sequence parallelism, PP 2 placed by the pattern's '|' (MG*-E|MG*-E), DP 2 with the distributed optimizer,
 EP 2, CP 2 and TP 2 + SP x CP 2 (the recurrent layers on all-to-all'd head shares; at TP 2 x CP 2 each B / C
 group and key head is repeated on two CP ranks), full recompute; a checkpoint saved at TP 2 loads into one process
@@ -25,6 +26,9 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
         "--linear-value-head-dim", "8", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-aux-loss-coeff", "0.1"]
 MODEL = TINY + ["--hybrid-layer-pattern", PATTERN]
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6", "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "yarn", "--rotary-scaling-factor",
+       "4", "--mscale", "0.8", "--mscale-all-dim", "1", "--yarn-original-max-position-embeddings", "8"]
 
 
 def _train(args, tmp_path, name, nproc=None):
@@ -70,6 +74,20 @@ def test_mtp_depths_from_the_pattern_under_tensor_and_pipeline_parallelism(tmp_p
         assert_same_losses(reference, run, name, keys)
 
 
+def test_multi_latent_attention_layers_under_tensor_pipeline_and_context_parallelism(tmp_path):
+    """'+' layers (MLA with YaRN, query compression and its norms), one in the MTP depth too: LM, MTP and
+    load-balancing losses equal the single process's under TP 2 + SP, PP 2 and CP 2."""
+    keys = ("lm_loss", "mtp_loss", "grad_norm", "load_balancing_loss")
+    reference = _train(TINY + MLA + ["--hybrid-layer-pattern", "MG+-EMG+-E/+-"], tmp_path, "mla-single")
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    runs = {"mla-tp2-sp": ["--hybrid-layer-pattern", "MG+-EMG+-E/+-", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel"],
+            "mla-pp2": ["--hybrid-layer-pattern", "MG+-E|MG+-E/+-", "--pipeline-model-parallel-size", "2"],
+            "mla-cp2": ["--hybrid-layer-pattern", "MG+-EMG+-E/+-", "--context-parallel-size", "2"]}
+    for name, extra in runs.items():
+        assert_same_losses(reference, _train(TINY + MLA + extra, tmp_path, name, 2), name, keys)
+
+
 def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
     """Rows of several documents (--reset-attention-mask; tests/ssm checks that each document runs in
     the recurrent layers as alone) train to the single process's losses under TP 2 + SP, PP 2, DP 2 and
@@ -99,7 +117,9 @@ def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
 
 @pytest.mark.parametrize("flags, phrase", [
     (["--hybrid-layer-pattern", "M*X"], "'X' is not a layer symbol"),
-    (["--hybrid-layer-pattern", "M*+"], "multi-latent attention layers (+) are not supported yet"),
+    (["--hybrid-layer-pattern", "M*D"], "DeepSeek sparse attention layers (D) are not supported yet"),
+    (["--hybrid-layer-pattern", "M+-E"], "has multi-latent attention layers (+) but --multi-latent-attention is off"),
+    (["--hybrid-layer-pattern", "M*+E"] + MLA, "standard attention layers (*) next to multi-latent attention (+)"),
     (["--hybrid-layer-pattern", "M*/M-/-M"], "every multi-token-prediction depth after '/' must repeat one"),
     (["--hybrid-layer-pattern", "/M-"], "has no decoder layers before '/'"),
     (["--hybrid-layer-pattern", "M*/M-", "--mtp-num-layers", "2"], "--mtp-num-layers 2 but --hybrid-layer-pattern "

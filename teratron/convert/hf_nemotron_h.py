@@ -218,9 +218,10 @@ _MOE_EXPORT_NEEDS = {"moe_router_score_function": "sigmoid", "moe_router_enable_
 
 
 def _check_exportable(a: dict, pattern: str) -> None:
-    if Symbols.GDN in pattern:
-        raise ValueError(f"the checkpoint's hybrid model has Gated DeltaNet layers (G in {pattern!r}); nemotron_h, the "
-                         "Hugging Face hybrid family teratron exports, has none")
+    for symbol, kind in ((Symbols.GDN, "Gated DeltaNet"), (Symbols.MLA, "multi-latent attention")):
+        if symbol in pattern:
+            raise ValueError(f"the checkpoint's hybrid model has {kind} layers ({symbol} in {pattern!r}); nemotron_h, "
+                             "the Hugging Face hybrid family teratron exports, has none")
     needs = {**_EXPORT_NEEDS, **(_MOE_EXPORT_NEEDS if Symbols.MOE in pattern else {})}
     for name, value in needs.items():
         if a.get(name, value) != value:

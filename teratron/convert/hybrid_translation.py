@@ -2,8 +2,9 @@
 `gpt_hybrid_conversion` on teratron checkpoints.
 
 A GPT layer is an attention half and an MLP half; a hybrid pattern lists such halves as layers of
-their own (`*` attention, `-` MLP, `E` MoE) among Mamba layers (`M`). gpt-to-hybrid puts GPT layer
-i's attention half (its input norm and self-attention) on the pattern's i-th `*` layer and its MLP
+their own (`*` attention, `+` multi-latent attention for an MLA model, `-` MLP, `E` MoE) among Mamba
+layers (`M`). gpt-to-hybrid puts GPT layer i's attention half (its input norm and self-attention) on
+the pattern's i-th `*` (`+`) layer and its MLP
 half (pre-MLP norm and MLP or MoE) on the i-th `-` / `E` layer; the pattern must hold exactly as
 many of each as the GPT model has layers, and `E` exactly when the GPT model is MoE. Mamba layers
 have no GPT counterpart: they start from Mamba-2's initialisation (`--seed`). The embedding, final
@@ -38,22 +39,32 @@ def _positions(layers: str, symbols: str) -> list:
     return [i for i, symbol in enumerate(layers) if symbol in symbols]
 
 
+def _attention_symbol(model_args: dict) -> str:
+    return Symbols.MLA if model_args.get("multi_latent_attention") else Symbols.ATTENTION
+
+
 def _gpt_layer_places(layers: str, model_args: dict, where: str) -> tuple:
     """(the hybrid layer of each GPT layer's attention half, ... of its MLP half)."""
     if Symbols.GDN in layers:
         raise ValueError(f"{where}: the pattern has Gated DeltaNet layers (G), which a GPT layer cannot hold; use "
-                         "M, *, - and E")
+                         "M, *, +, - and E")
+    attention_symbol = _attention_symbol(model_args)
+    kind = "multi-latent" if attention_symbol == Symbols.MLA else "standard"
+    if ({Symbols.ATTENTION, Symbols.MLA} - {attention_symbol}) & set(layers):
+        raise ValueError(f"{where}: the GPT model's attention is {kind}; use '{attention_symbol}' for its "
+                         "attention layers")
     mlp_symbol = Symbols.MOE if model_args.get("num_experts") else Symbols.MLP
     other = Symbols.MLP if mlp_symbol == Symbols.MOE else Symbols.MOE
     if other in layers:
         raise ValueError(f"{where}: the pattern has {'MoE (E)' if other == Symbols.MOE else 'dense MLP (-)'} layers "
                          f"but the GPT model's MLPs are {'MoE' if mlp_symbol == Symbols.MOE else 'dense'}; use "
                          f"'{mlp_symbol}'")
-    attention, mlp = _positions(layers, Symbols.ATTENTION), _positions(layers, mlp_symbol)
+    attention, mlp = _positions(layers, attention_symbol), _positions(layers, mlp_symbol)
     gpt_layers = model_args["num_layers"]
     if len(attention) != gpt_layers or len(mlp) != gpt_layers:
-        raise ValueError(f"{where}: the pattern has {len(attention)} attention (*) and {len(mlp)} MLP "
-                         f"('{mlp_symbol}') layers; the GPT model has {gpt_layers} layers, so give {gpt_layers} of each")
+        raise ValueError(f"{where}: the pattern has {len(attention)} attention ({attention_symbol}) and {len(mlp)} "
+                         f"MLP ('{mlp_symbol}') layers; the GPT model has {gpt_layers} layers, so give {gpt_layers} of "
+                         "each")
     return attention, mlp
 
 
@@ -88,7 +99,6 @@ def _source(load: str) -> tuple:
 
 def _check_gpt(model_args: dict, folder: str) -> None:
     refused = [name for name, why in (("hybrid_layer_pattern", "it is hybrid already"),
-                                      ("multi_latent_attention", "multi-latent attention"),
                                       ("mtp_num_layers", "multi-token prediction layers"))
                if model_args.get(name)]
     freq = model_args.get("moe_layer_freq", 1)
@@ -134,7 +144,7 @@ def hybrid_to_gpt(load: str, save: str) -> str:
     if Symbols.MTP_SEPARATOR in layers:
         raise ValueError(f"--load {folder}: the hybrid pattern {layers!r} has multi-token-prediction depths ('/'), "
                          "which a GPT model cannot take in this translation")
-    gpt_layers = layers.count(Symbols.ATTENTION)
+    gpt_layers = layers.count(_attention_symbol(model_args))
     attention, mlp = _gpt_layer_places(layers, {**model_args, "num_layers": gpt_layers}, f"--load {folder}")
     gpt_layer_of = {**{place: i for i, place in enumerate(attention)}, **{place: i for i, place in enumerate(mlp)}}
     gpt_args = {**model_args, **{name: VARIANT_DEFAULTS[name] for name in _HYBRID_FIELDS}, "num_layers": gpt_layers}

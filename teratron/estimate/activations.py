@@ -422,10 +422,10 @@ def _gate_copies(compiled: bool, a: int) -> int:
 def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, symbol: str,
                           input_is_new: bool = True, compiled: bool = False) -> list:
     """The storages one hybrid layer keeps (no full recompute): its norm, then the half of a GPT
-    layer `symbol` names (* attention, - MLP, E MoE) or its recurrent mixer (M Mamba, G Gated
-    DeltaNet), and its dropout mask. Compiled: decomposed norms and dropout, RoPE's tables and
-    SwiGLU's pieces recomputed as in a GPT layer. Selective recompute as in a GPT layer's halves
-    (`layernorm`, `core_attn`, `mlp`, `moe`); a Mamba layer recomputes nothing."""
+    layer `symbol` names (* attention, + multi-latent attention, - MLP, E MoE) or its recurrent mixer
+    (M Mamba, G Gated DeltaNet), and its dropout mask. Compiled: decomposed norms and dropout, RoPE's
+    tables and SwiGLU's pieces recomputed as in a GPT layer. Selective recompute as in a GPT layer's
+    halves (`layernorm`, `core_attn`, `mla_up_proj`, `mlp`, `moe`); a Mamba layer recomputes nothing."""
     if compiled:
         kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
     h, Tn = config.hidden_size, d.norm_tokens
@@ -438,6 +438,10 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
         out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
     elif symbol == Symbols.ATTENTION:
         out += [s for s in _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
+                if not (compiled and s.part == "rope tables")]
+    elif symbol == Symbols.MLA:
+        out += [s for s in _mla_attention_storages(config, kernels, d, rope_dim, "core_attn" in selective,
+                                                   "mla_up_proj" in selective)
                 if not (compiled and s.part == "rope tables")]
     elif symbol == Symbols.MLP:
         mlp = _mlp_storages(config, d.tokens, config.ffn_hidden_size, d.tp, d.a)

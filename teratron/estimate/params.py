@@ -199,7 +199,7 @@ def chunk_params(config, shape: ModelShape, layer_numbers: list, pre_process: bo
 def _add_layer(params: ChunkParams, config, is_moe: bool, symbol: str | None = None) -> None:
     """A GPT layer (symbol None), or a hybrid layer: one norm and the part `symbol` names."""
     params.add("norms", (1 if symbol else 2) * _norm(config, config.hidden_size))
-    if symbol in (None, Symbols.ATTENTION):
+    if symbol in (None, Symbols.ATTENTION, Symbols.MLA):  # attention_params: MLA's with multi_latent_attention
         for size in attention_params(config):
             params.add("attention", size)
     if symbol in (Symbols.MAMBA, Symbols.GDN):
@@ -207,7 +207,7 @@ def _add_layer(params: ChunkParams, config, is_moe: bool, symbol: str | None = N
                        else ("gated deltanet", gated_delta_net_params(config)))
         for size in sizes:
             params.add(name, size)
-    if symbol in (Symbols.ATTENTION, Symbols.MAMBA, Symbols.GDN):
+    if symbol in (Symbols.ATTENTION, Symbols.MLA, Symbols.MAMBA, Symbols.GDN):
         return
     if is_moe:
         dense, experts = moe_params(config)

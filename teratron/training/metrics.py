@@ -76,7 +76,8 @@ def num_floating_point_operations(model, seq_length: int, batch_size: int) -> fl
 
 def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
     """A hybrid model's training FLOPs, Megatron-LM's `hybrid_flops`: per token, each layer of the
-    pattern counts as its kind (attention, MLP and MoE as in a GPT layer above), and
+    pattern counts as its kind (attention, MLP and MoE as in a GPT layer above, multi-latent
+    attention as `_mla_attention_flops`: Megatron-LM's count leaves `+` layers out), and
       Mamba = 6 * (h * (2 d_inner + 2 groups * state + heads) + d_inner * h) + 3 * 7 * d_inner * state
               (in and out projections; the scan, Megatron's rough 7 FLOPs per channel and state)
       Gated DeltaNet = 6 * (h * (2 qk + 2 v + 2 v_heads) + conv * (2 qk + v) + 4 v_heads * v_head^2 + v * h)
@@ -101,6 +102,8 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
     if t.num_moe_experts:
         moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
         per_layer[Symbols.MOE] = fb_fma * h * ffn_factor * moe_ffn
+    if t.multi_latent_attention:
+        per_layer[Symbols.MLA] = _mla_attention_flops(t, s)
     if Symbols.GDN in t.hybrid_layer_pattern:
         qk = t.linear_key_head_dim * t.linear_num_key_heads
         v = t.linear_value_head_dim * t.linear_num_value_heads

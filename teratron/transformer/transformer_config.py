@@ -716,6 +716,14 @@ class TransformerConfig(ModelParallelConfig):
         if self.moe_layer_freq != 1:
             raise ValueError("moe_layer_freq with hybrid_layer_pattern: the pattern places the MoE layers (E); drop "
                              "--moe-layer-freq")
+        if ("+" in self.hybrid_layer_pattern) != self.multi_latent_attention:
+            raise ValueError("hybrid_layer_pattern has multi-latent attention layers (+) but multi_latent_attention "
+                             "is off; give --multi-latent-attention and its sizes" if "+" in self.hybrid_layer_pattern
+                             else "multi_latent_attention with hybrid_layer_pattern: multi-latent attention layers "
+                             "are '+'; put them in the pattern or drop --multi-latent-attention")
+        if "*" in self.hybrid_layer_pattern and self.multi_latent_attention:
+            raise ValueError("hybrid_layer_pattern has standard attention layers (*) next to multi-latent attention "
+                             "(+): one model takes one kind (Megatron would run '*' without RoPE); use '+' only")
         depths = self.hybrid_layer_pattern.count("/")
         if (self.mtp_num_layers or 0) != depths:
             raise ValueError(f"mtp_num_layers is {self.mtp_num_layers} but hybrid_layer_pattern has {depths} "

@@ -233,6 +233,8 @@ def test_refusals(tmp_path):
     for change, message in [
         (dict(hybrid_layer_pattern="MG*-"),
          "the checkpoint's hybrid pattern 'MG\\*-' has both Mamba-2 \\(M\\) and Gated DeltaNet \\(G\\) layers"),
+        (dict(hybrid_layer_pattern=args["hybrid_layer_pattern"].replace("*", "+")),
+         "the checkpoint's hybrid model has multi-latent attention layers \\(\\+ in"),
         (dict(squared_relu=False, swiglu=True), "the checkpoint's hybrid model has squared_relu=False; nemotron_h "
                                                 "needs True"),
         (dict(position_embedding_type="rope"), "the checkpoint's hybrid model has position_embedding_type='rope'"),

@@ -1,5 +1,5 @@
 """`teratron convert gpt-to-hybrid | hybrid-to-gpt`: a trained GPT checkpoint becomes a hybrid one
-whose attention (*) and MLP (-) layers hold the GPT layers' halves. The pattern that only splits
+whose attention (*, or + for multi-latent attention) and MLP (-) layers hold the GPT layers' halves. The pattern that only splits
 each GPT layer gives the GPT model's logits exactly; with Mamba layers (M) added the kept halves
 are the GPT weights and the new layers are Mamba-2's initialisation; the translated model trains
 through `teratron train --finetune`; back to GPT returns the original weights bit for bit."""
@@ -84,10 +84,37 @@ def test_mamba_layers_are_new_and_the_rest_round_trips(gpt_checkpoint, tmp_path)
     assert back.keys() == gpt.keys() and all(torch.equal(back[k], gpt[k]) for k in gpt)
 
 
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6", "--q-lora-rank", "16", "--qk-layernorm"]
+
+
+def test_a_multi_latent_attention_model_translates_to_plus_layers(tmp_path):
+    """An MLA GPT checkpoint: '+-+-' gives its logits exactly, M+-M+- trains and returns its weights;
+    a '*' layer is refused in one line."""
+    train(GPT + MLA + ["--train-iters", "1", "--save", str(tmp_path / "gpt"), "--save-interval", "1"], tmp_path, "gpt")
+    _convert("gpt-to-hybrid", "--load", str(tmp_path / "gpt"), "--save", str(tmp_path / "split"),
+             "--hybrid-layer-pattern", "+-+-")
+    assert torch.equal(_logits(_model(tmp_path / "split")), _logits(_model(tmp_path / "gpt")))
+    _convert("gpt-to-hybrid", "--load", str(tmp_path / "gpt"), "--save", str(tmp_path / "hybrid"),
+             "--hybrid-layer-pattern", "M+-M+-", *MAMBA)
+    records = training_records(train(GPT + MLA + MAMBA + ["--hybrid-layer-pattern", "M+-M+-", "--train-iters", "1",
+                                                          "--load", str(tmp_path / "hybrid"), "--finetune"],
+                                     tmp_path, "finetune")[0])
+    assert [r["iteration"] for r in records] == [1]
+    _convert("hybrid-to-gpt", "--load", str(tmp_path / "hybrid"), "--save", str(tmp_path / "back"))
+    gpt = load_full(storage.resolve_checkpoint_dir(str(tmp_path / "gpt")), is_model_key)
+    back = load_full(storage.resolve_checkpoint_dir(str(tmp_path / "back")), is_model_key)
+    assert back.keys() == gpt.keys() and all(torch.equal(back[k], gpt[k]) for k in gpt)
+    assert cli.main(["convert", "gpt-to-hybrid", "--load", str(tmp_path / "gpt"), "--save", str(tmp_path / "out"),
+                     "--hybrid-layer-pattern", "*-+-"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("pattern, phrase", [
     ("*-*", "the pattern has 2 attention (*) and 1 MLP ('-') layers; the GPT model has 2 layers"),
     ("*-*E", "the pattern has MoE (E) layers but the GPT model's MLPs are dense; use '-'"),
     ("*-G*-", "Gated DeltaNet layers (G), which a GPT layer cannot hold"),
+    ("+-+-", "the GPT model's attention is standard; use '*' for its attention layers"),
     ("*-Q*-", "'Q' is not a layer symbol"),
     ("*-*-/M-", "multi-token-prediction depths ('/') are not translated; give the decoder's layers only"),
 ])

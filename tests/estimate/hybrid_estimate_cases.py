@@ -17,10 +17,13 @@ from estimate.test_activations import _tensor_parallel_ranks, estimated_bytes, m
 SIZES = ("--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 --linear-key-head-dim 16 "
          "--linear-value-head-dim 16 --linear-num-key-heads 2 --linear-num-value-heads 4 ")
 MOE = " --num-experts 4 --moe-router-topk 2"
+MLA = (" --multi-latent-attention --kv-lora-rank 12 --qk-head-dim 10 --qk-pos-emb-head-dim 6 --v-head-dim 16 "
+       "--q-lora-rank 20 --qk-layernorm --rotary-scaling-factor 4 --mscale-all-dim 1 --position-embedding-type rope")
 # fp32 and bf16, RMSNorm (the CPU's composite) and LayerNorm, every layer kind, dropout, MTP depths
 # of hybrid layers (an MoE one among them), full and selective recompute, fp32 residuals and zero-centred norms
 # (weights cast or shifted), a sequence of two scan chunks and a ragged one; layers compiled by
-# --torch-compile (Inductor's choices: fp32 and bf16, both norms, a depth's Mamba layer uncompiled).
+# --torch-compile (Inductor's choices: fp32 and bf16, both norms, a depth's Mamba layer uncompiled);
+# multi-latent attention layers (+), with MLA's selective recompute.
 CASES = [
     "--hybrid-layer-pattern M --normalization RMSNorm",
     "--hybrid-layer-pattern M --normalization RMSNorm --bf16",
@@ -42,12 +45,17 @@ CASES = [
     "--torch-compile --hybrid-layer-pattern MG*-E --bf16 --position-embedding-type rope --swiglu "
     "--normalization RMSNorm" + MOE,
     "--torch-compile --hybrid-layer-pattern M*-G/M- --bf16 --position-embedding-type rope",
+    "--hybrid-layer-pattern M+-G+E --bf16 --normalization RMSNorm" + MLA + MOE,
+    "--hybrid-layer-pattern M+-G --recompute-granularity selective --recompute-modules mla_up_proj core_attn"
+    + MLA,
 ]
 TP_CASES = [
     "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MG*-E/M- --bf16 --normalization RMSNorm "
     "--position-embedding-type rope --disable-bias-linear --expert-tensor-parallel-size 1" + MOE,
     "--tensor-model-parallel-size 2 --hybrid-layer-pattern GM*- --recompute-granularity full --recompute-method "
     "uniform --recompute-num-layers 1",
+    "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern M+-G+ --bf16 --normalization RMSNorm "
+    "--disable-bias-linear" + MLA,
 ]
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from estimate.hybrid_estimate_cases import CASES, SIZES, TP_CASES
+from estimate.hybrid_estimate_cases import CASES, MLA, SIZES, TP_CASES
 from estimate.test_params import BASE, assert_params_per_rank, real_numel
 from kernel_tests import run_in_the_interpreter
 from teratron.estimate import cli
@@ -22,6 +22,7 @@ SHAPES = [
     "--hybrid-layer-pattern MG*-E --normalization RMSNorm" + MOE,
     "--hybrid-layer-pattern M*-/G-/G- --untie-embeddings-and-output-weights --position-embedding-type rope",
     "--hybrid-layer-pattern GEGE/M- --bf16 --position-embedding-type none --mamba-num-heads 4" + MOE,
+    "--hybrid-layer-pattern M+-G+E/+- --normalization RMSNorm" + MLA + MOE,
 ]
 
 
@@ -42,6 +43,7 @@ DISTRIBUTED = [
     "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MGE*- --disable-bias-linear" + MOE,
     "--pipeline-model-parallel-size 2 --hybrid-layer-pattern MG*|-M/G- --position-embedding-type rope "
     "--tensor-model-parallel-size 2",
+    "--pipeline-model-parallel-size 2 --hybrid-layer-pattern M+|-G+ --tensor-model-parallel-size 2" + MLA,
 ]
 
 

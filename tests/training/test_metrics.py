@@ -98,13 +98,14 @@ def test_mtp_flops_add_a_layer_a_projection_and_an_output_pass_per_depth():
 def test_mla_flops_match_hand_count():
     """Every GEMM of multi-latent attention listed (Megatron counts each latent norm as one
     multiply-accumulate per channel), with and without query compression; an MTP depth adds an
-    MLA layer, eh_proj with the three norms and an output layer pass."""
+    MLA layer, eh_proj with the three norms and an output layer pass; a hybrid model's '+' layers
+    count alike."""
     from teratron.transformer import MLATransformerConfig
 
     s, h, n, layers, vocab = 32, 64, 4, 2, 256
     for q_lora in (24, None):
-        def mla_model(**mtp):
-            config = MLATransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
+        def mla_model(num_layers=layers, **mtp):
+            config = MLATransformerConfig(num_layers=num_layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
                                           kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
                                           ffn_hidden_size=96, gated_linear_unit=True, **mtp)
             return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
@@ -123,6 +124,9 @@ def test_mla_flops_match_hand_count():
         depth = layer + gemm(s, 2 * h, h) + 2 * s * 3 * h + gemm(s, h, vocab)
         assert math.isclose(num_floating_point_operations(mla_model(mtp_num_layers=1), s, 3), expected + 3 * depth * 3,
                             rel_tol=1e-12), q_lora
+        # A hybrid model's '+-' layers are this model's layers split in two ('+' multi-latent attention).
+        hybrid = mla_model(2 * layers, hybrid_layer_pattern="+-" * layers)
+        assert math.isclose(num_floating_point_operations(hybrid, s, 3), expected, rel_tol=1e-12), q_lora
 
 
 def test_hybrid_model_counts_each_layer_by_its_kind():

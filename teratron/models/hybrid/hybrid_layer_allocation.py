@@ -3,6 +3,7 @@
     M  Mamba-2 layer        (norm, Mamba mixer, residual)
     G  Gated DeltaNet layer (norm, Gated DeltaNet, residual)
     *  attention layer      (norm, self-attention, residual; no MLP)
+    +  multi-latent attention layer (norm, MLA, residual; with --multi-latent-attention)
     -  MLP layer            (norm, MLP, residual)
     E  MoE layer            (norm, MoE, residual)
     |  a pipeline-stage boundary (not a layer)
@@ -13,7 +14,7 @@
 so the model itself (and what a checkpoint records) is the pattern without them. After `/`, every
 MTP depth repeats one pattern (Megatron's rule); each depth wraps its layers as a GPT MTP depth wraps
 its one layer (`mtp_num_layers` is the count of depths; they sit on the last stage). Megatron's `D`
-(DeepSeek sparse attention) and `+` (multi-latent attention) are refused with one line.
+(DeepSeek sparse attention) is refused with one line.
 """
 
 from dataclasses import dataclass
@@ -23,14 +24,15 @@ class Symbols:
     MAMBA = "M"
     GDN = "G"
     ATTENTION = "*"
+    MLA = "+"
     MLP = "-"
     MOE = "E"
     PIPE = "|"
     MTP_SEPARATOR = "/"
-    VALID_LAYERS = frozenset({MAMBA, GDN, ATTENTION, MLP, MOE})
+    VALID_LAYERS = frozenset({MAMBA, GDN, ATTENTION, MLA, MLP, MOE})
 
 
-_NOT_YET = {"D": "DeepSeek sparse attention layers (D)", "+": "multi-latent attention layers (+)"}
+_NOT_YET = {"D": "DeepSeek sparse attention layers (D)"}
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,16 @@ class HybridPattern:
 def parse_hybrid_pattern(pattern: str) -> HybridPattern:
     """The layers and pipeline segments of a pattern; ValueError naming the first bad symbol."""
     if not isinstance(pattern, str) or not pattern.strip(Symbols.PIPE):
-        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers; give one symbol per layer "
-                         "(M Mamba, G Gated DeltaNet, * attention, - MLP, E MoE, | a pipeline boundary)")
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers; give one symbol per layer (M Mamba, "
+                         "G Gated DeltaNet, * attention, + multi-latent attention, - MLP, E MoE, | a pipeline boundary)")
     for symbol in pattern:
         if symbol in _NOT_YET:
             raise NotImplementedError(f"--hybrid-layer-pattern {pattern!r}: {_NOT_YET[symbol]} are not supported "
-                                      "yet; use M, G, *, - and E layers")
+                                      "yet; use M, G, *, +, - and E layers")
         if symbol not in Symbols.VALID_LAYERS and symbol not in (Symbols.PIPE, Symbols.MTP_SEPARATOR):
             raise ValueError(f"--hybrid-layer-pattern {pattern!r}: {symbol!r} is not a layer symbol; use M (Mamba), "
-                             "G (Gated DeltaNet), * (attention), - (MLP), E (MoE), | (pipeline boundary) and / "
-                             "(multi-token prediction depths)")
+                             "G (Gated DeltaNet), * (attention), + (multi-latent attention), - (MLP), E (MoE), | "
+                             "(pipeline boundary) and / (multi-token prediction depths)")
     main, *depths = pattern.split(Symbols.MTP_SEPARATOR)
     if depths and (not all(depths) or len(set(depths)) > 1 or Symbols.PIPE in depths[0]):
         raise ValueError(f"--hybrid-layer-pattern {pattern!r}: every multi-token-prediction depth after '/' must "

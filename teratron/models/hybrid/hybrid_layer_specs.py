@@ -1,7 +1,7 @@
 """The layer specs of a hybrid model, one per symbol of `config.hybrid_layer_pattern`.
 
-Attention, MLP and MoE layers are GPT's local layer with the other half left out (an IdentityOp
-submodule: `TransformerLayer` skips it); Gated DeltaNet takes the attention's place in that layer
+Attention (`*`, `+` multi-latent), MLP and MoE layers are GPT's local layer with the other half left
+out (an IdentityOp submodule: `TransformerLayer` skips it); Gated DeltaNet takes the attention's place in that layer
 (Megatron's `gdn_layer`); Mamba layers are Megatron's `MambaLayer` (norm + mixer). Norms follow
 `config.normalization` unless `normalization` fixes them, as GPT's specs do.
 """
@@ -31,6 +31,12 @@ def _attention_layer(config, normalization):
     return _without(spec, "pre_mlp_layernorm", "mlp")
 
 
+def _mla_layer(config, normalization):
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=True,
+                                    normalization=normalization)
+    return _without(spec, "pre_mlp_layernorm", "mlp")
+
+
 def _mlp_layer(config, normalization):
     return _without(get_gpt_layer_local_spec(normalization=normalization), "input_layernorm", "self_attention")
 
@@ -53,8 +59,8 @@ def _gated_delta_net_layer(config, normalization):
         input_layernorm=_norm_class(normalization), self_attention=GatedDeltaNet))
 
 
-_LAYER_SPECS = {Symbols.ATTENTION: _attention_layer, Symbols.MLP: _mlp_layer, Symbols.MOE: _moe_layer,
-                Symbols.MAMBA: _mamba_layer, Symbols.GDN: _gated_delta_net_layer}
+_LAYER_SPECS = {Symbols.ATTENTION: _attention_layer, Symbols.MLA: _mla_layer, Symbols.MLP: _mlp_layer,
+                Symbols.MOE: _moe_layer, Symbols.MAMBA: _mamba_layer, Symbols.GDN: _gated_delta_net_layer}
 
 
 def _specs(symbols: str, config, normalization) -> list:
