@@ -20,6 +20,11 @@ other names for the same global tensors:
     mtp.layers.<d>.transformer_layer.<name>     the same, with the norms under the fused names (an
                                                 MTP depth's layer: never stacked)
 
+    multi-latent attention layers (Megatron's Transformer Engine spec):
+    decoder.layers.<i>.input_layernorm.*        the same (a norm module of its own)
+    ...self_attention.q_layernorm.*             ...self_attention.linear_q_up_proj.layer_norm_*
+    ...self_attention.kv_layernorm.*            ...self_attention.linear_kv_up_proj.layer_norm_*
+
     hybrid models (Megatron Core's HybridModel, whose layers are Transformer Engine's only; never stacked):
     decoder.layers.<i>.norm.*                   ...mixer.in_proj.layer_norm_*   (a Mamba layer's norm)
     decoder.layers.<i>.input_layernorm.*        ...self_attention.in_proj.layer_norm_*   (a Gated DeltaNet
@@ -74,6 +79,12 @@ _FUSED_NORMS = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+# Multi-latent attention layers (Megatron's Transformer Engine spec): the input norm is a module of its own
+# (no fused QKV projection to hold it), and the latent norms are fused into the up projections.
+_MLA_NORMS = {f"self_attention.{norm}.{kind}": f"self_attention.{up}.layer_norm_{kind}"
+              for norm, up in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj"))
+              for kind in ("weight", "bias")}
+_MLA_MARK = "self_attention.linear_kv_down_proj.weight"  # a parameter only MLA layers have
 # Hybrid models (the module docstring): the norms fused into the mixers' in_proj, the final norm's name,
 # and the parameters stored part by part (Megatron's part names; their sizes come from the mixer).
 _MAMBA_NORMS = {"norm.weight": "mixer.in_proj.layer_norm_weight", "norm.bias": "mixer.in_proj.layer_norm_bias"}
@@ -130,9 +141,20 @@ def hybrid_layout(model_chunks) -> HybridLayout | None:
     return HybridLayout(frozenset(gdn), splits)
 
 
-def _megatron_names(layer, name: str, hybrid: HybridLayout | None) -> list:
+def mla_layers(items) -> frozenset:
+    """The layers (`_layer_key`'s) of these items that are multi-latent attention layers."""
+    keys = (_layer_key(_split_prefix(item.key)[1]) for item in items)
+    return frozenset(key[0] for key in keys if key is not None and key[1] == _MLA_MARK)
+
+
+def _megatron_names(layer, name: str, hybrid: HybridLayout | None, mla: frozenset = frozenset()) -> list:
     """Megatron's names of a layer's `name`, the one Megatron writes first: a norm under the name of
-    the linear layer it is fused into, then its own."""
+    the linear layer it is fused into, then its own (a multi-latent attention layer's input norm
+    under its own first: `mla` holds those layers)."""
+    if layer in mla and name in _MLA_NORMS:
+        return [_MLA_NORMS[name], name]
+    if layer in mla and name in _FUSED_NORMS and name.startswith("input_layernorm."):
+        return [name, _FUSED_NORMS[name]]  # the fused name: what teratron wrote before it knew MLA's
     if hybrid is not None and layer in hybrid.gdn_layers and name in _GDN_NORMS:
         fused = _GDN_NORMS[name]
     else:
@@ -232,7 +254,7 @@ def _saved_experts(saved: dict) -> int | None:
 
 
 def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: int | None,
-                    hybrid: HybridLayout | None = None) -> list:
+                    hybrid: HybridLayout | None = None, mla: frozenset = frozenset()) -> list:
     """The ways `saved` holds a teratron box, each a list of Megatron boxes (views of the same data;
     several for a parameter stored part by part), the one to read first: stacked or per layer, the
     norm under its fused name or its own (teratron writes an MoE layer's MLP norm under both)."""
@@ -245,7 +267,7 @@ def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: 
     layer, name = parts
     split = hybrid.splits.get(name) if hybrid is not None else None
     ways = []
-    for candidate in _megatron_names(layer, name, hybrid):
+    for candidate in _megatron_names(layer, name, hybrid, mla):
         for stacked in (False, True):
             box = _megatron_form(item, prefix, layer, candidate, stacked, num_layers, experts)
             boxes = _split_parts(box, split) if split and not stacked else [box]
@@ -258,7 +280,8 @@ def _teratron_view(saved: dict, num_layers: int) -> dict:
     """The saved keys and global shapes under teratron's names (a stacked tensor is num_layers
     tensors of its shape without the layer axis; Megatron's experts under both of teratron's
     expert layouts)."""
-    unfused = {fused: name for table in (_FUSED_NORMS, _MAMBA_NORMS, _GDN_NORMS) for name, fused in table.items()}
+    unfused = {fused: name for table in (_FUSED_NORMS, _MAMBA_NORMS, _GDN_NORMS, _MLA_NORMS)
+               for name, fused in table.items()}
     unsplit = {f"{name}.{part}": name for name, (_, parts) in _SPLIT_PARTS.items() for part in parts}
     final = {megatron: name for name, megatron in _HYBRID_FINAL_NORM.items()}
     view = {}
@@ -299,7 +322,7 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
     fused names (as Megatron's local layers save them), and an MoE layer's MLP norm under its own
     name too (as Transformer Engine's MoE layers save it); a hybrid model's names and split
     parameters as its `hybrid_layout` says."""
-    out = []
+    out, mla = [], mla_layers(items)
     for item in items:
         prefix, key = _split_prefix(item.key, _MEGATRON_STATE_NAME)
         if prefix and (not isinstance(item, ShardedTensor) or not item.global_shape):
@@ -312,7 +335,7 @@ def to_megatron_items(items: list, num_layers: int, stacked: bool, num_experts: 
         layer, name = parts
         if name.startswith("pre_mlp_layernorm.") and num_experts is not None:
             out.append(_megatron_form(item, prefix, layer, name, stacked, num_layers, num_experts))
-        box = _megatron_form(item, prefix, layer, _megatron_names(layer, name, hybrid)[0], stacked, num_layers,
+        box = _megatron_form(item, prefix, layer, _megatron_names(layer, name, hybrid, mla)[0], stacked, num_layers,
                              num_experts)
         split = hybrid.splits.get(name) if hybrid is not None else None
         out += _split_parts(box, split) if split else [box]
@@ -500,7 +523,8 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
         report_fresh_states(where, missing)
         items += optimizer_items
     experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
-    ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid) for item in items]
+    mla = mla_layers(items)
+    ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid, mla) for item in items]
     # The same tensors under other names, not read: every rank's (another stage's layers are another rank's)
     twins = set().union(*serialization.all_gather_objects({box.key for found in ways for way in found[1:]
                                                            for box in way}))

@@ -356,6 +356,36 @@ def test_teratron_writes_the_keys_and_shapes_megatron_writes(tmp_path):
     assert (common["args"].consumed_train_samples, common["args"].num_layers) == (40, LAYERS)
 
 
+def test_multi_latent_attention_norms_take_megatrons_names(tmp_path):
+    """Megatron's Transformer Engine MLA layer (megatron/core/models/gpt/gpt_layer_specs.py): the input
+    norm is a module of its own, the latent norms are fused into linear_q_up_proj / linear_kv_up_proj;
+    a save under those names loads back whole."""
+    from teratron.dist_checkpointing import save_checkpoint
+    from teratron.transformer import MLATransformerConfig
+
+    def mla_model(seed):
+        config = MLATransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, q_lora_rank=16,
+                                      kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                                      ffn_hidden_size=48, qk_layernorm=True, normalization="RMSNorm",
+                                      add_bias_linear=False, use_cpu_initialization=True)
+        torch.manual_seed(seed)
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm")
+        return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type="rope", pg_collection=ProcessGroupCollection())
+
+    model = mla_model(1)
+    folder = save_checkpoint(str(tmp_path), 5, [model], common={"iteration": 5}, metadata={"model_args": {}},
+                             ckpt_format="torch_dist")
+    keys = _model_keys(folder)
+    for name in ("input_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight",
+                 "self_attention.linear_kv_up_proj.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"):
+        assert f"decoder.layers.{name}" in keys, name
+    assert not [key for key in keys if "linear_qkv" in key or "q_layernorm" in key or "kv_layernorm" in key]
+    loaded = mla_model(2)
+    load_megatron_checkpoint(folder, [loaded], LAYERS)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_megatron_layout_round_trips_under_any_tensor_parallel_size(tmp_path):
     saved, folder = _save_megatron_layout(tmp_path)
     loaded = _model(1)
