@@ -5,13 +5,17 @@ heads, both split over CP and repeated on several CP ranks), on plain rows and o
 process's, and the parameters' gradients summed over the CP ranks equal its (TP shards of them); on
 the PyTorch paths and on the Triton kernels (in Triton's interpreter)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist import run_distributed
-from kernel_tests import run_in_the_interpreter
+from kernel_tests import gpu_test, run_in_the_interpreter
 from teratron.packed_seq_params import PackedSeqParams, cu_seqlens_from_documents
 from teratron.process_groups import ProcessGroupCollection
 from teratron.ssm import GatedDeltaNet
@@ -170,3 +174,12 @@ def test_shares_split_or_repeat_the_groups():
     with pytest.raises(ValueError, match=r"^Gated DeltaNet's 6 key heads per tensor-parallel rank neither split "
                                          r"over context-parallel size 4 nor divide it; choose"):
         head_shares(12, 6, 4, ("value heads", "key heads", "Gated DeltaNet"))
+
+
+@gpu_test
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_both_mixers_over_nccl():
+    """CP 2 over NCCL on two GPUs (the Triton kernels, fp32) against one GPU over the whole sequence."""
+    script = os.path.join(os.path.dirname(__file__), "nccl_context_parallel_mixers_check.py")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], check=True,
+                   timeout=600)
