@@ -22,8 +22,9 @@ exactly the groups of its key heads: each rank runs whole key-head groups and no
 inside the mixer. The convolution over [q; k; v], dt_bias and A_log are split alike; out_proj is
 row-parallel. With sequence parallelism in_proj gathers the sequence and out_proj reduce-scatters
 it, as attention's projections do. Context parallelism runs the convolution and the rule on whole
-sequences for a share of the heads (`teratron.ssm.context_parallel`). out_norm's weight is replicated: every rank normalises
-different heads with it, so its gradient is summed over TP (marked like a sequence-parallel norm).
+sequences for a share of the heads (`teratron.ssm.context_parallel`). out_norm's weight is
+replicated: every rank normalises different heads with it, so its gradient is summed over TP
+(marked like a sequence-parallel norm).
 
 Parameter names are Megatron's (in_proj.weight, conv1d.weight [c, 1, k], dt_bias, A_log,
 out_norm.weight, out_proj.weight). Initialisation is Megatron's, drawn whole then sharded (so it

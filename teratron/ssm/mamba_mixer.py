@@ -11,9 +11,9 @@ Tensor parallelism splits heads and groups: in_proj is column-parallel with the 
 D and the norm's weight are split alike, out_proj is row-parallel; so each rank runs whole heads
 and groups and nothing is exchanged inside the mixer. With sequence parallelism in_proj gathers the
 sequence and out_proj reduce-scatters it, as attention's projections do. Context parallelism runs the
-convolution and the scan on whole sequences for a share of the heads (`teratron.ssm.context_parallel`). No biases on the two
-projections, whatever add_bias_linear says (Megatron's MambaMixer defaults to bias=False and its
-HybridModel keeps that); the convolution has one.
+convolution and the scan on whole sequences for a share of the heads (`teratron.ssm.context_parallel`).
+No biases on the two projections, whatever add_bias_linear says (Megatron's MambaMixer defaults to
+bias=False and its HybridModel keeps that); the convolution has one.
 
 Initialisation follows Mamba-2 and is layout-invariant (each parameter is drawn whole, then
 sharded): dt_bias is the inverse softplus of dt ~ exp(U(log dt_min, log dt_max)) (at least

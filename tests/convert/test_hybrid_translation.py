@@ -1,8 +1,9 @@
 """`teratron convert gpt-to-hybrid | hybrid-to-gpt`: a trained GPT checkpoint becomes a hybrid one
-whose attention (*, or + for multi-latent attention) and MLP (-) layers hold the GPT layers' halves. The pattern that only splits
-each GPT layer gives the GPT model's logits exactly; with Mamba layers (M) added the kept halves
-are the GPT weights and the new layers are Mamba-2's initialisation; the translated model trains
-through `teratron train --finetune`; back to GPT returns the original weights bit for bit."""
+whose attention (*, or + for multi-latent attention) and MLP (-) layers hold the GPT layers' halves.
+The pattern that only splits each GPT layer gives the GPT model's logits exactly; with Mamba layers
+(M) added the kept halves are the GPT weights and the new layers are Mamba-2's initialisation; the
+translated model trains through `teratron train --finetune`; back to GPT returns the original
+weights bit for bit."""
 
 import pytest
 import torch

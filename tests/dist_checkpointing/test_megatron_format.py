@@ -370,7 +370,8 @@ def test_multi_latent_attention_norms_take_megatrons_names(tmp_path):
                                       add_bias_linear=False, use_cpu_initialization=True)
         torch.manual_seed(seed)
         spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm")
-        return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type="rope", pg_collection=ProcessGroupCollection())
+        return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type="rope",
+                        pg_collection=ProcessGroupCollection())
 
     model = mla_model(1)
     folder = save_checkpoint(str(tmp_path), 5, [model], common={"iteration": 5}, metadata={"model_args": {}},

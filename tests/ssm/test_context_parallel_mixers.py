@@ -105,8 +105,8 @@ def check_every_layout(seq=S, chunk=4):
                 cp_rank, tp_rank = dist.get_rank(groups.cp), dist.get_rank(groups.tp) if tp > 1 else 0
                 bounds = packed.boundaries.tolist() if packing == "thd" else None
                 index = cp_token_index(length, cp, cp_rank, bounds)
-                out, dx, grads = _run(build(chunk, tp, groups), x.index_select(0, index), upstream.index_select(0, index),
-                                      packed)
+                local = [t.index_select(0, index) for t in (x, upstream)]
+                out, dx, grads = _run(build(chunk, tp, groups), *local, packed)
                 got = {"out": out, "dx": dx}
                 want = {"out": expected.index_select(0, index), "dx": expected_dx.index_select(0, index)}
                 for param, shard in shards.items():

@@ -105,8 +105,8 @@ def test_mla_flops_match_hand_count():
     s, h, n, layers, vocab = 32, 64, 4, 2, 256
     for q_lora in (24, None):
         def mla_model(num_layers=layers, **mtp):
-            config = MLATransformerConfig(num_layers=num_layers, hidden_size=h, num_attention_heads=n, q_lora_rank=q_lora,
-                                          kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
+            config = MLATransformerConfig(num_layers=num_layers, hidden_size=h, num_attention_heads=n,
+                                          q_lora_rank=q_lora, kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=6, v_head_dim=10,
                                           ffn_hidden_size=96, gated_linear_unit=True, **mtp)
             return GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
                                   position_embedding_type="rope")

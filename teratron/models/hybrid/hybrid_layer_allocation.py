@@ -59,7 +59,8 @@ def parse_hybrid_pattern(pattern: str) -> HybridPattern:
     """The layers and pipeline segments of a pattern; ValueError naming the first bad symbol."""
     if not isinstance(pattern, str) or not pattern.strip(Symbols.PIPE):
         raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers; give one symbol per layer (M Mamba, "
-                         "G Gated DeltaNet, * attention, + multi-latent attention, - MLP, E MoE, | a pipeline boundary)")
+                         "G Gated DeltaNet, * attention, + multi-latent attention, - MLP, E MoE, | a pipeline "
+                         "boundary)")
     for symbol in pattern:
         if symbol in _NOT_YET:
             raise NotImplementedError(f"--hybrid-layer-pattern {pattern!r}: {_NOT_YET[symbol]} are not supported "
