@@ -2,7 +2,7 @@
 DeltaNet layers carry their convolution and scan states from one step to the next (prefill chunks
 and decode tokens), so greedy output equals the model's own greedy decoding by full recompute (the
 whole sequence through the model at each step), for requests alone, batched with chunked prefill,
-and in a buffer tight enough to preempt (a preempted request recomputes its states); with attention
+decoding together as one batch, and in a buffer tight enough to preempt (a preempted request recomputes its states); with attention
 layers or multi-latent attention layers (per-head or latent cache). Speculative
 decoding and prefix caching, which would need states rolled back or shared, are refused."""
 
@@ -93,6 +93,25 @@ def test_greedy_equals_full_recompute(model, config):
     assert not engine.context.recurrent_states  # every finished request's states are gone
     if limit is None and config["buffer_size_gb"] < 0.01:  # requests were preempted: tokens ran more than once
         assert engine.num_tokens_computed > sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS)
+
+
+def test_decode_tokens_run_as_one_batch(model, monkeypatch):
+    """Once every request decodes, a step runs each recurrent layer once for all of them (their states
+    stacked), not once per request; the output stays full recompute's."""
+    mixer = next(m for m in model.modules() if getattr(m, "recurrent", False))
+    calls = []
+    original = mixer._mix
+
+    def counting(x, state, *args):
+        calls.append(x.shape[0])
+        return original(x, state, *args)
+
+    monkeypatch.setattr(mixer, "_mix", counting)
+    reference = [recompute_greedy(model, p) for p in PROMPTS]
+    calls.clear()
+    assert generate_all(engine_for(model, buffer_size_gb=0.01), PROMPTS) == reference
+    assert len(PROMPTS) in calls  # a decode step of every request: one call of 4 rows
+    assert len(calls) < len(PROMPTS) * NEW_TOKENS  # fewer calls than one per request and token
 
 
 @pytest.mark.parametrize("config, phrase", [(dict(prefix_caching=True), "prefix caching with Mamba"),

@@ -385,19 +385,37 @@ class DynamicInferenceContext:
 
     def run_recurrent(self, layer_number: int, inputs: torch.Tensor, mix) -> torch.Tensor:
         """A recurrent layer's step: inputs [t, 1, c] (the step's tokens, chunks back to back, then
-        padding) -> its outputs [t, 1, c']. Each chunk's tokens run through `mix(x [1, n, c],
-        state) -> (y [1, n, c'], state)` from the state its request's earlier tokens left (None
-        before the first), which is kept for the next; padding tokens give zeros."""
-        outputs, first = None, 0
-        for chunk in self.chunks:
-            count = chunk.end - chunk.start
-            key = (layer_number, chunk.request_id)
+        padding) -> its outputs [t, 1, c']. Each chunk's tokens run through `mix(x [b, n, c],
+        state) -> (y [b, n, c'], state)` from the state its request's earlier tokens left (None
+        before the first), which is kept for the next; padding tokens give zeros. Decode tokens
+        (chunks of one token that continue a state) run as one batch, their states stacked."""
+        outputs = inputs.new_zeros(inputs.shape[0], 1, 0)
+        firsts = torch.tensor([0] + [c.end - c.start for c in self.chunks]).cumsum(0).tolist()
+        decoding = []
+        for chunk, first in zip(self.chunks, firsts):
+            count, key = chunk.end - chunk.start, (layer_number, chunk.request_id)
+            if count == 1 and key in self.recurrent_states:
+                decoding.append((first, key))
+                continue
             y, self.recurrent_states[key] = mix(inputs[first:first + count].transpose(0, 1),
                                                 self.recurrent_states.get(key))
-            if outputs is None:
-                outputs = y.new_zeros(inputs.shape[0], 1, y.shape[-1])
-            outputs[first:first + count] = y.transpose(0, 1)
-            first += count
+            outputs = self._place(outputs, slice(first, first + count), y.transpose(0, 1))
+        if decoding:
+            rows = torch.tensor([first for first, _ in decoding], device=inputs.device)
+            states = [self.recurrent_states[key] for _, key in decoding]
+            y, stacked = mix(inputs.index_select(0, rows), tuple(torch.cat(parts) for parts in zip(*states)))
+            outputs = self._place(outputs, rows, y)  # y [r, 1, c']: a row per request
+            for i, (_, key) in enumerate(decoding):
+                self.recurrent_states[key] = tuple(part[i:i + 1] for part in stacked)
+        return outputs
+
+    @staticmethod
+    def _place(outputs: torch.Tensor, where, values: torch.Tensor) -> torch.Tensor:
+        """outputs [t, 1, c'] (made on the first call, when it has no channels yet) with `values` at
+        rows `where`."""
+        if outputs.shape[-1] == 0:
+            outputs = values.new_zeros(outputs.shape[0], 1, values.shape[-1])
+        outputs[where] = values
         return outputs
 
     def output_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
