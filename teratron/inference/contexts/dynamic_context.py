@@ -20,6 +20,7 @@ that a CUDA graph captured for its row count replays it (`inference.cuda_graphs`
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
@@ -390,7 +391,7 @@ class DynamicInferenceContext:
         before the first), which is kept for the next; padding tokens give zeros. Decode tokens
         (chunks of one token that continue a state) run as one batch, their states stacked."""
         outputs = inputs.new_zeros(inputs.shape[0], 1, 0)
-        firsts = torch.tensor([0] + [c.end - c.start for c in self.chunks]).cumsum(0).tolist()
+        firsts = accumulate((c.end - c.start for c in self.chunks), initial=0)  # each chunk's first row
         decoding = []
         for chunk, first in zip(self.chunks, firsts):
             count, key = chunk.end - chunk.start, (layer_number, chunk.request_id)
