@@ -52,7 +52,9 @@ recomputes the softmax in backward; its passes are compiled kernels on CUDA, eag
 A hybrid model's layer (--hybrid-layer-pattern) keeps its one norm and what its kind keeps
 (`hybrid_layer_storages`): attention's, the MLP's or the MoE layer's storages as above, or a Mamba or
 Gated DeltaNet mixer's as its Triton kernels keep them (what a GPU runs; on the CPU the PyTorch
-reference scans keep far more and are not modelled).
+reference scans keep far more and are not modelled). Under context parallelism a mixer's
+convolution and scan run over whole sequences for the rank's share of the heads (`_mixer_share`),
+keeping the exchanged inputs besides; the token order the exchanges share counts once.
 
 Each multi-token-prediction depth (on the last stage) keeps what its embedding lookup keeps
 (the shifted int64 ids), enorm's and hnorm's storages (hnorm's input is the previous output,
@@ -68,9 +70,10 @@ from dataclasses import dataclass, field, replace
 from teratron.estimate.kernels import KernelProfile
 from teratron.estimate.params import ModelShape, hybrid_symbols, mtp_depth_layers
 from teratron.models.hybrid import Symbols
+from teratron.ssm.context_parallel import head_shares
 from teratron.ssm.gated_delta_net import CHUNK_SIZE as GATED_DELTA_NET_CHUNK_SIZE
 from teratron.ssm.mamba_mixer import CHUNK_SIZE as MAMBA_CHUNK_SIZE
-from teratron.ssm.mamba_mixer import mamba_num_heads
+from teratron.ssm.mamba_mixer import D_CONV, mamba_num_heads
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
 from teratron.transformer.context_parallel import layer_cp_comm_type
 from teratron.transformer.enums import AttnBackend
@@ -339,6 +342,39 @@ def _moe_storages(config, d: Dims) -> list:
     return out
 
 
+def _mixer_share(config, d: Dims, symbol: str) -> tuple:
+    """(sequence length, heads, groups, the convolution's channels, every channel read) of what a
+    rank's Mamba ('M') or Gated DeltaNet ('G': value heads and the key heads they read) mixer scans:
+    its tensor-parallel rank's heads over its tokens, or under context parallelism its share
+    (`teratron.ssm.context_parallel`) over whole sequences."""
+    if symbol == Symbols.MAMBA:
+        heads, groups = mamba_num_heads(config) // d.tp, config.mamba_num_groups // d.tp
+    else:
+        heads, groups = config.linear_num_value_heads // d.tp, config.linear_num_key_heads // d.tp
+    s, cp = d.s, config.context_parallel_size
+    if cp > 1:
+        share = head_shares(heads, groups, cp, ("heads", "groups", "a recurrent mixer"))[0]
+        s, heads, groups = cp * d.s, len(share.heads), len(share.groups)
+    if symbol == Symbols.MAMBA:
+        conv = heads * config.mamba_head_dim + 2 * groups * config.mamba_state_dim
+        return s, heads, groups, conv, conv + heads  # x B C, dt
+    conv = 2 * groups * config.linear_key_head_dim + heads * config.linear_value_head_dim
+    return s, heads, groups, conv, conv + 2 * heads  # q k v, b a
+
+
+def _exchange_storages(config, d: Dims, symbol: str, part: str) -> list:
+    """What a recurrent mixer's exchange under context parallelism keeps: the received inputs
+    [b S, channels] (whole sequences; the convolution's input is a view of them), the int64 channel
+    indices of every share's reads and of this share's convolution, and the share's copy of the
+    convolution's weight (and Mamba's bias)."""
+    s, _, _, conv, channels = _mixer_share(config, d, symbol)
+    tokens, cp = s * d.b, config.context_parallel_size
+    taps, bias = (D_CONV, 1) if symbol == Symbols.MAMBA else (config.linear_conv_kernel_dim, 0)
+    return [_saved(part, d.a * tokens * channels, tokens * channels),
+            _saved(part, 8 * cp * channels, cp * channels), _saved(part, 8 * conv, conv),
+            _saved(part, d.a * conv * (taps + bias), conv * taps)]
+
+
 def _mamba_storages(config, d: Dims, compiled: bool) -> list:
     """A Mamba mixer on the scan kernels (heads, groups / tp; L its chunk, m = ceil(s / L) chunks):
     in_proj's input [T, h] (gathered under SP); the convolution's input, in_proj's whole output
@@ -349,23 +385,33 @@ def _mamba_storages(config, d: Dims, compiled: bool) -> list:
     input [T, d_inner] (a contiguous copy of the norm's [b, s] output). Compiled, Inductor keeps one
     of softplus's input and output and one of exp(A_log) and its negation, except that with fp32
     activations (no cast between in_proj's output and the gate's arithmetic) it keeps both of the
-    former."""
+    former.
+
+    Under context parallelism the convolution and the scan run over whole sequences (S = CP s
+    tokens of each row) for the rank's share of the heads and groups; in_proj's output stays (the
+    norm's gate z is a view of it), the exchanged [b S, xBC + dt] share its convolution reads and
+    the share's copies of the convolution's weight and bias are kept besides."""
     a, T, h, tp = d.a, d.tokens, config.hidden_size, d.tp
     heads, groups = mamba_num_heads(config) // tp, config.mamba_num_groups // tp
     p, n = config.mamba_head_dim, config.mamba_state_dim
     d_inner, xbc = heads * p, heads * p + 2 * groups * n
-    L = MAMBA_CHUNK_SIZE
-    m = -(-d.s // L)
-    return [_saved("mamba in_proj input", a * T * h, T * h),
-            _saved("mamba in_proj output", a * T * (d_inner + xbc + heads), T * (d_inner + xbc + heads)),
-            _saved("mamba dt", _gate_copies(compiled, a) * 4 * T * heads, T * heads),
-            _saved("mamba dt", (1 if compiled else 2) * 4 * heads, heads),
-            _saved("mamba convolution output", a * T * xbc, T * xbc),
-            _saved("mamba scan", 4 * d.b * heads * m * L, d.b * heads * m * L),
-            _saved("mamba scan", 4 * d.b * m * groups * L * L, d.b * m * groups * L * L),
-            _saved("mamba scan", 4 * d.b * m * heads * p * n, d.b * m * heads * p * n),
-            _saved("mamba gated norm", a * T * d_inner + 4 * T * groups, T * d_inner),
-            _saved("mamba out_proj input", a * T * d_inner, T * d_inner)]
+    out = [_saved("mamba in_proj input", a * T * h, T * h),
+           _saved("mamba in_proj output", a * T * (d_inner + xbc + heads), T * (d_inner + xbc + heads))]
+    if config.context_parallel_size > 1:
+        out += _exchange_storages(config, d, Symbols.MAMBA, "mamba exchange")
+    # The convolution and the scan: Ts tokens, this rank's share of the heads and groups.
+    s, share_heads, share_groups, share_xbc, _ = _mixer_share(config, d, Symbols.MAMBA)
+    Ts, L = s * d.b, MAMBA_CHUNK_SIZE
+    m = -(-s // L)
+    return out + [
+        _saved("mamba dt", _gate_copies(compiled, a) * 4 * Ts * share_heads, Ts * share_heads),
+        _saved("mamba dt", (1 if compiled else 2) * 4 * share_heads, share_heads),
+        _saved("mamba convolution output", a * Ts * share_xbc, Ts * share_xbc),
+        _saved("mamba scan", 4 * d.b * share_heads * m * L, d.b * share_heads * m * L),
+        _saved("mamba scan", 4 * d.b * m * share_groups * L * L, d.b * m * share_groups * L * L),
+        _saved("mamba scan", 4 * d.b * m * share_heads * p * n, d.b * m * share_heads * p * n),
+        _saved("mamba gated norm", a * T * d_inner + 4 * T * groups, T * d_inner),
+        _saved("mamba out_proj input", a * T * d_inner, T * d_inner)]
 
 
 def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled: bool) -> list:
@@ -382,33 +428,49 @@ def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled:
     keeps the convolution's output, in_proj's, each of q and k's 1/norm [T, nk] (fp32) with the
     rule's repeated q and k, g (and with fp32 activations one more [T, nv] fp32 gate tensor),
     sigmoid(b), the rule's output o [T, v] and saved cum and systems, out_norm's statistics of o
-    and out_proj's input: the norms and the gating are recomputed from them."""
+    and out_proj's input: the norms and the gating are recomputed from them.
+
+    Under context parallelism the convolution and the rule run over whole sequences (S = CP s
+    tokens of each row) for the rank's share of the value heads and the key heads they read; the
+    exchanged [b S, q k v b a] share its convolution reads and the share's copy of the convolution's
+    weight are kept, in_proj's output only as z with fp32 activations (silu's input; 16-bit ones
+    keep z's fp32 copy); out_norm and the gating stay on the rank's tokens."""
     a, T, h, tp = d.a, d.tokens, config.hidden_size, d.tp
     nk, nv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    qk, v = nk * dk, nv * dv
-    L = GATED_DELTA_NET_CHUNK_SIZE
-    m = -(-d.s // L)
-    out = [_saved("gdn in_proj input", a * T * h, T * h),
-           _saved("gdn in_proj output", a * T * (2 * qk + 2 * v + 2 * nv), T * (2 * qk + 2 * v + 2 * nv)),
-           _saved("gdn convolution output", a * T * (2 * qk + v), T * (2 * qk + v))]
-    rule = [_saved("gdn rule", 4 * d.b * nv * m * L, d.b * nv * m * L),
-            _saved("gdn rule", 4 * d.b * m * nv * L * L, d.b * m * nv * L * L)]
+    dk, v = config.linear_key_head_dim, nv * config.linear_value_head_dim
+    projected = 2 * nk * dk + 2 * v + 2 * nv
+    out = [_saved("gdn in_proj input", a * T * h, T * h)]
+    if config.context_parallel_size > 1:
+        # in_proj's output stays only as silu's input z (16-bit activations: an fp32 copy instead)
+        out += [_saved("gdn in_proj output", a * T * projected, T * projected)] * (a == 4)
+        out += _exchange_storages(config, d, Symbols.GDN, "gdn exchange")
+    else:
+        out.append(_saved("gdn in_proj output", a * T * projected, T * projected))
+    # The convolution and the rule: Ts tokens, `heads` value heads reading `key_heads`.
+    s, heads, key_heads, conv, _ = _mixer_share(config, d, Symbols.GDN)
+    Ts, L = s * d.b, GATED_DELTA_NET_CHUNK_SIZE
+    m = -(-s // L)
+    out.append(_saved("gdn convolution output", a * Ts * conv, Ts * conv))
+    rule = [_saved("gdn rule", 4 * d.b * heads * m * L, d.b * heads * m * L),
+            _saved("gdn rule", 4 * d.b * m * heads * L * L, d.b * m * heads * L * L)]
     if compiled:
         # out_norm's fp32 statistics of o per row: 1/rms, or a LayerNorm's mean and 1/std (one of them
         # with fp32 activations, where Inductor keeps the extra gate tensor instead)
         stats = 2 if config.normalization == "LayerNorm" and a != 4 else 1
-        return out + 2 * [_saved("gdn q, k norms", 4 * T * nk + a * T * nv * dk, T * nv * dk)] + [
-            _saved("gdn gates", _gate_copies(compiled, a) * 4 * T * nv, T * nv), _saved("gdn gates", a * T * nv, T * nv),
-            _saved("gdn rule", a * T * v, T * v)] + rule + [
+        return out + 2 * [_saved("gdn q, k norms", 4 * Ts * key_heads + a * Ts * heads * dk, Ts * heads * dk)] + [
+            _saved("gdn gates", _gate_copies(compiled, a) * 4 * Ts * heads, Ts * heads),
+            _saved("gdn gates", a * Ts * heads, Ts * heads), _saved("gdn rule", a * T * v, T * v)] + rule + [
             _saved("gdn out_norm", stats * 4 * T * nv, T * nv), _saved("gdn out_proj input", a * T * v, T * v)]
     fp32_copies = a != 4  # 16-bit activations: .float() copies (fp32 ones are the tensors themselves)
     if fp32_copies:
-        out += 2 * [_saved("gdn q, k norms", 4 * T * qk, T * qk)]
-    out += 4 * [_saved("gdn q, k norms", 4 * T * nk, T * nk)]
-    out += [_saved("gdn gates", 2 * 4 * nv + 2 * 4 * T * nv, T * nv), _saved("gdn gates", a * T * nv, T * nv),
-            _saved("gdn rule", 2 * a * T * nv * dk, T * nv * dk), _saved("gdn rule", 4 * T * nv, T * nv)] + rule
-    out += norm_storages(config, kernels, "gdn out_norm", T * v, T * nv, 4, True)
+        out += 2 * [_saved("gdn q, k norms", 4 * Ts * key_heads * dk, Ts * key_heads * dk)]
+    out += 4 * [_saved("gdn q, k norms", 4 * Ts * key_heads, Ts * key_heads)]
+    out += [_saved("gdn gates", 2 * 4 * heads + 2 * 4 * Ts * heads, Ts * heads),
+            _saved("gdn gates", a * Ts * heads, Ts * heads),
+            _saved("gdn rule", 2 * a * Ts * heads * dk, Ts * heads * dk),
+            _saved("gdn rule", 4 * Ts * heads, Ts * heads)]
+    out += rule + norm_storages(config, kernels, "gdn out_norm", T * v, T * nv, 4, True)
+    # out_norm and the gating, on the rank's tokens and all its heads
     out += (1 + fp32_copies) * [_saved("gdn gated output", 4 * T * v, T * v)]
     return out + [_saved("gdn gated output", 4 * T * v, T * v), _saved("gdn out_proj input", a * T * v, T * v)]
 
@@ -420,7 +482,7 @@ def _gate_copies(compiled: bool, a: int) -> int:
 
 
 def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int, symbol: str,
-                          input_is_new: bool = True, compiled: bool = False) -> list:
+                          input_is_new: bool = True, compiled: bool = False, a2a: int = 1) -> list:
     """The storages one hybrid layer keeps (no full recompute): its norm, then the half of a GPT
     layer `symbol` names (* attention, + multi-latent attention, - MLP, E MoE) or its recurrent mixer
     (M Mamba, G Gated DeltaNet), and its dropout mask. Compiled: decomposed norms and dropout, RoPE's
@@ -437,7 +499,7 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
     if ({Symbols.MLP: "mlp", Symbols.MOE: "moe"}.get(symbol)) in selective:
         out.append(_saved("mlp checkpoint input", d.a * Tn * h, Tn * h))
     elif symbol == Symbols.ATTENTION:
-        out += [s for s in _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective)
+        out += [s for s in _attention_storages(config, kernels, d, rope_dim, "core_attn" in selective, a2a)
                 if not (compiled and s.part == "rope tables")]
     elif symbol == Symbols.MLA:
         out += [s for s in _mla_attention_storages(config, kernels, d, rope_dim, "core_attn" in selective,
@@ -457,17 +519,23 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
     return out
 
 
-def _check_hybrid(config, kernels: KernelProfile, symbols: str) -> None:
-    """What the estimate does not model for hybrid models (`symbols`: their layers): one line each."""
-    if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and not kernels.triton_scans:
+def _check_hybrid(config, kernels: KernelProfile, symbols: str, compiled: bool) -> None:
+    """What the estimate does not model for hybrid models (`symbols`: their layers; `compiled`: under
+    --torch-compile): one line each."""
+    if recurrent(symbols) and not kernels.triton_scans:
         raise NotModelled("Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans, which the "
                           "estimate does not model; estimate for CUDA (the default device)")
     if config.fine_grained_activation_offloading:
         raise NotModelled("--fine-grained-activation-offloading with --hybrid-layer-pattern: the estimate does not "
                           "model what the hybrid layers offload; drop one")
-    if (Symbols.MAMBA in symbols or Symbols.GDN in symbols) and config.context_parallel_size > 1:
-        raise NotModelled("--context-parallel-size with Mamba or Gated DeltaNet layers: the estimate does not model "
-                          "what their convolution and scan keep on a CP rank's share of the heads; estimate at CP 1")
+    if recurrent(symbols) and config.context_parallel_size > 1 and compiled:
+        raise NotModelled("--torch-compile with --context-parallel-size and Mamba or Gated DeltaNet layers: the "
+                          "estimate does not model what Inductor keeps around their exchanges; estimate uncompiled")
+
+
+def recurrent(symbols: str) -> bool:
+    """Whether a hybrid model's layer symbols include a recurrent mixer (Mamba or Gated DeltaNet)."""
+    return Symbols.MAMBA in symbols or Symbols.GDN in symbols
 
 
 def _selective(config) -> set:
@@ -520,7 +588,7 @@ def layer_bytes(config, kernels: KernelProfile, d: Dims, rope_dim: int, is_moe: 
     a hybrid model's layer). An offloading module copies a storage to the host; it leaves the
     device only when every module keeping it offloads."""
     parts, host = {}, 0
-    storages = (hybrid_layer_storages(config, kernels, d, rope_dim, symbol, input_is_new, compiled) if symbol else
+    storages = (hybrid_layer_storages(config, kernels, d, rope_dim, symbol, input_is_new, compiled, a2a) if symbol else
                 layer_storages(config, kernels, d, rope_dim, is_moe, input_is_new, compiled, a2a))
     for saved in storages:
         offloaded = _offloaded_savers(config, saved)
@@ -566,7 +634,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
                           "model which latents each module offloads; drop one")
     symbols = hybrid_symbols(config)
     if symbols:
-        _check_hybrid(config, kernels, symbols)
+        _check_hybrid(config, kernels, symbols, compiled)
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
     moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()
@@ -613,12 +681,15 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
         result.forward_transient = max(host)
         result.backward_transient += 2 * max(host)
     if layer_numbers and config.context_parallel_size > 1:
-        forward, backward = zip(*(context_parallel_transients(config, d, n) for n in layer_numbers))
+        forward, backward = zip(*(context_parallel_transients(config, d, n, symbols[n - 1] if symbols else None)
+                                  for n in layer_numbers))
         result.forward_transient = max(result.forward_transient, max(forward))
         result.backward_transient += max(backward)
-        a2a = max(a2a_group_size(config, n) for n in layer_numbers)
-        if a2a > 1 and config.recompute_granularity != "full" and "core_attn" not in _selective(config):
-            result.extra["context-parallel order"] = 2 * 8 * a2a * d.s  # a2a's token order and its inverse
+        depths = range(config.num_layers + 1, config.num_layers + (config.mtp_num_layers or 0) + 1)
+        mtp_layers = [n for depth in depths for n in mtp_depth_layers(config, depth)] if post_process else []
+        orders = _context_parallel_orders(config, d, layer_numbers + mtp_layers, symbols)
+        if orders:
+            result.extra["context-parallel order"] = orders
 
     if post_process:
         vocab = shape.padded_vocab_size // d.tp
@@ -647,10 +718,23 @@ def a2a_group_size(config, layer_number: int) -> int:
     return config.hierarchical_context_parallel_sizes[0] if comm_type == "a2a+p2p" else 1
 
 
-def context_parallel_transients(config, d: Dims, layer_number: int) -> tuple:
-    """(forward, backward) bytes layer `layer_number`'s attention exchange holds beyond what it
-    keeps, with KV this rank's keys and values (a bytes), KV32 their fp32 gradients, O32 the fp32
-    output, L the log-sum-exp and Q32 the fp32 query gradient:
+def _context_parallel_orders(config, d: Dims, layer_numbers: list, symbols: str) -> int:
+    """Bytes of the int64 token orders (and their inverses) that the chunk's head exchanges keep:
+    one pair per exchange group size, shared by every layer (a2a attention, recurrent mixers)."""
+    if config.recompute_granularity == "full":
+        return 0
+    sizes = {config.context_parallel_size for n in layer_numbers if symbols and recurrent(symbols[n - 1])}
+    if "core_attn" not in _selective(config):
+        sizes |= {a2a_group_size(config, n) for n in layer_numbers
+                  if not symbols or symbols[n - 1] == Symbols.ATTENTION}
+    return sum(2 * 8 * size * d.s for size in sizes - {1})
+
+
+def context_parallel_transients(config, d: Dims, layer_number: int, symbol: str | None = None) -> tuple:
+    """(forward, backward) bytes layer `layer_number`'s exchange (`symbol`: a hybrid model's layer)
+    holds beyond what it keeps. A recurrent mixer's: its inputs sent and received, each way (the
+    larger of its two exchanges). Attention's, with KV this rank's keys and values (a bytes), KV32
+    their fp32 gradients, O32 the fp32 output, L the log-sum-exp and Q32 the fp32 query gradient:
       p2p         forward 2 KV (in hand, arriving) + 2 (O32 + L) (merged, one block's);
                   backward 2 KV + 3 KV32 (this step's, in flight, arriving) + Q32 + one block's
                   q, k, v gradients
@@ -658,6 +742,11 @@ def context_parallel_transients(config, d: Dims, layer_number: int) -> tuple:
       a2a         q, k, v sent and received: 2 x their bytes, each way
       a2a+p2p     the larger of its a2a's and its ring's (over the group's tokens, its heads: the
                   same bytes as p2p)"""
+    if symbol in (Symbols.MLP, Symbols.MOE):
+        return 0, 0
+    if symbol in (Symbols.MAMBA, Symbols.GDN):
+        exchanged = 2 * d.a * d.tokens * config.context_parallel_size * _mixer_share(config, d, symbol)[4]
+        return exchanged, exchanged
     comm_type = layer_cp_comm_type(config.cp_comm_type, layer_number)
     cp, T, a = config.context_parallel_size, d.tokens, d.a
     heads, groups = config.num_attention_heads // d.tp, config.num_query_groups // d.tp
@@ -720,7 +809,8 @@ def _mtp_depths(config, kernels, d: Dims, rope: int, moe_layers: set, vocab: int
                 symbol = symbols[n - 1] if symbols else None
                 # --torch-compile compiles TransformerLayers and the decoder's layers: not a depth's Mamba layers
                 layer, layer_offloaded = layer_bytes(config, kernels, d, rope, n in moe_layers, symbol=symbol,
-                                                     compiled=compiled and symbol != Symbols.MAMBA)
+                                                     compiled=compiled and symbol != Symbols.MAMBA,
+                                                     a2a=a2a_group_size(config, n))
                 offloaded += layer_offloaded
                 for part, nbytes in layer.items():
                     kept[part] = kept.get(part, 0) + nbytes

@@ -16,7 +16,7 @@ layers after '/'. Tests compare them with the numel of real models.
 from dataclasses import dataclass, field
 
 from teratron.models.hybrid import Symbols, mtp_depth_layer_numbers, parse_hybrid_pattern
-from teratron.ssm.mamba_mixer import mamba_num_heads
+from teratron.ssm.mamba_mixer import D_CONV, mamba_num_heads
 from teratron.transformer.moe.moe_logging import moe_layer_indices
 
 
@@ -134,7 +134,7 @@ def mamba_params(config) -> list:
     heads, bc = mamba_num_heads(config), config.mamba_num_groups * config.mamba_state_dim
     d_inner = heads * config.mamba_head_dim
     conv = (d_inner + 2 * bc) // tp
-    return [(2 * d_inner + 2 * bc + heads) // tp * h, conv * 4, conv, *3 * [heads // tp], d_inner // tp,
+    return [(2 * d_inner + 2 * bc + heads) // tp * h, conv * D_CONV, conv, *3 * [heads // tp], d_inner // tp,
             h * (d_inner // tp)]
 
 

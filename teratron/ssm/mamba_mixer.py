@@ -40,6 +40,7 @@ from teratron.topology import resolve_pg_collection
 
 CHUNK_SIZE = 128  # tokens per chunk of the scan (Megatron's mamba_chunk_size)
 EXPAND = 2  # Mamba-2's d_inner / hidden_size when --mamba-num-heads is not given
+D_CONV = 4  # taps of the causal depthwise convolution
 
 
 def mamba_num_heads(config) -> int:
@@ -50,7 +51,7 @@ def mamba_num_heads(config) -> int:
 class MambaMixer(nn.Module):
     def __init__(self, config, layer_number: int | None = None, pg_collection=None, d_state: int | None = None,
                  head_dim: int | None = None, ngroups: int | None = None, nheads: int | None = None,
-                 expand: int = EXPAND, d_conv: int = 4, chunk_size: int = CHUNK_SIZE, dt_min: float = 0.001,
+                 expand: int = EXPAND, d_conv: int = D_CONV, chunk_size: int = CHUNK_SIZE, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_init_range=(1.0, 16.0), tp_group=None):
         """Sizes left None come from the config (mamba_state_dim, mamba_head_dim, mamba_num_groups,
         mamba_num_heads; heads default to expand * hidden_size / head_dim)."""

@@ -66,12 +66,13 @@ EXCHANGED = ("p2p", "all_gather", "a2a+p2p")
 
 def layer_cp_comm_type(cp_comm_type, layer_number: int) -> str:
     """This layer's communication type: the one value, the layer's entry of a per-layer list
-    (layer_number is 1-based), or 'p2p' (Megatron's default) when None."""
+    (layer_number is 1-based; a multi-token-prediction depth's layers, numbered after the decoder's,
+    take the last decoder layer's), or 'p2p' (Megatron's default) when None."""
     if cp_comm_type is None:
         return "p2p"
     if isinstance(cp_comm_type, str):
         return cp_comm_type
-    return cp_comm_type[layer_number - 1]
+    return cp_comm_type[min(layer_number, len(cp_comm_type)) - 1]
 
 
 # ----- which tokens each CP rank holds ------------------------------------------------------------

@@ -6,7 +6,7 @@ Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when kernel
 
 For each case a real hybrid model (built by the training code path) runs one micro-batch forward
 under `saved_tensors_hooks`; the bytes of the storages autograd keeps must equal the estimate's,
-in one process and per rank under TP 2 (gloo). Prints how many cases it checked.
+in one process and per rank under TP 2 and CP 2 (gloo). Prints how many cases it checked.
 """
 
 import os
@@ -57,6 +57,18 @@ TP_CASES = [
     "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern M+-G+ --bf16 --normalization RMSNorm "
     "--disable-bias-linear" + MLA,
 ]
+# Context parallelism: the mixers' shares of heads over whole sequences (fewer groups than CP ranks:
+# every rank reads the one group), next to p2p and a2a attention (sharing the token order), MTP
+# depths, a ragged last scan chunk, full recompute.
+CP_CASES = [
+    "--context-parallel-size 2 --hybrid-layer-pattern MG*-/M- --normalization RMSNorm "
+    "--position-embedding-type rope",
+    "--context-parallel-size 2 --cp-comm-type a2a --hybrid-layer-pattern GM*-E --bf16 --mamba-num-groups 1 "
+    "--linear-num-key-heads 1" + MOE,
+    "--context-parallel-size 2 --hybrid-layer-pattern MG --seq-length 200 --bf16 --hidden-dropout 0.1",
+    "--context-parallel-size 2 --hybrid-layer-pattern GM*- --bf16 --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1",
+]
 
 
 def main() -> None:
@@ -75,6 +87,10 @@ def main() -> None:
         for flags, (measured, estimated) in zip(TP_CASES, rank_results):
             assert estimated == measured, flags
     checked += len(TP_CASES)
+    for rank_results in run_distributed(_tensor_parallel_ranks, 2, [SIZES + flags for flags in CP_CASES]):
+        for flags, (measured, estimated) in zip(CP_CASES, rank_results):
+            assert estimated == measured, f"{flags}: estimated {estimated}, measured {measured}"
+    checked += len(CP_CASES)
     print(f"checked {checked} cases")
 
 

@@ -150,6 +150,8 @@ def test_saved_activations_per_context_parallel_rank():
         "--context-parallel-size 2 --cp-comm-type a2a --bf16 --position-embedding-type rope",
         "--context-parallel-size 2 --cp-comm-type a2a --group-query-attention --num-query-groups 1 --qk-layernorm",
         "--context-parallel-size 2 --cp-comm-type p2p a2a --bf16 --recompute-granularity selective",
+        # an MTP depth's layer exchanges as the last decoder layer does
+        "--context-parallel-size 2 --cp-comm-type p2p a2a --bf16 --position-embedding-type rope --mtp-num-layers 1",
     ]
     for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets):
         for flags, (measured, estimated) in zip(flag_sets, rank_results):

@@ -1,14 +1,14 @@
 """`teratron estimate` of hybrid models (--hybrid-layer-pattern): parameters per rank against real
 models' numel (one process, TP 2, PP 2 by the pattern's '|', MTP depths of hybrid layers);
 activations against what autograd keeps with the Mamba and Gated DeltaNet layers on their Triton
-kernels, as a GPU runs them (hybrid_estimate_cases.py, in Triton's interpreter); what the estimate
-does not model refused in one line."""
+kernels, as a GPU runs them, in one process and under TP 2 and CP 2 (hybrid_estimate_cases.py, in
+Triton's interpreter); what the estimate does not model refused in one line."""
 
 import json
 
 import pytest
 
-from estimate.hybrid_estimate_cases import CASES, MLA, SIZES, TP_CASES
+from estimate.hybrid_estimate_cases import CASES, CP_CASES, MLA, SIZES, TP_CASES
 from estimate.test_params import BASE, assert_params_per_rank, real_numel
 from kernel_tests import run_in_the_interpreter
 from teratron.estimate import cli
@@ -52,15 +52,16 @@ def test_params_per_rank_equal_the_real_model():
 
 
 def test_activations_equal_what_autograd_keeps_on_the_triton_kernels():
-    assert run_in_the_interpreter(__file__, "hybrid_estimate_cases.py") == f"checked {len(CASES) + len(TP_CASES)} cases"
+    checked = len(CASES) + len(TP_CASES) + len(CP_CASES)
+    assert run_in_the_interpreter(__file__, "hybrid_estimate_cases.py") == f"checked {checked} cases"
 
 
 @pytest.mark.parametrize("flags, device, phrase", [
     ("--hybrid-layer-pattern M*", "cpu", "Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans"),
     ("--hybrid-layer-pattern M*- --fine-grained-activation-offloading --offload-modules mlp", "cuda",
      "--fine-grained-activation-offloading with --hybrid-layer-pattern"),
-    ("--hybrid-layer-pattern G*- --context-parallel-size 2 --attention-dropout 0", "cuda",
-     "--context-parallel-size with Mamba or Gated DeltaNet layers"),
+    ("--hybrid-layer-pattern G*- --context-parallel-size 2 --attention-dropout 0 --torch-compile", "cuda",
+     "--torch-compile with --context-parallel-size and Mamba or Gated DeltaNet layers"),
 ])
 def test_what_is_not_modelled_is_one_line(flags, device, phrase):
     with pytest.raises(NotModelled, match=phrase) as error:
@@ -79,3 +80,22 @@ def test_the_command_on_a_hybrid_model(capsys):
     assert cli.main(flags + ["--world-size", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["layout"]["dp"] == 2 and all(stage["chunk_activations"][0] > 0 for stage in out["stages"])
+
+
+def test_context_parallel_transients_of_the_mixers():
+    """A recurrent mixer's exchange under CP 4, counted by hand: T = 16 x 2 tokens per rank, bf16; it sends
+    (and receives) every share's channels of its tokens. Mamba: 8 heads of 4 in 2 groups of state 8, so a
+    share is 2 heads reading one group: x 2 x 4, B and C 8 each, dt 2 = 26 channels. Gated DeltaNet: 8
+    value heads of 4 reading 4 key heads of 8, so a share is 2 value heads and one key head: q, k 8 each,
+    v 2 x 4, b and a 2 each = 28 channels. An MLP layer exchanges nothing."""
+    from teratron.estimate.activations import Dims, context_parallel_transients
+    from teratron.transformer.transformer_config import TransformerConfig
+
+    d = Dims(s=16, b=2, tp=1, sp=False, a=2, r=2)
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
+                               context_parallel_size=4, hybrid_layer_pattern="MG-", mamba_num_heads=8,
+                               mamba_head_dim=4, mamba_num_groups=2, mamba_state_dim=8, linear_num_value_heads=8,
+                               linear_num_key_heads=4, linear_key_head_dim=8, linear_value_head_dim=4)
+    assert context_parallel_transients(config, d, 1, "M") == (2 * 2 * 32 * 4 * 26,) * 2
+    assert context_parallel_transients(config, d, 2, "G") == (2 * 2 * 32 * 4 * 28,) * 2
+    assert context_parallel_transients(config, d, 3, "-") == (0, 0)
