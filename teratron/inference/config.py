@@ -24,6 +24,10 @@ class InferenceConfig:
     """Share the KV blocks of identical prompt prefixes between requests, found by block hash;
     unreferenced cached blocks are evicted least recently used first
     (--inference-dynamic-batching-prefix-caching)."""
+    prefix_caching_mamba_gb: Optional[float] = None
+    """With prefix caching on a hybrid model: GiB for the Mamba-2 and Gated DeltaNet layers' states
+    at cached block boundaries (--inference-dynamic-batching-prefix-caching-mamba-gb), without which
+    their layers cannot start after a cached prefix, so hybrid requests reuse none."""
     num_speculative_tokens: int = 0
     """Draft tokens proposed per request and decode step, verified in one target forward
     (speculative decoding: the engine's draft_model proposes them, or without one the model's
@@ -50,6 +54,9 @@ class InferenceConfig:
         if not isinstance(self.num_cuda_graphs, int) or self.num_cuda_graphs < -1:
             raise ValueError(f"num_cuda_graphs={self.num_cuda_graphs!r} must be -1 (every batch size), 0 (none) or a "
                              "count >= 1 (--inference-dynamic-batching-num-cuda-graphs)")
+        if self.prefix_caching_mamba_gb is not None and not self.prefix_caching_mamba_gb >= 0:
+            raise ValueError(f"prefix_caching_mamba_gb={self.prefix_caching_mamba_gb} must be >= 0 "
+                             "(--inference-dynamic-batching-prefix-caching-mamba-gb)")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0 "
                              "(0: no speculative decoding)")

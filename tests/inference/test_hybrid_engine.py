@@ -3,12 +3,16 @@ DeltaNet layers carry their convolution and scan states from one step to the nex
 and decode tokens), so greedy output equals the model's own greedy decoding by full recompute (the
 whole sequence through the model at each step), for requests alone, batched with chunked prefill,
 decoding together as one batch, and in a buffer tight enough to preempt (a preempted request recomputes its states); with attention
-layers or multi-latent attention layers (per-head or latent cache). Speculative
-decoding and prefix caching, which would need states rolled back or shared, are refused."""
+layers or multi-latent attention layers (per-head or latent cache); with speculative decoding
+from a hybrid draft model (states rolled back to the last accepted token); with prefix caching
+(requests start their recurrent layers from states cached at block boundaries, within a budget)."""
+
+import copy
 
 import pytest
 import torch
 
+from teratron import cli
 from teratron.inference.config import InferenceConfig
 from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.sampling_params import SamplingParams
@@ -114,8 +118,121 @@ def test_decode_tokens_run_as_one_batch(model, monkeypatch):
     assert len(calls) < len(PROMPTS) * NEW_TOKENS  # fewer calls than one per request and token
 
 
-@pytest.mark.parametrize("config, phrase", [(dict(prefix_caching=True), "prefix caching with Mamba"),
-                                            (dict(num_speculative_tokens=1), "speculative decoding")])
-def test_what_needs_states_rolled_back_is_refused(model, config, phrase):
-    with pytest.raises(ValueError, match=phrase):
-        engine_for(model, buffer_size_gb=0.01, **config)
+def noisy_copy(model, scale):
+    """The model with noise on its weights: a draft model that agrees with it on some tokens."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    return draft
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_speculative_decoding_equals_full_recompute(model, n):
+    """A hybrid draft model proposes n tokens a step; the target verifies them one position at a time
+    in its recurrent layers, keeping the state after each, so the next step continues from the last
+    accepted token (the draft likewise after its rollback): greedy output stays full recompute's,
+    with drafts both accepted and rejected."""
+    reference = [recompute_greedy(model, p) for p in PROMPTS]
+    config = InferenceConfig(buffer_size_gb=0.01, block_size=4, num_speculative_tokens=n)
+    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config, draft_model=noisy_copy(model, 0.05))
+    assert generate_all(engine, PROMPTS) == reference
+    assert 0 < engine.num_draft_tokens_accepted < engine.num_draft_tokens_proposed
+    assert not engine.context.recurrent_states and not engine.draft.context.recurrent_states
+
+
+SYSTEM = [7, 3, 9, 12, 40, 41, 42, 43, 44, 45]  # a shared prefix: two full blocks of 4, then two tokens
+A = SYSTEM + [1, 2, 3, 4, 5, 6]
+B = SYSTEM[:8] + [50, 51, 52, 53, 54]
+C = SYSTEM[:8] + [60, 61, 62]
+D = A + [70, 71]
+
+
+def recompute_log_probs(model, prompt, tokens):
+    """Full recompute's log-probabilities of `tokens` after `prompt` (the whole sequence at once)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]), None)[0, len(prompt) - 1:-1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def prefill_starts(engine, prompts):
+    """Each prompt generated alone, in turn (so the cache holds what the earlier ones left): where its
+    prefill started (its cached prefix), checked against full recompute's greedy output and the
+    log-probabilities of its tokens."""
+    starts = []
+    params = SamplingParams(temperature=0, num_tokens_to_generate=NEW_TOKENS, ignore_eod=True, return_log_probs=True)
+    for prompt in prompts:
+        before = engine.num_tokens_computed
+        output = engine.generate([prompt], params)[0]
+        assert output.token_ids == recompute_greedy(engine.model, prompt)
+        torch.testing.assert_close(output.log_probs, recompute_log_probs(engine.model, prompt, output.token_ids),
+                                   rtol=0, atol=1e-5)
+        starts.append(len(prompt) + NEW_TOKENS - 1 - (engine.num_tokens_computed - before))
+    return starts
+
+
+def caching_engine(model, **config):
+    return engine_for(model, buffer_size_gb=0.01, prefix_caching=True, **config)
+
+
+def test_prefix_caching_starts_recurrent_layers_from_cached_states(model):
+    """The recurrent layers' states are cached after a request's prompt's last full block before its
+    last token and after the last block its keys and values matched (Megatron's rule): A caches after
+    12 tokens; B shares A's first 8 tokens but no state there, so it starts at 0 and caches after 8; C
+    then starts at 8 and D (A and more) at 12. Greedy output stays full recompute's."""
+    engine = caching_engine(model, prefix_caching_mamba_gb=0.01)
+    assert prefill_starts(engine, [A, B, C, D]) == [0, 0, 8, 12]
+    cache = engine.context.recurrent_prefixes
+    assert len(cache) == 4  # A after 12; B after 8 and 12; D after 16
+    assert not engine.context.recurrent_states and not engine.context.recurrent_boundaries
+    # A cached prefix whose keys and values are evicted takes its states with it.
+    allocator = engine.context.allocator
+    allocator.release(allocator.allocate(allocator.num_allocatable()))
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_prefix_cache_of_states_stays_within_its_budget(model):
+    """A budget of one entry: B's state after 12 tokens evicts its state after 8 (least recently used),
+    so C finds no state and starts at 0; the output stays full recompute's."""
+    probe = caching_engine(model, prefix_caching_mamba_gb=0.01)
+    prefill_starts(probe, [A])
+    entry = probe.context.recurrent_prefixes.nbytes
+    engine = caching_engine(model, prefix_caching_mamba_gb=1.5 * entry / 1024**3)
+    assert prefill_starts(engine, [A, B, C]) == [0, 0, 0]
+    assert len(engine.context.recurrent_prefixes) == 1
+
+
+def test_prefix_caching_without_a_state_budget_reuses_no_prefix(model):
+    with pytest.warns(UserWarning, match="without prefix_caching_mamba_gb"):
+        engine = caching_engine(model)
+    assert prefill_starts(engine, [A, B, C, D]) == [0, 0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_checkpoint(tmp_path_factory):
+    """A `teratron train` checkpoint of a hybrid model with an MTP depth of Mamba and attention layers."""
+    path = tmp_path_factory.mktemp("hybrid") / "ckpt"
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--hybrid-layer-pattern",
+             "MG*-/*M", "--mtp-num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2", "--linear-key-head-dim", "8",
+             "--linear-value-head-dim", "8", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--num-workers", "0",
+             "--no-progress-bar", "--eval-iters", "0", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--init-method-std", "0.3", "--save", str(path), "--save-interval", "2"]
+    assert cli.main(["train"] + flags) == 0
+    return str(path)
+
+
+def test_generate_with_drafts_and_cached_prefixes_prints_plain_text(hybrid_mtp_checkpoint, capsys):
+    """`teratron generate` on a hybrid checkpoint: with its MTP depth drafting and prefix caching of the
+    recurrent states, the text is plain decoding's."""
+    argv = ["generate", "--load", hybrid_mtp_checkpoint, "--prompt", "5 17 3 99 42 8 8 1 2", "--max-tokens", "8",
+            "--temperature", "0", "--inference-dynamic-batching-buffer-size-gb", "0.001",
+            "--inference-dynamic-batching-block-size", "4"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert len(plain.split()) == 8
+    assert cli.main(argv + ["--num-speculative-tokens", "1", "--inference-dynamic-batching-prefix-caching",
+                            "--inference-dynamic-batching-prefix-caching-mamba-gb", "0.001"]) == 0
+    assert capsys.readouterr().out == plain

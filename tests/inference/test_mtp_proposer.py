@@ -6,7 +6,8 @@ proposals, verification, rollback), every proposal's distribution equals the MTP
 training-time computation over the whole sequence (depth k at the next-to-last position, the
 earlier drafts as its tokens), whatever number of drafts was accepted or asked for, also for a
 request whose MTP history starts after a cached prefix; for a GQA model and for multi-latent
-attention (its MTP layers MLA too; per-head and latent caches). DynamicInferenceEngine with
+attention (its MTP layers MLA too; per-head and latent caches) and for a hybrid model whose
+depths have Mamba and Gated DeltaNet layers (states continued from the last accepted token). DynamicInferenceEngine with
 num_speculative_tokens and no draft model drafts with the MTP layers (at most one draft per
 depth): greedy output equals plain decoding, the target's cache holds the decoder's layers only,
 both caches are free at the end; on a GPU, decode steps replayed from CUDA graphs feed the
@@ -27,7 +28,7 @@ from dist import run_distributed
 from teratron import cli
 from teratron.inference import cli as inference_cli
 from teratron.inference.config import InferenceConfig
-from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
+from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk, attention_modules
 from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.engines.mtp_proposer import MTPProposer
 from teratron.inference.engines.speculative import DraftRequest
@@ -39,23 +40,33 @@ from teratron.training.arguments import ArgumentParser
 from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 VOCAB, DEPTHS = 60, 2
-CONFIG = InferenceConfig(buffer_size_gb=0.01, block_size=4, max_seq_length=64)
+# num_speculative_tokens: recurrent layers keep the states a rollback returns to (the engine's tests set their own)
+CONFIG = InferenceConfig(buffer_size_gb=0.01, block_size=4, max_seq_length=64, num_speculative_tokens=DEPTHS)
 COMMON = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, gated_linear_unit=True,
               activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
               attention_dropout=0.0, init_method_std=0.3, use_cpu_initialization=True, mtp_num_layers=DEPTHS)
 MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
            rotary_scaling_factor=4.0, original_max_position_embeddings=16, qk_layernorm=True)
-KINDS = ["gqa", "mla", "mla-latents"]
+# A hybrid model whose MTP depths have Mamba and Gated DeltaNet layers (their states rolled back too).
+HYBRID = dict(hybrid_layer_pattern="MG*-/M*G/M*G", mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+KINDS = ["gqa", "mla", "mla-latents", "hybrid"]
 
 
 def build(kind):
     if kind == "gqa":
         config = TransformerConfig(num_query_groups=2, **COMMON)
+    elif kind == "hybrid":
+        config = TransformerConfig(**{**COMMON, "num_layers": 4}, **HYBRID)
     else:
         config = MLATransformerConfig(cache_mla_latents=kind == "mla-latents", **MLA, **COMMON)
     torch.manual_seed(0)
-    return build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
-                                          position_embedding_type="rope")).eval()
+    model = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
+                                           position_embedding_type="rope")).eval()
+    for module in model.modules():  # scan chunks of 4 tokens: prompts and verified chunks cross their edges
+        if getattr(module, "recurrent", False):
+            module.chunk_size = 4
+    return model
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -87,11 +98,11 @@ class Driver:
         self.proposer = MTPProposer(model, CONFIG, VOCAB)
         self.tokens, self.computed = {}, {}
 
-    def target_step(self, request_id, tokens, start, end):
+    def target_step(self, request_id, tokens, start, end, drafts=0):
         """Run tokens[start:end] through the target (the proposer observes it); the argmax after
-        each of them."""
+        each of them. The last `drafts` of them are drafts, which may be rolled back."""
         self.context.reserve(request_id, end)
-        chunks = [StepChunk(request_id, tokens, start, end)]
+        chunks = [StepChunk(request_id, tokens, start, end, drafts)]
         ids, positions = self.context.initialize_attention_state(chunks)
         with torch.no_grad():
             logits = self.model(ids, positions, None, inference_context=self.context, runtime_gather_output=True)
@@ -112,7 +123,7 @@ class Driver:
         then the target's own token (as the engine keeps the target's token at a rejection)."""
         tokens = self.tokens[request_id]
         chunk = tokens + drafts
-        targets = self.target_step(request_id, chunk, len(tokens) - 1, len(chunk))
+        targets = self.target_step(request_id, chunk, len(tokens) - 1, len(chunk), len(drafts))
         kept = drafts[:accept] + [targets[accept]]
         self.computed[request_id] = len(tokens) + accept
         self.context.truncate(request_id, self.computed[request_id])
@@ -169,16 +180,17 @@ GREEDY = SamplingParams(temperature=0, num_tokens_to_generate=12, ignore_eod=Tru
 
 
 def test_engine_with_mtp_drafts_equals_plain_decoding(model):
-    plain = DynamicInferenceEngine(model, NullTokenizer(VOCAB), CONFIG)
+    plain = DynamicInferenceEngine(model, NullTokenizer(VOCAB), dataclasses.replace(CONFIG, num_speculative_tokens=0))
     reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert plain.draft is None and not plain.context.keep_hidden_states
     for n in (1, 2, 3):
         config = dataclasses.replace(CONFIG, num_speculative_tokens=n)
         engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config)
         assert isinstance(engine.draft, MTPProposer) and engine.num_speculative_tokens == min(n, DEPTHS)
-        # The target's cache holds the decoder's layers (1, 2), the proposer's the MTP layers (3, 4).
-        assert list(engine.context.layer_slot) == [1, 2] and engine.context.memory_buffer.shape[1] == 2
-        assert list(engine.draft.context.layer_slot) == [3, 4]
+        # The target's cache holds the decoder's attention layers, the proposer's the MTP layers'.
+        decoder = [m.layer_number for m in attention_modules(model.decoder)]
+        assert list(engine.context.layer_slot) == decoder and engine.context.memory_buffer.shape[1] == len(decoder)
+        assert list(engine.draft.context.layer_slot) == [m.layer_number for m in attention_modules(model.mtp)]
         assert engine.context.memory_buffer.shape[0] == engine.draft.context.memory_buffer.shape[0]
         proposed = []
         propose = engine.draft.propose
@@ -219,6 +231,14 @@ def test_graph_replayed_decode_steps_feed_the_proposer():
     assert outputs == expected
     assert drafts == eager_drafts
     assert graphed.num_draft_tokens_accepted == eager.num_draft_tokens_accepted > 0
+
+
+def test_mtp_depths_without_attention_are_refused():
+    config = TransformerConfig(**{**COMMON, "num_layers": 4}, **{**HYBRID, "hybrid_layer_pattern": "MG*-/M-/M-"})
+    hybrid = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=16,
+                                            position_embedding_type="rope"))
+    with pytest.raises(ValueError, match="needs an attention layer in each MTP depth"):
+        MTPProposer(hybrid, CONFIG, VOCAB)
 
 
 def test_a_model_without_mtp_layers_is_refused():

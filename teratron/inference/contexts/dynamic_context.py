@@ -16,9 +16,15 @@ attends: short chunks (decode, speculative verification) with the paged-attentio
 reads each query's keys in place through its block table, prefill chunks as padded SDPA batches.
 A decode step (`initialize_decode_state`) keeps its metadata in buffers at fixed addresses, so
 that a CUDA graph captured for its row count replays it (`inference.cuda_graphs`).
+
+Recurrent layers (Mamba-2, Gated DeltaNet) call `run_recurrent` instead: the context keeps each
+request's state per layer, after its last computed tokens (and, for speculative decoding, after each
+of the last few, to continue from the last accepted one; for prefix caching, at cached block
+boundaries: `RecurrentPrefixCache`).
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Sequence
@@ -30,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.kv_block_allocator import KVBlockAllocator, block_hash
+from teratron.inference.contexts.recurrent_prefix_cache import RecurrentPrefixCache
 from teratron.inference.kernels.paged_attention import paged_attention
 from teratron.inference.windowed_attention import attend as attend_padded, window_mask
 from teratron.process_groups import get_pg_size
@@ -53,6 +60,9 @@ class StepChunk:
     token_ids: Sequence[int]
     start: int
     end: int
+    drafts: int = 0
+    """How many of the chunk's last tokens are speculative (drafts, or fed by drafts): recurrent
+    layers keep their state after each of them, which a later chunk may continue from."""
 
 
 @dataclass
@@ -82,6 +92,11 @@ class _PagedQueries:
     token_index: torch.Tensor | None  # [p] the step tokens concerned (index into t); None: all t, in order
     block_table: torch.Tensor         # int32 [p, max_blocks_per_request]
     kv_lengths: torch.Tensor          # int32 [p]: query i attends its request's keys 0 .. kv_lengths[i]-1
+
+
+def attention_modules(module: torch.nn.Module) -> list:
+    """The attention layers (self-attention, multi-latent attention) a context caches keys for."""
+    return [m for m in module.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
 
 
 class DynamicInferenceContext:
@@ -143,9 +158,20 @@ class DynamicInferenceContext:
         self.kv_window: int | None = None
         """When every layer has a sliding window: the largest left window W. A query at position p
         reads keys from p - W on, so the engine frees the blocks before (`release_out_of_window`)."""
-        self.recurrent_states: dict[tuple[int, int], tuple] = {}
-        """(layer number, request id) -> the state a recurrent layer (Mamba-2, Gated DeltaNet) carries
-        from the request's computed tokens to its next ones (`run_recurrent`)."""
+        self.recurrent_states: dict[tuple[int, int], dict[int, tuple]] = {}
+        """(layer number, request id) -> {tokens computed: the state a recurrent layer (Mamba-2, Gated
+        DeltaNet) carries from them to the request's next tokens} (`run_recurrent`): the latest, and
+        with speculative decoding the states after each of the last num_speculative_tokens + 1
+        tokens, so that a chunk after rejected drafts continues from the last accepted token."""
+        self.recurrent_states_kept = config.num_speculative_tokens + 1
+        self.recurrent_layers: list[int] = []
+        """The layer numbers of the recurrent layers (from_model)."""
+        self.recurrent_prefixes: RecurrentPrefixCache | None = None
+        """Prefix caching of a hybrid model (with prefix_caching_mamba_gb): the recurrent layers'
+        states at cached block boundaries, under the block's hash."""
+        self.recurrent_boundaries: dict[int, set[int]] = {}
+        """Request id -> the token counts after which its recurrent states go to the prefix cache."""
+        self._boundary_states: dict[tuple[int, int], dict] = {}  # (request, tokens) -> {layer: state}, this step
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
@@ -154,8 +180,7 @@ class DynamicInferenceContext:
         proposer's), in its dtype and device. Multi-latent attention caches what its layer's `ng`
         and `hn` say (per-head keys and values padded to one size, or one latent) under its own
         softmax scale."""
-        layers = getattr(model, "decoder", model)
-        attentions = [m for m in layers.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
+        attentions = attention_modules(getattr(model, "decoder", model))
         if not attentions:
             raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         first = attentions[0]
@@ -171,6 +196,16 @@ class DynamicInferenceContext:
                 context.layer_windows[attention.layer_number] = tuple(core.window_size)
             if getattr(core, "softmax_offset", None) is not None:  # read at each step: refits update it
                 context.layer_sinks[attention.layer_number] = core.softmax_offset
+        context.recurrent_layers = [m.layer_number for m in getattr(model, "decoder", model).modules()
+                                    if getattr(m, "recurrent", False)]
+        if config.prefix_caching and context.recurrent_layers:
+            if config.prefix_caching_mamba_gb:
+                context.recurrent_prefixes = RecurrentPrefixCache(int(config.prefix_caching_mamba_gb * 1024**3))
+                context.allocator.on_evict = context.recurrent_prefixes.drop
+            else:
+                warnings.warn("prefix caching of a model with Mamba or Gated DeltaNet layers without "
+                              "prefix_caching_mamba_gb (--inference-dynamic-batching-prefix-caching-mamba-gb): "
+                              "their states are not cached, so its requests reuse no prefix")
         lefts = [context.layer_windows.get(a.layer_number, (-1,))[0] for a in attentions]
         if min(lefts) >= 0:  # every layer windowed: older keys can go
             context.kv_window = max(lefts)
@@ -187,8 +222,12 @@ class DynamicInferenceContext:
         without prefix caching). At least the last token is left to compute: its logits are needed."""
         if not self.config.prefix_caching:
             return []
-        usable = (len(token_ids) - 1) // self.block_size
-        return self.allocator.lookup(self._hashes(token_ids, 0, usable))
+        hashes = self._hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size)
+        blocks = self.allocator.lookup(hashes)
+        if self.recurrent_layers:  # recurrent layers start only after a block whose states are cached
+            cache = self.recurrent_prefixes
+            blocks = blocks[:next((n for n in range(len(blocks), 0, -1) if cache and hashes[n - 1] in cache), 0)]
+        return blocks
 
     def num_allocatable_blocks(self, retaining: Sequence[int] = ()) -> int:
         return self.allocator.num_allocatable(excluding=retaining)
@@ -205,6 +244,21 @@ class DynamicInferenceContext:
         self.allocator.retain(cached_blocks)
         self.block_tables[request_id] = list(cached_blocks)
         self.block_hashes[request_id] = self._hashes(token_ids, 0, len(cached_blocks)) if cached_blocks else []
+        if self.recurrent_prefixes is not None and token_ids:
+            self._plan_recurrent_prefix(request_id, len(cached_blocks), token_ids)
+
+    def _plan_recurrent_prefix(self, request_id: int, cached: int, token_ids: Sequence[int]) -> None:
+        """A hybrid request after `cached` cached blocks: its recurrent layers start from the states
+        cached after them, and will cache theirs (as Megatron does) after the last block its keys and
+        values matched (the prefix it shares with earlier requests: later ones find the states there)
+        and after its prompt's last full block before the last token."""
+        if cached:
+            start = cached * self.block_size
+            for layer, state in self.recurrent_prefixes.get(self.block_hashes[request_id][-1]).items():
+                self.recurrent_states[(layer, request_id)] = {start: state}
+        usable = (len(token_ids) - 1) // self.block_size
+        matched = len(self.allocator.lookup(self._hashes(token_ids, 0, usable)))
+        self.recurrent_boundaries[request_id] = {n * self.block_size for n in (matched, usable) if n > cached}
 
     def reserve(self, request_id: int, num_tokens: int) -> None:
         """Allocate blocks until request `request_id` can hold `num_tokens` tokens."""
@@ -223,6 +277,7 @@ class DynamicInferenceContext:
         recurrent layers' states."""
         self.allocator.release(self._held(self.block_tables.pop(request_id)[::-1]))
         self.block_hashes.pop(request_id)
+        self.recurrent_boundaries.pop(request_id, None)
         for key in [key for key in self.recurrent_states if key[1] == request_id]:
             del self.recurrent_states[key]
 
@@ -387,28 +442,60 @@ class DynamicInferenceContext:
     def run_recurrent(self, layer_number: int, inputs: torch.Tensor, mix) -> torch.Tensor:
         """A recurrent layer's step: inputs [t, 1, c] (the step's tokens, chunks back to back, then
         padding) -> its outputs [t, 1, c']. Each chunk's tokens run through `mix(x [b, n, c],
-        state) -> (y [b, n, c'], state)` from the state its request's earlier tokens left (None
-        before the first), which is kept for the next; padding tokens give zeros. Decode tokens
-        (chunks of one token that continue a state) run as one batch, their states stacked."""
+        state) -> (y [b, n, c'], state)` from the state after the request's first chunk.start
+        tokens (None before the first), and the state after them is kept; padding tokens give
+        zeros. Single tokens that continue a state (decode, and a chunk's speculative tokens one at
+        a time, keeping the state after each) run as one batch per position, their states stacked."""
         outputs = inputs.new_zeros(inputs.shape[0], 1, 0)
-        firsts = accumulate((c.end - c.start for c in self.chunks), initial=0)  # each chunk's first row
-        decoding = []
-        for chunk, first in zip(self.chunks, firsts):
-            count, key = chunk.end - chunk.start, (layer_number, chunk.request_id)
-            if count == 1 and key in self.recurrent_states:
-                decoding.append((first, key))
-                continue
-            y, self.recurrent_states[key] = mix(inputs[first:first + count].transpose(0, 1),
-                                                self.recurrent_states.get(key))
-            outputs = self._place(outputs, slice(first, first + count), y.transpose(0, 1))
-        if decoding:
-            rows = torch.tensor([first for first, _ in decoding], device=inputs.device)
-            states = [self.recurrent_states[key] for _, key in decoding]
+        # (row, key, tokens before it) of the single tokens, by position: decode tokens and
+        # speculative chunks' first tokens, then each chunk's i-th speculative token
+        singles = [[] for _ in range(1 + max((chunk.drafts for chunk in self.chunks), default=0))]
+        for chunk, first in zip(self.chunks, accumulate((c.end - c.start for c in self.chunks), initial=0)):
+            key, count = (layer_number, chunk.request_id), chunk.end - chunk.start
+            state = self._recurrent_state(key, chunk.start)
+            head = max(count - chunk.drafts, int(state is None))  # a request's first token has no state to stack
+            if head == 1 and state is not None:
+                singles[0].append((first, key, chunk.start))
+            elif head:  # in pieces ending at the boundaries whose states the prefix cache keeps
+                ends = {n - chunk.start for n in self.recurrent_boundaries.get(chunk.request_id, ())}
+                done = 0
+                for end in sorted({end for end in ends if 0 < end < head} | {head}):
+                    y, state = mix(inputs[first + done:first + end].transpose(0, 1), state)
+                    self._keep_recurrent_state(key, chunk.start + end, state)
+                    outputs = self._place(outputs, slice(first + done, first + end), y.transpose(0, 1))
+                    done = end
+            for i in range(count - head):
+                singles[i + 1].append((first + head + i, key, chunk.start + head + i))
+        for batch in filter(None, singles):
+            rows = torch.tensor([row for row, _, _ in batch], device=inputs.device)
+            states = [self._recurrent_state(key, position) for _, key, position in batch]
             y, stacked = mix(inputs.index_select(0, rows), tuple(torch.cat(parts) for parts in zip(*states)))
             outputs = self._place(outputs, rows, y)  # y [r, 1, c']: a row per request
-            for i, (_, key) in enumerate(decoding):
-                self.recurrent_states[key] = tuple(part[i:i + 1] for part in stacked)
+            for i, (_, key, position) in enumerate(batch):
+                self._keep_recurrent_state(key, position + 1, tuple(part[i:i + 1] for part in stacked))
         return outputs
+
+    def _recurrent_state(self, key: tuple, position: int):
+        """The state after the request's first `position` tokens (None at 0); a state kept after
+        later tokens (rejected drafts) is dropped."""
+        states = self.recurrent_states.get(key, {})
+        for later in [p for p in states if p > position]:
+            del states[later]
+        if position == 0:
+            return None
+        if position not in states:
+            raise RuntimeError(f"no recurrent state of layer {key[0]} after {position} tokens of request {key[1]}: "
+                               "a chunk continues from a position the context did not keep")
+        return states[position]
+
+    def _keep_recurrent_state(self, key: tuple, position: int, state: tuple) -> None:
+        layer, request_id = key
+        if position in self.recurrent_boundaries.get(request_id, ()):  # for the prefix cache, at commit_step
+            self._boundary_states.setdefault((request_id, position), {})[layer] = state
+        states = self.recurrent_states.setdefault(key, {})
+        states[position] = state
+        while len(states) > self.recurrent_states_kept:
+            del states[next(iter(states))]
 
     @staticmethod
     def _place(outputs: torch.Tensor, where, values: torch.Tensor) -> torch.Tensor:
@@ -434,6 +521,12 @@ class DynamicInferenceContext:
         default: the step's chunks."""
         if self.config.prefix_caching:
             self._register_full_blocks(self.chunks if chunks is None else chunks)
+        for (request_id, position), states in self._boundary_states.items():
+            hashes = self.block_hashes.get(request_id, [])
+            if len(states) == len(self.recurrent_layers) and len(hashes) * self.block_size >= position:
+                self.recurrent_prefixes.put(hashes[position // self.block_size - 1], states)
+                self.recurrent_boundaries[request_id].discard(position)
+        self._boundary_states.clear()
 
     def _register_full_blocks(self, chunks: Sequence[StepChunk]) -> None:
         for chunk in chunks:

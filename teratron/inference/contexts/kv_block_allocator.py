@@ -8,7 +8,7 @@ values until their memory is needed; then the least recently released goes first
 
 import hashlib
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -29,6 +29,8 @@ class KVBlockAllocator:
         self._hash_of_block: dict[int, bytes] = {}
         self._block_of_hash: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
+        self.on_evict: Optional[Callable[[bytes], None]] = None
+        """Called with the hash of each prefix that stops being cached (evicted, or all forgotten)."""
 
     def num_allocatable(self, excluding: Sequence[int] = ()) -> int:
         """Blocks `allocate` can hand out: free ones and cached ones no request references,
@@ -54,7 +56,10 @@ class KVBlockAllocator:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(block)]
+                hash_ = self._hash_of_block.pop(block)
+                del self._block_of_hash[hash_]
+                if self.on_evict is not None:
+                    self.on_evict(hash_)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -100,5 +105,8 @@ class KVBlockAllocator:
         cached blocks no request references become free."""
         self._free += list(self._evictable)
         self._evictable.clear()
+        if self.on_evict is not None:
+            for hash_ in self._block_of_hash:
+                self.on_evict(hash_)
         self._hash_of_block.clear()
         self._block_of_hash.clear()

@@ -31,7 +31,9 @@ target's and q the draft's distribution, both after the request's temperature, t
 else a token from norm(max(0, p - q)), never the draft token (speculative sampling, which makes
 the output distributed exactly as the target's sampling). The longest prefix where the target's
 tokens equal the drafts is accepted, plus the target's token at the first mismatch (or after the
-last draft). Both caches are cut back to the accepted tokens.
+last draft). Both caches are cut back to the accepted tokens; recurrent layers (Mamba-2, Gated
+DeltaNet) verify the drafts one position at a time and continue from the state after the last
+accepted token (`DynamicInferenceContext.run_recurrent`).
 """
 
 from collections import deque
@@ -113,11 +115,6 @@ class DynamicInferenceEngine:
         step (speculative decoding), or None: then a model with MTP layers drafts for itself when
         num_speculative_tokens >= 1."""
         self.recurrent = any(getattr(m, "recurrent", False) for m in model.modules())
-        if self.recurrent and (config.num_speculative_tokens or config.prefix_caching):
-            what = "speculative decoding (num_speculative_tokens)" if config.num_speculative_tokens else \
-                "prefix caching"
-            raise ValueError(f"{what} with Mamba or Gated DeltaNet layers: their recurrent state cannot be rolled "
-                             "back or shared by a cached prefix yet; turn it off")
         if draft_model is not None and config.num_speculative_tokens == 0:
             raise ValueError("a draft model needs num_speculative_tokens >= 1 (draft tokens per step); set it or "
                              "drop the draft model")
@@ -458,7 +455,7 @@ class DynamicInferenceEngine:
                 proposal = proposals.get(request.request_id, Proposal([], None))
                 request.draft_probs = proposal.probs
                 chunk = StepChunk(request.request_id, request.token_ids + proposal.token_ids, chunk.start,
-                                  len(request.token_ids) + len(proposal.token_ids))
+                                  len(request.token_ids) + len(proposal.token_ids), drafts=len(proposal.token_ids))
             extended.append((request, chunk))
         return extended
 

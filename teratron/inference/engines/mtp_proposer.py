@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from teratron.inference.config import InferenceConfig
-from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
+from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk, attention_modules
 from teratron.inference.engines.speculative import DraftRequest, Proposal
 from teratron.inference.sampling import Sampler
 
@@ -50,6 +50,10 @@ class MTPProposer:
         if not (model.pre_process and model.post_process):
             raise ValueError("the MTP proposer needs a model of one pipeline stage; load it with "
                              "--pipeline-model-parallel-size 1")
+        if not attention_modules(model.mtp):
+            raise ValueError("MTP speculative decoding needs an attention layer in each MTP depth (the hybrid pattern's "
+                             "layers after '/'), whose cache the drafts' positions use; use a draft model or set "
+                             "num_speculative_tokens 0")
         self.model = model
         self.depths = len(model.mtp.layers)
         self.vocab_size = vocab_size
@@ -145,9 +149,10 @@ class MTPProposer:
         chunks = []
         for request, draft in zip(requests, drafts):
             history = self.histories[request.request_id]
-            sequence = request.token_ids + draft  # x_{p + depth} feeds position p
-            chunks.append(StepChunk(request.request_id, sequence[history.base + depth:],
-                                    history.ends[depth] - history.base, len(request.token_ids) - 1 - history.base))
+            sequence = request.token_ids + draft  # x_{p + depth} feeds position p: drafts from L - depth on
+            start, end = history.ends[depth] - history.base, len(request.token_ids) - 1 - history.base
+            chunks.append(StepChunk(request.request_id, sequence[history.base + depth:], start, end,
+                                    drafts=min(depth - 1, end - start)))
         input_ids, position_ids = self.context.initialize_attention_state(chunks)
         hidden = torch.cat(inputs)
         hidden = torch.cat([hidden, hidden.new_zeros(input_ids.shape[1] - hidden.shape[0], hidden.shape[1])])
