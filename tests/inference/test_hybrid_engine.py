@@ -35,11 +35,14 @@ MLA = dict(kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, 
            rotary_scaling_factor=4.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=1.0)
 
 
-@pytest.fixture(scope="module", params=["attention", "mla", "mla-latents"])
+@pytest.fixture(scope="module", params=["attention", "mla", "mla-latents", "recurrent"])
 def model(request):
-    """MG*-M, or MG+-M with multi-latent attention (per-head keys and values cached, or the latents)."""
+    """MG*-M, MG+-M with multi-latent attention (per-head keys and values cached, or the latents), or
+    MG-GM without attention (a context of no keys: its blocks only count tokens)."""
     if request.param == "attention":
         config = TransformerConfig(hybrid_layer_pattern="MG*-M", **HYBRID)
+    elif request.param == "recurrent":
+        config = TransformerConfig(hybrid_layer_pattern="MG-GM", **HYBRID)
     else:
         config = MLATransformerConfig(hybrid_layer_pattern="MG+-M", cache_mla_latents=request.param == "mla-latents",
                                       **HYBRID, **MLA)
@@ -88,7 +91,9 @@ def test_greedy_equals_full_recompute(model, config):
     config = dict(config)  # the parameter's dict serves every model
     if config["buffer_size_gb"] == TIGHT:  # TIGHT blocks and the scratch block, of this model's cache
         block = engine_for(model, buffer_size_gb=0.01).context.bytes_per_block
-        config = dict(buffer_size_gb=(TIGHT + 1) * block / 1024**3)
+        # without attention blocks hold nothing, so nothing is preempted: two requests at a time instead
+        config = dict(buffer_size_gb=(TIGHT + 1) * block / 1024**3) if block else dict(buffer_size_gb=0.01,
+                                                                                       max_requests=2)
     limit = config.pop("paged_query_limit", None)
     engine = engine_for(model, **config)
     if limit is not None:
@@ -236,3 +241,12 @@ def test_generate_with_drafts_and_cached_prefixes_prints_plain_text(hybrid_mtp_c
     assert cli.main(argv + ["--num-speculative-tokens", "1", "--inference-dynamic-batching-prefix-caching",
                             "--inference-dynamic-batching-prefix-caching-mamba-gb", "0.001"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_a_model_without_attention_or_recurrent_layers_is_refused():
+    config = TransformerConfig(hybrid_layer_pattern="--", **{**HYBRID, "num_layers": 2})
+    mlps = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
+                                          position_embedding_type="rope"))
+    with pytest.raises(ValueError, match="neither attention nor Mamba / Gated DeltaNet layers") as error:
+        engine_for(mlps, buffer_size_gb=0.01)
+    assert "\n" not in str(error.value)

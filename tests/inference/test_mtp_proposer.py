@@ -6,8 +6,9 @@ proposals, verification, rollback), every proposal's distribution equals the MTP
 training-time computation over the whole sequence (depth k at the next-to-last position, the
 earlier drafts as its tokens), whatever number of drafts was accepted or asked for, also for a
 request whose MTP history starts after a cached prefix; for a GQA model and for multi-latent
-attention (its MTP layers MLA too; per-head and latent caches) and for a hybrid model whose
-depths have Mamba and Gated DeltaNet layers (states continued from the last accepted token). DynamicInferenceEngine with
+attention (its MTP layers MLA too; per-head and latent caches) and for hybrid models whose
+depths have Mamba and Gated DeltaNet layers (states continued from the last accepted token), with
+attention or without (the proposer's cache then holds no keys). DynamicInferenceEngine with
 num_speculative_tokens and no draft model drafts with the MTP layers (at most one draft per
 depth): greedy output equals plain decoding, the target's cache holds the decoder's layers only,
 both caches are free at the end; on a GPU, decode steps replayed from CUDA graphs feed the
@@ -50,14 +51,15 @@ MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4
 # A hybrid model whose MTP depths have Mamba and Gated DeltaNet layers (their states rolled back too).
 HYBRID = dict(hybrid_layer_pattern="MG*-/M*G/M*G", mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
               linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-KINDS = ["gqa", "mla", "mla-latents", "hybrid"]
+KINDS = ["gqa", "mla", "mla-latents", "hybrid", "hybrid-recurrent-mtp"]
 
 
 def build(kind):
     if kind == "gqa":
         config = TransformerConfig(num_query_groups=2, **COMMON)
-    elif kind == "hybrid":
-        config = TransformerConfig(**{**COMMON, "num_layers": 4}, **HYBRID)
+    elif kind.startswith("hybrid"):  # depths with attention, or of recurrent layers only (a KV-less MTP cache)
+        pattern = "MG*-/M*G/M*G" if kind == "hybrid" else "MG*-/MG/MG"
+        config = TransformerConfig(**{**COMMON, "num_layers": 4}, **{**HYBRID, "hybrid_layer_pattern": pattern})
     else:
         config = MLATransformerConfig(cache_mla_latents=kind == "mla-latents", **MLA, **COMMON)
     torch.manual_seed(0)
@@ -231,14 +233,6 @@ def test_graph_replayed_decode_steps_feed_the_proposer():
     assert outputs == expected
     assert drafts == eager_drafts
     assert graphed.num_draft_tokens_accepted == eager.num_draft_tokens_accepted > 0
-
-
-def test_mtp_depths_without_attention_are_refused():
-    config = TransformerConfig(**{**COMMON, "num_layers": 4}, **{**HYBRID, "hybrid_layer_pattern": "MG*-/M-/M-"})
-    hybrid = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=16,
-                                            position_embedding_type="rope"))
-    with pytest.raises(ValueError, match="needs an attention layer in each MTP depth"):
-        MTPProposer(hybrid, CONFIG, VOCAB)
 
 
 def test_a_model_without_mtp_layers_is_refused():

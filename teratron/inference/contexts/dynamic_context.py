@@ -107,10 +107,12 @@ class DynamicInferenceContext:
         an MoE layer under TP splits them over the ranks). max_seq_length: the longest request
         (config.max_seq_length when None; one of them must be given). values_are_keys: the values
         are the keys themselves (MLA's latent cache), so the buffer holds keys only, [1, ...]."""
-        if not layer_numbers:
-            raise ValueError("the model has no attention layer on this stage; an inference context needs one")
         self.config = config
         self.block_size = config.block_size
+        max_seq_length = max_seq_length or config.max_seq_length
+        if max_seq_length is None:
+            raise ValueError("DynamicInferenceContext needs max_seq_length (or config.max_seq_length)")
+        self.max_blocks_per_request = self.blocks_for(max_seq_length)
         self.token_multiple = token_multiple
         self.layer_slot = {number: slot for slot, number in enumerate(layer_numbers)}
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -118,8 +120,11 @@ class DynamicInferenceContext:
         self.values_are_keys = values_are_keys
         kinds = 1 if values_are_keys else 2
         self.bytes_per_block = kinds * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
-        # One block of the budget is the scratch block: padding tokens write their keys there.
-        self.num_blocks = int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1
+        # One block of the budget is the scratch block: padding tokens write their keys there. Without
+        # attention layers (recurrent ones only) blocks hold nothing: they only count each request's
+        # tokens, and every request may reach max_seq_length.
+        self.num_blocks = (int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1 if layer_numbers
+                           else config.max_requests * self.max_blocks_per_request)
         if self.num_blocks < 1:
             raise ValueError(f"buffer_size_gb={config.buffer_size_gb} holds no KV block of {self.bytes_per_block} "
                              "bytes besides the scratch block; raise --inference-dynamic-batching-buffer-size-gb")
@@ -132,10 +137,6 @@ class DynamicInferenceContext:
         self.block_tables: dict[int, list[int]] = {}
         self.block_hashes: dict[int, list[bytes]] = {}  # per request, the hashes of its full computed blocks
         self.chunks: list[StepChunk] = []
-        max_seq_length = max_seq_length or config.max_seq_length
-        if max_seq_length is None:
-            raise ValueError("DynamicInferenceContext needs max_seq_length (or config.max_seq_length)")
-        self.max_blocks_per_request = self.blocks_for(max_seq_length)
         # The rows of a decode step live in these buffers, at fixed addresses (a CUDA graph replays
         # reading them): token ids, positions and cache slots [3, R]; key counts [R]; block tables.
         rows = -(-config.max_requests // token_multiple) * token_multiple
@@ -181,23 +182,29 @@ class DynamicInferenceContext:
         and `hn` say (per-head keys and values padded to one size, or one latent) under its own
         softmax scale."""
         attentions = attention_modules(getattr(model, "decoder", model))
-        if not attentions:
-            raise ValueError("the model has no attention layer on this stage; an inference context needs one")
-        first = attentions[0]
-        weight = next(first.parameters())
-        context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype, weight.device,
-                      getattr(first, "softmax_scale", first.config.softmax_scale),
-                      token_multiple=get_pg_size(first.pg_collection.tp),
-                      max_seq_length=config.max_seq_length or model.max_sequence_length,
-                      values_are_keys=getattr(first, "cache_mla_latents", False))
+        recurrent = [m.layer_number for m in getattr(model, "decoder", model).modules() if getattr(m, "recurrent", False)]
+        if not attentions and not recurrent:
+            raise ValueError("the model has neither attention nor Mamba / Gated DeltaNet layers on this stage; an "
+                             "inference context caches theirs")
+        weight = next(model.parameters())
+        max_seq_length = config.max_seq_length or model.max_sequence_length
+        if attentions:
+            first = attentions[0]
+            context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype,
+                          weight.device, getattr(first, "softmax_scale", first.config.softmax_scale),
+                          token_multiple=get_pg_size(first.pg_collection.tp), max_seq_length=max_seq_length,
+                          values_are_keys=getattr(first, "cache_mla_latents", False))
+        else:  # recurrent layers only: no keys to cache (a context of no KV layers)
+            pg = next(m.pg_collection for m in model.modules() if hasattr(m, "pg_collection"))
+            context = cls(config, [], 1, 1, weight.dtype, weight.device, token_multiple=get_pg_size(pg.tp),
+                          max_seq_length=max_seq_length)
         for attention in attentions:
             core = attention.core_attention
             if getattr(core, "window_size", None) is not None:
                 context.layer_windows[attention.layer_number] = tuple(core.window_size)
             if getattr(core, "softmax_offset", None) is not None:  # read at each step: refits update it
                 context.layer_sinks[attention.layer_number] = core.softmax_offset
-        context.recurrent_layers = [m.layer_number for m in getattr(model, "decoder", model).modules()
-                                    if getattr(m, "recurrent", False)]
+        context.recurrent_layers = recurrent
         if config.prefix_caching and context.recurrent_layers:
             if config.prefix_caching_mamba_gb:
                 context.recurrent_prefixes = RecurrentPrefixCache(int(config.prefix_caching_mamba_gb * 1024**3))
@@ -207,7 +214,7 @@ class DynamicInferenceContext:
                               "prefix_caching_mamba_gb (--inference-dynamic-batching-prefix-caching-mamba-gb): "
                               "their states are not cached, so its requests reuse no prefix")
         lefts = [context.layer_windows.get(a.layer_number, (-1,))[0] for a in attentions]
-        if min(lefts) >= 0:  # every layer windowed: older keys can go
+        if lefts and min(lefts) >= 0:  # every layer windowed: older keys can go
             context.kv_window = max(lefts)
         return context
 

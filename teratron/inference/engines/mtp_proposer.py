@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from teratron.inference.config import InferenceConfig
-from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk, attention_modules
+from teratron.inference.contexts.dynamic_context import DynamicInferenceContext, StepChunk
 from teratron.inference.engines.speculative import DraftRequest, Proposal
 from teratron.inference.sampling import Sampler
 
@@ -50,10 +50,6 @@ class MTPProposer:
         if not (model.pre_process and model.post_process):
             raise ValueError("the MTP proposer needs a model of one pipeline stage; load it with "
                              "--pipeline-model-parallel-size 1")
-        if not attention_modules(model.mtp):
-            raise ValueError("MTP speculative decoding needs an attention layer in each MTP depth (the hybrid pattern's "
-                             "layers after '/'), whose cache the drafts' positions use; use a draft model or set "
-                             "num_speculative_tokens 0")
         self.model = model
         self.depths = len(model.mtp.layers)
         self.vocab_size = vocab_size
