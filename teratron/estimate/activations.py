@@ -433,8 +433,9 @@ def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled:
     Under context parallelism the convolution and the rule run over whole sequences (S = CP s
     tokens of each row) for the rank's share of the value heads and the key heads they read; the
     exchanged [b S, q k v b a] share its convolution reads and the share's copy of the convolution's
-    weight are kept, in_proj's output only as z with fp32 activations (silu's input; 16-bit ones
-    keep z's fp32 copy); out_norm and the gating stay on the rank's tokens."""
+    weight are kept, in_proj's output only as z with fp32 activations or compiled (silu's input;
+    16-bit eager ones keep z's fp32 copy); out_norm and the gating stay on the rank's tokens, in a
+    compiled graph of their own (a LayerNorm keeps both its statistics)."""
     a, T, h, tp = d.a, d.tokens, config.hidden_size, d.tp
     nk, nv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
     dk, v = config.linear_key_head_dim, nv * config.linear_value_head_dim
@@ -442,7 +443,7 @@ def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled:
     out = [_saved("gdn in_proj input", a * T * h, T * h)]
     if config.context_parallel_size > 1:
         # in_proj's output stays only as silu's input z (16-bit activations: an fp32 copy instead)
-        out += [_saved("gdn in_proj output", a * T * projected, T * projected)] * (a == 4)
+        out += [_saved("gdn in_proj output", a * T * projected, T * projected)] * (a == 4 or compiled)
         out += _exchange_storages(config, d, Symbols.GDN, "gdn exchange")
     else:
         out.append(_saved("gdn in_proj output", a * T * projected, T * projected))
@@ -455,8 +456,10 @@ def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled:
             _saved("gdn rule", 4 * d.b * m * heads * L * L, d.b * m * heads * L * L)]
     if compiled:
         # out_norm's fp32 statistics of o per row: 1/rms, or a LayerNorm's mean and 1/std (one of them
-        # with fp32 activations, where Inductor keeps the extra gate tensor instead)
-        stats = 2 if config.normalization == "LayerNorm" and a != 4 else 1
+        # with fp32 activations, where Inductor keeps the extra gate tensor instead; not under CP,
+        # whose exchange parts the gates' graph from the norm's)
+        trade = a == 4 and config.context_parallel_size == 1
+        stats = 2 if config.normalization == "LayerNorm" and not trade else 1
         return out + 2 * [_saved("gdn q, k norms", 4 * Ts * key_heads + a * Ts * heads * dk, Ts * heads * dk)] + [
             _saved("gdn gates", _gate_copies(compiled, a) * 4 * Ts * heads, Ts * heads),
             _saved("gdn gates", a * Ts * heads, Ts * heads), _saved("gdn rule", a * T * v, T * v)] + rule + [
@@ -519,18 +522,14 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
     return out
 
 
-def _check_hybrid(config, kernels: KernelProfile, symbols: str, compiled: bool) -> None:
-    """What the estimate does not model for hybrid models (`symbols`: their layers; `compiled`: under
-    --torch-compile): one line each."""
+def _check_hybrid(config, kernels: KernelProfile, symbols: str) -> None:
+    """What the estimate does not model for hybrid models (`symbols`: their layers): one line each."""
     if recurrent(symbols) and not kernels.triton_scans:
         raise NotModelled("Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans, which the "
                           "estimate does not model; estimate for CUDA (the default device)")
     if config.fine_grained_activation_offloading:
         raise NotModelled("--fine-grained-activation-offloading with --hybrid-layer-pattern: the estimate does not "
                           "model what the hybrid layers offload; drop one")
-    if recurrent(symbols) and config.context_parallel_size > 1 and compiled:
-        raise NotModelled("--torch-compile with --context-parallel-size and Mamba or Gated DeltaNet layers: the "
-                          "estimate does not model what Inductor keeps around their exchanges; estimate uncompiled")
 
 
 def recurrent(symbols: str) -> bool:
@@ -634,7 +633,7 @@ def chunk_activations(config, kernels: KernelProfile, shape: ModelShape, micro_b
                           "model which latents each module offloads; drop one")
     symbols = hybrid_symbols(config)
     if symbols:
-        _check_hybrid(config, kernels, symbols, compiled)
+        _check_hybrid(config, kernels, symbols)
     d = dims_for(config, shape, micro_batch_size)
     h, Tn, rope = config.hidden_size, d.norm_tokens, rope_dim_for(config, shape)
     moe_layers = {i + 1 for i in moe_layer_indices(config)} if config.num_moe_experts else set()

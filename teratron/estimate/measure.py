@@ -34,6 +34,7 @@ def saved_activation_bytes(run, device: torch.device) -> int:
     torch.manual_seed(training.seed)
     model = build_gpt_model(run.model).to(device)
     if training.torch_compile:  # as `teratron train` does; hooks see what the compiled layers save
+        torch._dynamo.reset()  # what earlier models compiled (their sizes would make these dynamic)
         compile_transformer_layers(model)
     model_parallel_cuda_manual_seed(training.seed)
     model.train()

@@ -59,7 +59,8 @@ TP_CASES = [
 ]
 # Context parallelism: the mixers' shares of heads over whole sequences (fewer groups than CP ranks:
 # every rank reads the one group), next to p2p and a2a attention (sharing the token order), MTP
-# depths, a ragged last scan chunk, full recompute.
+# depths, a ragged last scan chunk, full recompute; compiled layers (graphs broken at the exchanges:
+# fp32 with LayerNorm, bf16 with MoE and an MTP depth).
 CP_CASES = [
     "--context-parallel-size 2 --hybrid-layer-pattern MG*-/M- --normalization RMSNorm "
     "--position-embedding-type rope",
@@ -68,6 +69,9 @@ CP_CASES = [
     "--context-parallel-size 2 --hybrid-layer-pattern MG --seq-length 200 --bf16 --hidden-dropout 0.1",
     "--context-parallel-size 2 --hybrid-layer-pattern GM*- --bf16 --recompute-granularity full "
     "--recompute-method uniform --recompute-num-layers 1",
+    "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern GM --seq-length 200",
+    "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern MG*-E/M- --bf16 --position-embedding-type rope "
+    "--swiglu --normalization RMSNorm" + MOE,
 ]
 
 

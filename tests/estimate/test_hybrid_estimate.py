@@ -60,8 +60,6 @@ def test_activations_equal_what_autograd_keeps_on_the_triton_kernels():
     ("--hybrid-layer-pattern M*", "cpu", "Mamba and Gated DeltaNet layers off the GPU run PyTorch reference scans"),
     ("--hybrid-layer-pattern M*- --fine-grained-activation-offloading --offload-modules mlp", "cuda",
      "--fine-grained-activation-offloading with --hybrid-layer-pattern"),
-    ("--hybrid-layer-pattern G*- --context-parallel-size 2 --attention-dropout 0 --torch-compile", "cuda",
-     "--torch-compile with --context-parallel-size and Mamba or Gated DeltaNet layers"),
 ])
 def test_what_is_not_modelled_is_one_line(flags, device, phrase):
     with pytest.raises(NotModelled, match=phrase) as error:
