@@ -47,6 +47,7 @@ ENGINE_FLAGS = {
     "inference_max_seq_length": "max_seq_length",
     "inference_dynamic_batching_prefix_caching": "prefix_caching",
     "inference_dynamic_batching_prefix_caching_mamba_gb": "prefix_caching_mamba_gb",
+    "inference_dynamic_batching_mamba_memory_ratio": "mamba_memory_ratio",
     "inference_dynamic_batching_max_tokens": "max_tokens_per_step",
     "inference_dynamic_batching_num_cuda_graphs": "num_cuda_graphs",
     "num_speculative_tokens": "num_speculative_tokens",
@@ -79,6 +80,9 @@ def _add_model_arguments(parser):
     engine.add_argument("--inference-dynamic-batching-prefix-caching-mamba-gb", type=float, default=None,
                         help="With prefix caching on a hybrid model: GiB for the Mamba / Gated DeltaNet layers' "
                              "states at cached block boundaries (without it their requests reuse no prefix).")
+    engine.add_argument("--inference-dynamic-batching-mamba-memory-ratio", type=float, default=None,
+                        help="Hybrid models: the share of the buffer for the running requests' Mamba / Gated DeltaNet "
+                             "states, which caps how many run (default: those of --inference-max-requests requests).")
     engine.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
                         help="Tokens one engine step computes, decode and prefill chunks together (chunked prefill).")
     engine.add_argument("--inference-dynamic-batching-num-cuda-graphs", type=int, default=None,

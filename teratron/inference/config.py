@@ -9,7 +9,8 @@ from typing import Optional
 class InferenceConfig:
     buffer_size_gb: float = 1.0
     """KV-cache memory of this stage in GiB (--inference-dynamic-batching-buffer-size-gb): the K and V
-    of every local layer for as many blocks as fit."""
+    of every local layer for as many blocks as fit, after a hybrid model's recurrent states
+    (mamba_memory_ratio)."""
     block_size: int = 16
     """Tokens per KV-cache block (--inference-dynamic-batching-block-size)."""
     max_requests: int = 64
@@ -24,6 +25,11 @@ class InferenceConfig:
     """Share the KV blocks of identical prompt prefixes between requests, found by block hash;
     unreferenced cached blocks are evicted least recently used first
     (--inference-dynamic-batching-prefix-caching)."""
+    mamba_memory_ratio: Optional[float] = None
+    """Hybrid models: the share of buffer_size_gb for the Mamba-2 and Gated DeltaNet layers' states
+    of the running requests, which then caps how many run at once
+    (--inference-dynamic-batching-mamba-memory-ratio); None: the states of max_requests requests come
+    out of the buffer first, the KV cache gets the rest."""
     prefix_caching_mamba_gb: Optional[float] = None
     """With prefix caching on a hybrid model: GiB for the Mamba-2 and Gated DeltaNet layers' states
     at cached block boundaries (--inference-dynamic-batching-prefix-caching-mamba-gb), without which
@@ -54,6 +60,9 @@ class InferenceConfig:
         if not isinstance(self.num_cuda_graphs, int) or self.num_cuda_graphs < -1:
             raise ValueError(f"num_cuda_graphs={self.num_cuda_graphs!r} must be -1 (every batch size), 0 (none) or a "
                              "count >= 1 (--inference-dynamic-batching-num-cuda-graphs)")
+        if self.mamba_memory_ratio is not None and not 0 < self.mamba_memory_ratio < 1:
+            raise ValueError(f"mamba_memory_ratio={self.mamba_memory_ratio} must be between 0 and 1, exclusive "
+                             "(--inference-dynamic-batching-mamba-memory-ratio)")
         if self.prefix_caching_mamba_gb is not None and not self.prefix_caching_mamba_gb >= 0:
             raise ValueError(f"prefix_caching_mamba_gb={self.prefix_caching_mamba_gb} must be >= 0 "
                              "(--inference-dynamic-batching-prefix-caching-mamba-gb)")

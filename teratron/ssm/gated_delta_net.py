@@ -42,7 +42,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
 from teratron.ssm.gated_delta_rule import gated_delta_rule
-from teratron.ssm.recurrence import mix_tokens
+from teratron.ssm.recurrence import conv_state_bytes, mix_tokens
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
 from teratron.tensor_parallel.utils import resolve_tp_group, shard_tensor
@@ -130,6 +130,12 @@ class GatedDeltaNet(nn.Module):
                 (2 * self.qk_dim_local, self.value_head_dim, share.heads))
 
     recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
+
+    def inference_state_bytes(self) -> int:
+        """One request's state in inference, at most: the convolution's, and the rule's [value heads, dv,
+        dk] (counted in fp32; kept in the activations' dtype)."""
+        return (conv_state_bytes(self.conv1d)
+                + 4 * self.num_value_heads_local * self.value_head_dim * self.key_head_dim)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> (the same shape, None).

@@ -30,7 +30,7 @@ from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
-from teratron.ssm.recurrence import mix_tokens
+from teratron.ssm.recurrence import conv_state_bytes, mix_tokens
 from teratron.ssm.ssd import ssd
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from teratron.tensor_parallel.layers import param_device, set_tensor_model_parallel_attributes
@@ -145,6 +145,11 @@ class MambaMixer(nn.Module):
                 (c_start, self.d_state, share.groups))
 
     recurrent = True  # the inference context keeps a state per request for it (`run_recurrent`)
+
+    def inference_state_bytes(self) -> int:
+        """One request's state in inference, at most: the convolution's, and the scan's [heads, p, n]
+        (fp32 on the kernels; the PyTorch path keeps it in the activations' dtype)."""
+        return conv_state_bytes(self.conv1d) + 4 * self.nheads_local * self.head_dim * self.d_state
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """hidden_states [s, b, h] ([s/tp, b, h] under sequence parallelism) -> ([s, b, h], None).

@@ -57,3 +57,10 @@ def mix_tokens(mix, projected, layer_number: int, inference_context=None, attent
     seq_idx = packed_document_index(attention_mask, b, s, projected.device)
     y, _ = mix(projected.transpose(0, 1), None, seq_idx)
     return y.transpose(0, 1)
+
+
+def conv_state_bytes(conv1d: torch.nn.Conv1d) -> int:
+    """One request's convolution state in inference: every channel's last kernel - 1 inputs, in the
+    weights' dtype."""
+    channels, _, taps = conv1d.weight.shape
+    return channels * (taps - 1) * conv1d.weight.element_size()

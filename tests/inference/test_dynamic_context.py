@@ -74,7 +74,8 @@ def test_config_refusals_name_the_flag_in_one_line():
                             (dict(block_size=0), "block_size=0 must be an integer >= 1"),
                             (dict(max_tokens_per_step=1.5), "max_tokens_per_step=1.5 must be an integer >= 1"),
                             (dict(max_seq_length=1), "max_seq_length=1 must be an integer >= 2"),
-                            (dict(prefix_caching_mamba_gb=-1.0), "prefix_caching_mamba_gb=-1.0 must be >= 0")]:
+                            (dict(prefix_caching_mamba_gb=-1.0), "prefix_caching_mamba_gb=-1.0 must be >= 0"),
+                            (dict(mamba_memory_ratio=1.0), "mamba_memory_ratio=1.0 must be between 0 and 1")]:
         with pytest.raises(ValueError, match=message) as error:
             InferenceConfig(**kwargs)
         assert "\n" not in str(error.value)

@@ -14,6 +14,7 @@ import torch
 
 from teratron import cli
 from teratron.inference.config import InferenceConfig
+from teratron.inference.contexts.dynamic_context import DynamicInferenceContext
 from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
@@ -90,10 +91,11 @@ def test_greedy_equals_full_recompute(model, config):
     reference = [recompute_greedy(model, p) for p in PROMPTS]
     config = dict(config)  # the parameter's dict serves every model
     if config["buffer_size_gb"] == TIGHT:  # TIGHT blocks and the scratch block, of this model's cache
-        block = engine_for(model, buffer_size_gb=0.01).context.bytes_per_block
+        context = engine_for(model, buffer_size_gb=0.01).context  # (after the running requests' states)
+        block, states = context.bytes_per_block, context.recurrent_state_bytes
         # without attention blocks hold nothing, so nothing is preempted: two requests at a time instead
-        config = dict(buffer_size_gb=(TIGHT + 1) * block / 1024**3) if block else dict(buffer_size_gb=0.01,
-                                                                                       max_requests=2)
+        config = (dict(buffer_size_gb=((TIGHT + 1) * block + states) / 1024**3) if block
+                  else dict(buffer_size_gb=0.01, max_requests=2))
     limit = config.pop("paged_query_limit", None)
     engine = engine_for(model, **config)
     if limit is not None:
@@ -121,6 +123,48 @@ def test_decode_tokens_run_as_one_batch(model, monkeypatch):
     assert generate_all(engine_for(model, buffer_size_gb=0.01), PROMPTS) == reference
     assert len(PROMPTS) in calls  # a decode step of every request: one call of 4 rows
     assert len(calls) < len(PROMPTS) * NEW_TOKENS  # fewer calls than one per request and token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_buffer_holds_the_running_requests_states_first(model, dtype):
+    """Each recurrent layer's inference_state_bytes bounds what a request keeps (exactly, in fp32); the
+    states of max_requests requests come out of the buffer before the KV blocks; speculative decoding
+    keeps num_speculative_tokens + 1 of them."""
+    model = copy.deepcopy(model).to(dtype)
+    engine = engine_for(model, buffer_size_gb=0.01, max_requests=3)
+    engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    kept = {layer: sum(part.nbytes for state in states.values() for part in state)
+            for (layer, _), states in engine.context.recurrent_states.items()}
+    bound = {m.layer_number: m.inference_state_bytes() for m in model.decoder.modules() if getattr(m, "recurrent", False)}
+    assert kept.keys() == bound.keys()
+    assert all(kept[n] == bound[n] if dtype == torch.float32 else 0 < kept[n] <= bound[n] for n in kept)
+    context = engine.context
+    assert context.recurrent_state_bytes == 3 * sum(bound.values())
+    if context.bytes_per_block:
+        assert context.num_blocks == (int(0.01 * 1024**3) - context.recurrent_state_bytes) // context.bytes_per_block - 1
+    speculative = DynamicInferenceContext.from_model(model, InferenceConfig(buffer_size_gb=0.01, block_size=4,
+                                                                            max_requests=3, num_speculative_tokens=2))
+    assert speculative.recurrent_state_bytes == 3 * context.recurrent_state_bytes
+
+
+def test_mamba_memory_ratio_caps_the_running_requests(model):
+    """A share of the buffer holding two requests' states: at most two run at once, the rest wait; the
+    output stays full recompute's. Budgets that hold no request are refused in one line."""
+    per_request = sum(m.inference_state_bytes() for m in model.decoder.modules() if getattr(m, "recurrent", False))
+    ratio = 2.5 * per_request / (0.01 * 1024**3)
+    engine = engine_for(model, buffer_size_gb=0.01, mamba_memory_ratio=ratio)
+    assert engine.context.max_requests == 2
+    running = []
+    step = engine.step
+    engine.step = lambda: running.append(len(engine.running)) or step()
+    assert generate_all(engine, PROMPTS) == [recompute_greedy(model, p) for p in PROMPTS]
+    assert max(running) == 2
+    for config, phrase in [(dict(mamba_memory_ratio=ratio / 4), "holds no request's Mamba / Gated DeltaNet states"),
+                           (dict(max_requests=10**6), "states of max_requests=1000000 requests")]:
+        with pytest.raises(ValueError, match=phrase) as error:
+            engine_for(model, buffer_size_gb=0.01, **config)
+        assert "\n" not in str(error.value)
 
 
 def noisy_copy(model, scale):

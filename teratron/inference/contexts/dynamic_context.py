@@ -102,11 +102,14 @@ def attention_modules(module: torch.nn.Module) -> list:
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, layer_numbers: Sequence[int], num_query_groups: int,
                  head_dim: int, dtype: torch.dtype, device, softmax_scale: float | None = None,
-                 token_multiple: int = 1, max_seq_length: int | None = None, values_are_keys: bool = False):
+                 token_multiple: int = 1, max_seq_length: int | None = None, values_are_keys: bool = False,
+                 state_bytes_per_request: int = 0):
         """token_multiple: a step's tokens are padded to a multiple of it (the tensor-parallel size:
         an MoE layer under TP splits them over the ranks). max_seq_length: the longest request
         (config.max_seq_length when None; one of them must be given). values_are_keys: the values
-        are the keys themselves (MLA's latent cache), so the buffer holds keys only, [1, ...]."""
+        are the keys themselves (MLA's latent cache), so the buffer holds keys only, [1, ...].
+        state_bytes_per_request: what a running request's recurrent layers keep (hybrid models),
+        which the buffer holds first (`_recurrent_state_budget`)."""
         self.config = config
         self.block_size = config.block_size
         max_seq_length = max_seq_length or config.max_seq_length
@@ -120,11 +123,16 @@ class DynamicInferenceContext:
         self.values_are_keys = values_are_keys
         kinds = 1 if values_are_keys else 2
         self.bytes_per_block = kinds * len(layer_numbers) * self.block_size * num_query_groups * head_dim * element_size
+        self.recurrent_states_kept = config.num_speculative_tokens + 1  # see recurrent_states
+        self.max_requests, self.recurrent_state_bytes = self._recurrent_state_budget(state_bytes_per_request)
+        """The most requests running at once (config.max_requests, or fewer by mamba_memory_ratio), and
+        the bytes of the buffer their recurrent layers' states take (hybrid models)."""
         # One block of the budget is the scratch block: padding tokens write their keys there. Without
         # attention layers (recurrent ones only) blocks hold nothing: they only count each request's
         # tokens, and every request may reach max_seq_length.
-        self.num_blocks = (int(config.buffer_size_gb * 1024**3) // self.bytes_per_block - 1 if layer_numbers
-                           else config.max_requests * self.max_blocks_per_request)
+        kv_bytes = int(config.buffer_size_gb * 1024**3) - self.recurrent_state_bytes
+        self.num_blocks = (kv_bytes // self.bytes_per_block - 1 if layer_numbers
+                           else self.max_requests * self.max_blocks_per_request)
         if self.num_blocks < 1:
             raise ValueError(f"buffer_size_gb={config.buffer_size_gb} holds no KV block of {self.bytes_per_block} "
                              "bytes besides the scratch block; raise --inference-dynamic-batching-buffer-size-gb")
@@ -164,7 +172,6 @@ class DynamicInferenceContext:
         DeltaNet) carries from them to the request's next tokens} (`run_recurrent`): the latest, and
         with speculative decoding the states after each of the last num_speculative_tokens + 1
         tokens, so that a chunk after rejected drafts continues from the last accepted token."""
-        self.recurrent_states_kept = config.num_speculative_tokens + 1
         self.recurrent_layers: list[int] = []
         """The layer numbers of the recurrent layers (from_model)."""
         self.recurrent_prefixes: RecurrentPrefixCache | None = None
@@ -174,6 +181,29 @@ class DynamicInferenceContext:
         """Request id -> the token counts after which its recurrent states go to the prefix cache."""
         self._boundary_states: dict[tuple[int, int], dict] = {}  # (request, tokens) -> {layer: state}, this step
 
+    def _recurrent_state_budget(self, per_request: int) -> tuple[int, int]:
+        """(requests that may run at once, bytes of the buffer kept for their recurrent states):
+        config.mamba_memory_ratio of the buffer, or the states of max_requests requests (Megatron's
+        split); with speculative decoding a request keeps num_speculative_tokens + 1 states."""
+        config, buffer = self.config, int(self.config.buffer_size_gb * 1024**3)
+        per_request *= self.recurrent_states_kept
+        if not per_request:
+            return config.max_requests, 0
+        if config.mamba_memory_ratio is None:
+            if config.max_requests * per_request >= buffer:
+                raise ValueError(f"the Mamba / Gated DeltaNet states of max_requests={config.max_requests} requests "
+                                 f"({config.max_requests * per_request / 1024**3:.3g} GiB) fill buffer_size_gb="
+                                 f"{config.buffer_size_gb}; lower --inference-max-requests, raise "
+                                 "--inference-dynamic-batching-buffer-size-gb or set "
+                                 "--inference-dynamic-batching-mamba-memory-ratio")
+            return config.max_requests, config.max_requests * per_request
+        states = int(buffer * config.mamba_memory_ratio)
+        if states < per_request:
+            raise ValueError(f"mamba_memory_ratio={config.mamba_memory_ratio} of buffer_size_gb={config.buffer_size_gb} "
+                             f"holds no request's Mamba / Gated DeltaNet states ({per_request} bytes); raise "
+                             "--inference-dynamic-batching-mamba-memory-ratio or the buffer")
+        return min(config.max_requests, states // per_request), states
+
     @classmethod
     def from_model(cls, model: torch.nn.Module, config: InferenceConfig) -> "DynamicInferenceContext":
         """A context for the attention layers of `model` (this stage's; a GPTModel's decoder's
@@ -182,7 +212,8 @@ class DynamicInferenceContext:
         and `hn` say (per-head keys and values padded to one size, or one latent) under its own
         softmax scale."""
         attentions = attention_modules(getattr(model, "decoder", model))
-        recurrent = [m.layer_number for m in getattr(model, "decoder", model).modules() if getattr(m, "recurrent", False)]
+        mixers = [m for m in getattr(model, "decoder", model).modules() if getattr(m, "recurrent", False)]
+        recurrent, state_bytes = [m.layer_number for m in mixers], sum(m.inference_state_bytes() for m in mixers)
         if not attentions and not recurrent:
             raise ValueError("the model has neither attention nor Mamba / Gated DeltaNet layers on this stage; an "
                              "inference context caches theirs")
@@ -193,11 +224,11 @@ class DynamicInferenceContext:
             context = cls(config, [a.layer_number for a in attentions], first.ng, first.hn, weight.dtype,
                           weight.device, getattr(first, "softmax_scale", first.config.softmax_scale),
                           token_multiple=get_pg_size(first.pg_collection.tp), max_seq_length=max_seq_length,
-                          values_are_keys=getattr(first, "cache_mla_latents", False))
+                          values_are_keys=getattr(first, "cache_mla_latents", False), state_bytes_per_request=state_bytes)
         else:  # recurrent layers only: no keys to cache (a context of no KV layers)
             pg = next(m.pg_collection for m in model.modules() if hasattr(m, "pg_collection"))
             context = cls(config, [], 1, 1, weight.dtype, weight.device, token_multiple=get_pg_size(pg.tp),
-                          max_seq_length=max_seq_length)
+                          max_seq_length=max_seq_length, state_bytes_per_request=state_bytes)
         for attention in attentions:
             core = attention.core_attention
             if getattr(core, "window_size", None) is not None:

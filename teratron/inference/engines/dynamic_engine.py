@@ -426,7 +426,7 @@ class DynamicInferenceEngine:
             scheduled.append((request, self._reserve(request, request.num_computed, count)))
             budget -= count
             index += 1
-        while not preempted and self.waiting and budget and len(self.running) < self.config.max_requests:
+        while not preempted and self.waiting and budget and len(self.running) < self.context.max_requests:
             request = self.waiting[0]
             chunk = self._admit(request, budget)
             if chunk is None:
