@@ -8,14 +8,15 @@ import pytest
 import torch
 
 
-def run_in_the_interpreter(test_file: str, script: str) -> str:
-    """The last line the cases script beside `test_file` prints when run with TRITON_INTERPRET=1 (in a
-    subprocess: Triton reads the variable when the kernels are defined); fails the test if the script fails."""
+def run_in_the_interpreter(test_file: str, script: str, *args: str) -> str:
+    """The last line the cases script beside `test_file` prints when run with TRITON_INTERPRET=1 and
+    `args` (in a subprocess: Triton reads the variable when the kernels are defined); fails the test
+    if the script fails."""
     path = os.path.join(os.path.dirname(test_file), script)
     # the scripts import the tests' helpers (e.g. ssm.packed_documents) as pytest does (conftest.py)
     search_path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
                                                 os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, path], env={**os.environ, "TRITON_INTERPRET": "1",
+    result = subprocess.run([sys.executable, path, *args], env={**os.environ, "TRITON_INTERPRET": "1",
                                                          "PYTHONPATH": search_path},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

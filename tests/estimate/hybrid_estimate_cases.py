@@ -2,7 +2,7 @@
 DeltaNet layers on their Triton kernels (what a GPU runs): test_hybrid_estimate.py runs it in
 Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when kernels are defined):
 
-    PYTHONPATH=tests TRITON_INTERPRET=1 python tests/estimate/hybrid_estimate_cases.py
+    PYTHONPATH=tests TRITON_INTERPRET=1 python tests/estimate/hybrid_estimate_cases.py [one | tp | cp | cp-compiled ...]
 
 For each case a real hybrid model (built by the training code path) runs one micro-batch forward
 under `saved_tensors_hooks`; the bytes of the storages autograd keeps must equal the estimate's,
@@ -10,6 +10,7 @@ in one process and per rank under TP 2 and CP 2 (gloo). Prints how many cases it
 """
 
 import os
+import sys
 
 from dist import run_distributed
 from estimate.test_activations import _tensor_parallel_ranks, estimated_bytes, measured_saved_bytes, parse
@@ -69,13 +70,17 @@ CP_CASES = [
     "--context-parallel-size 2 --hybrid-layer-pattern MG --seq-length 200 --bf16 --hidden-dropout 0.1",
     "--context-parallel-size 2 --hybrid-layer-pattern GM*- --bf16 --recompute-granularity full "
     "--recompute-method uniform --recompute-num-layers 1",
+]
+CP_COMPILED_CASES = [
     "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern GM --seq-length 200",
     "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern MG*-E/M- --bf16 --position-embedding-type rope "
     "--swiglu --normalization RMSNorm" + MOE,
 ]
+# Each part runs in a process of its own (test_hybrid_estimate.py: one subprocess each, within its time limit).
+PARTS = {"one": CASES, "tp": TP_CASES, "cp": CP_CASES, "cp-compiled": CP_COMPILED_CASES}
 
 
-def main() -> None:
+def main(parts) -> None:
     import torch
 
     from teratron.estimate.kernels import probe_kernels
@@ -83,20 +88,20 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "needs the interpreter (the scans' Triton path)"
     assert probe_kernels(torch.device("cpu")).triton_scans
     checked = 0
-    for flags in CASES:
-        args = parse(SIZES + flags)
-        assert estimated_bytes(args) == measured_saved_bytes(args), flags
-        checked += 1
-    for rank_results in run_distributed(_tensor_parallel_ranks, 2, [SIZES + flags for flags in TP_CASES]):
-        for flags, (measured, estimated) in zip(TP_CASES, rank_results):
-            assert estimated == measured, flags
-    checked += len(TP_CASES)
-    for rank_results in run_distributed(_tensor_parallel_ranks, 2, [SIZES + flags for flags in CP_CASES]):
-        for flags, (measured, estimated) in zip(CP_CASES, rank_results):
-            assert estimated == measured, f"{flags}: estimated {estimated}, measured {measured}"
-    checked += len(CP_CASES)
+    for part in parts:
+        flag_sets = [SIZES + flags for flags in PARTS[part]]
+        if part == "one":
+            for flags in flag_sets:
+                args = parse(flags)
+                assert estimated_bytes(args) == measured_saved_bytes(args), flags
+            checked += len(flag_sets)
+            continue
+        for rank_results in run_distributed(_tensor_parallel_ranks, 2, flag_sets, timeout=540):
+            for flags, (measured, estimated) in zip(flag_sets, rank_results):
+                assert estimated == measured, f"{flags}: estimated {estimated}, measured {measured}"
+        checked += len(flag_sets)
     print(f"checked {checked} cases")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or list(PARTS))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from estimate.hybrid_estimate_cases import CASES, CP_CASES, MLA, SIZES, TP_CASES
+from estimate.hybrid_estimate_cases import MLA, PARTS, SIZES
 from estimate.test_params import BASE, assert_params_per_rank, real_numel
 from kernel_tests import run_in_the_interpreter
 from teratron.estimate import cli
@@ -51,9 +51,10 @@ def test_params_per_rank_equal_the_real_model():
     assert_params_per_rank([SIZES + flags for flags in DISTRIBUTED], "cuda")
 
 
-def test_activations_equal_what_autograd_keeps_on_the_triton_kernels():
-    checked = len(CASES) + len(TP_CASES) + len(CP_CASES)
-    assert run_in_the_interpreter(__file__, "hybrid_estimate_cases.py") == f"checked {checked} cases"
+@pytest.mark.parametrize("part", PARTS)
+def test_activations_equal_what_autograd_keeps_on_the_triton_kernels(part):
+    """One process, TP 2 and CP 2 (gloo), each in a subprocess of its own."""
+    assert run_in_the_interpreter(__file__, "hybrid_estimate_cases.py", part) == f"checked {len(PARTS[part])} cases"
 
 
 @pytest.mark.parametrize("flags, device, phrase", [
