@@ -127,6 +127,13 @@ def test_multi_token_prediction_with_data_parallel_distributed_optimizer(tmp_pat
     _assert_equal(reference, run, "mtp-cp2-dp2", keys=MTP_KEYS)
 
 
+def test_multi_token_prediction_with_a_comm_type_per_layer(tmp_path):
+    """A per-layer --cp-comm-type list: the MTP depths' layers exchange as the last decoder layer (a2a)."""
+    reference = _train(MOCK + MTP, tmp_path, "mtp-single")
+    run = _train(MOCK + MTP + CP2 + ["--cp-comm-type", "p2p", "a2a", "p2p", "a2a"], tmp_path, "mtp-cp2-layers", nproc=2)
+    _assert_equal(reference, run, "mtp-cp2-layers", keys=MTP_KEYS)
+
+
 def test_multi_token_prediction_and_qk_clip_on_packed_documents_with_per_token_loss(tmp_path):
     """The MTP shift stays inside each document and runs along the whole sequence across CP
     ranks; QK-clip's max logit is each head's over its documents' keys, max-reduced over CP."""
