@@ -211,8 +211,9 @@ class DynamicInferenceContext:
         proposer's), in its dtype and device. Multi-latent attention caches what its layer's `ng`
         and `hn` say (per-head keys and values padded to one size, or one latent) under its own
         softmax scale."""
-        attentions = attention_modules(getattr(model, "decoder", model))
-        mixers = [m for m in getattr(model, "decoder", model).modules() if getattr(m, "recurrent", False)]
+        layers = getattr(model, "decoder", model)
+        attentions = attention_modules(layers)
+        mixers = [m for m in layers.modules() if getattr(m, "recurrent", False)]
         recurrent, state_bytes = [m.layer_number for m in mixers], sum(m.inference_state_bytes() for m in mixers)
         if not attentions and not recurrent:
             raise ValueError("the model has neither attention nor Mamba / Gated DeltaNet layers on this stage; an "
@@ -295,7 +296,9 @@ class DynamicInferenceContext:
             for layer, state in self.recurrent_prefixes.get(self.block_hashes[request_id][-1]).items():
                 self.recurrent_states[(layer, request_id)] = {start: state}
         usable = (len(token_ids) - 1) // self.block_size
-        matched = len(self.allocator.lookup(self._hashes(token_ids, 0, usable)))
+        hashes = self.block_hashes[request_id]  # the cached blocks' (matched already): hash only the rest
+        rest = self._hashes(token_ids, cached, usable, parent=hashes[-1] if hashes else None)
+        matched = cached + len(self.allocator.lookup(rest))
         self.recurrent_boundaries[request_id] = {n * self.block_size for n in (matched, usable) if n > cached}
 
     def reserve(self, request_id: int, num_tokens: int) -> None:
