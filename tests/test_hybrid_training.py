@@ -7,7 +7,7 @@ with sequence parallelism, PP 2 placed by the pattern's '|' (MG*-E|MG*-E), DP 2 
 EP 2, CP 2 and TP 2 + SP x CP 2 (the recurrent layers on all-to-all'd head shares; at TP 2 x CP 2 each B / C
 group and key head is repeated on two CP ranks), full recompute; a checkpoint saved at TP 2 loads into one process
 and continues alike; packed documents (each a zero state in the Mamba and Gated DeltaNet layers) under TP 2 + SP,
-PP 2, DP 2 and CP 2.
+PP 2, DP 2 and CP 2; Gated Delta Product layers (Megatron's gdp_stack_spec) in the M places under the same layouts.
 """
 
 import pytest
@@ -88,6 +88,38 @@ def test_multi_latent_attention_layers_under_tensor_pipeline_and_context_paralle
         assert_same_losses(reference, _train(TINY + MLA + extra, tmp_path, name, 2), name, keys)
 
 
+GDP = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec", "--gdp-num-householder", "2"]
+
+
+def test_gated_delta_product_layers_under_every_layout(tmp_path):
+    """Megatron's gdp_stack_spec: the M layers (one in the MTP depth too) are Gated Delta Product mixers.
+    LM, MTP and load-balancing losses equal the single process's under TP 2 + SP, PP 2, DP 2 with the
+    distributed optimizer, CP 2, TP 2 + SP x CP 2, full recompute, and on packed documents under CP 2."""
+    keys = ("lm_loss", "mtp_loss", "grad_norm", "load_balancing_loss")
+    model = TINY + GDP + ["--hybrid-layer-pattern", "MG*-EMG*-E/ME"]
+    reference = _train(model, tmp_path, "gdp-single")
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    runs = {
+        "gdp-tp2-sp": (model + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+        "gdp-pp2": (TINY + GDP + ["--hybrid-layer-pattern", "MG*-E|MG*-E/ME", "--pipeline-model-parallel-size", "2"],
+                    2),
+        "gdp-dp2": (model + ["--use-distributed-optimizer"], 2),
+        "gdp-cp2": (model + ["--context-parallel-size", "2"], 2),
+        "gdp-tp2-sp-cp2": (model + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--context-parallel-size", "2"], 4),
+        "gdp-recompute-full": (model + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "2"], None),
+    }
+    for name, (args, nproc) in runs.items():
+        assert_same_losses(reference, _train(args, tmp_path, name, nproc), name, keys)
+    write_documents(str(tmp_path / "docs"))
+    rows = TINY[1:] + GDP + ["--data-path", str(tmp_path / "docs"), "--split", "90,5,5", "--eod-mask-loss",
+                             "--reset-attention-mask", "--reset-position-ids", "--hybrid-layer-pattern", "MG*-EMG*-E"]
+    docs_reference = _train(rows, tmp_path, "gdp-docs-single")
+    assert_same_losses(docs_reference, _train(rows + ["--context-parallel-size", "2"], tmp_path, "gdp-docs-cp2", 2),
+                       "gdp-docs-cp2")
+
+
 def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
     """Rows of several documents (--reset-attention-mask; tests/ssm checks that each document runs in
     the recurrent layers as alone) train to the single process's losses under TP 2 + SP, PP 2, DP 2 and
@@ -129,6 +161,11 @@ def test_packed_documents_under_tensor_pipeline_and_data_parallelism(tmp_path):
     (["--hybrid-layer-pattern", "M*|-E", "--pipeline-model-parallel-layout", "Et|ttL",
       "--pipeline-model-parallel-size", "2"], "drop --pipeline-model-parallel-layout or the '|'"),
     (["--hybrid-layer-pattern", "ME", "--mamba-num-groups", "3"], "do not split into 3 groups"),
+    (["--hybrid-layer-pattern", "ME", "--spec", "my.specs", "custom_spec"], "takes only 'megatron.core.models."),
+    (["--hybrid-layer-pattern", "ME", "--gdp-num-householder", "0"], "--gdp-num-householder must be a positive"),
+    (["--num-layers", "2", "--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec"],
+     "Gated Delta Product mixers are the pattern's M layers"),
+    (["--hybrid-layer-pattern", "ME", "--gdp-cutedsl-kernel"], "the CuTeDSL Gated Delta Product kernel package"),
 ])
 def test_bad_patterns_are_one_line(tmp_path, capsys, monkeypatch, flags, phrase):
     monkeypatch.chdir(tmp_path)

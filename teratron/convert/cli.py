@@ -6,7 +6,9 @@
                                                           --moe-grouped-gemm]
     teratron convert export-hf --load CKPT --out DIR [--max-shard-size 5GB] [--dtype bf16]
     teratron convert gpt-to-hybrid --load GPT --save OUT --hybrid-layer-pattern "M*-M*-" [--mamba-state-dim N
-                                   --mamba-head-dim P --mamba-num-groups G --mamba-num-heads H --seed S]
+                                   --mamba-head-dim P --mamba-num-groups G --mamba-num-heads H --seed S
+                                   --spec megatron.core.models.hybrid.hybrid_layer_specs gdp_stack_spec
+                                   --gdp-num-householder M]
     teratron convert hybrid-to-gpt --load HYBRID --save OUT
 """
 
@@ -54,7 +56,12 @@ def add_arguments(parser):
     to_hybrid.add_argument("--mamba-head-dim", type=int, default=64, help="New Mamba layers' head size.")
     to_hybrid.add_argument("--mamba-num-groups", type=int, default=8, help="New Mamba layers' groups.")
     to_hybrid.add_argument("--mamba-num-heads", type=int, default=None, help="New Mamba layers' heads.")
-    to_hybrid.add_argument("--seed", type=int, default=1234, help="Seed of the new Mamba layers' initialisation.")
+    to_hybrid.add_argument("--spec", nargs="+", default=None, metavar=("MODULE", "NAME"),
+                           help="Megatron's hybrid stack, as `teratron train` takes it: '... gdp_stack_spec' makes "
+                                "the new M layers Gated Delta Product mixers (default: Mamba-2).")
+    to_hybrid.add_argument("--gdp-num-householder", type=int, default=3,
+                           help="New Gated Delta Product layers' Householder substeps per token.")
+    to_hybrid.add_argument("--seed", type=int, default=1234, help="Seed of the new M layers' initialisation.")
     to_gpt = sub.add_parser("hybrid-to-gpt", help="Hybrid checkpoint -> GPT checkpoint (Mamba layers dropped).")
     to_gpt.add_argument("--load", required=True, help="Hybrid checkpoint folder or iter_* folder.")
     to_gpt.add_argument("--save", required=True, help="New save directory for the GPT checkpoint.")
@@ -90,7 +97,7 @@ def _translate(args) -> int:
         folder = hybrid_to_gpt(args.load, args.save)
     else:
         mamba = {name: getattr(args, name) for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                                                        "mamba_num_heads")}
+                                                        "mamba_num_heads", "spec", "gdp_num_householder")}
         folder = gpt_to_hybrid(args.load, args.save, args.hybrid_layer_pattern, mamba, args.seed)
     print(f"translated {args.load} -> {folder} (model weights only: train it with --load {args.save} --finetune)")
     return 0

@@ -27,7 +27,7 @@ import shutil
 
 import torch
 
-from teratron.convert.hf_config import hf_config_from_model_args, model_args_from_hf
+from teratron.convert.hf_config import GDP_HAS_NO_FAMILY, hf_config_from_model_args, model_args_from_hf
 from teratron.convert.hf_deepseek import check_mtp_copies, mtp_args, rope_layout_fix
 from teratron.convert.hf_gpt2 import lm_head_model_names
 from teratron.convert.hf_mapping import check_hf_tensors, mtp_copies, stream_hf_to_teratron, teratron_to_hf
@@ -158,10 +158,14 @@ def load_hf_weights(path: str, model_chunks, pg_collection=None) -> None:
     built from the folder's config.json, e.g. through `model_args_from_hf`) from the HF folder
     `path`, read shard by shard: a rank holds its own parameters plus at most one shard and the
     inputs of tensors spanning shards, never the whole model."""
+    config = unwrap(model_chunks[0]).config
+    if config.gdp_layers:
+        raise ValueError(f"--hf-path {path}: the model to fill has {GDP_HAS_NO_FAMILY}; build it from the folder's "
+                         "config.json (model_args_from_hf), without gdp_layers")
     hf, weights = _read_hf_folder(path)
     model_args = _model_args(path, hf, weights)
     if model_args["num_experts"]:
-        model_args["moe_grouped_gemm"] = unwrap(model_chunks[0]).config.moe_grouped_gemm
+        model_args["moe_grouped_gemm"] = config.moe_grouped_gemm
     _check_hf(path, model_args, hf, weights)
     _fill(model_chunks, _stream(model_args, hf, weights), f"--hf-path {path}", pg_collection)
 

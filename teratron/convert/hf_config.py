@@ -11,7 +11,8 @@ per-layer windows (`layer_types`) window_size with window_attn_skip_freq. DeepSe
 Nemotron-H (`hf_nemotron_h`: Mamba-2 hybrids) and Qwen3-Next (`hf_qwen3_next`: a Gated DeltaNet
 hybrid) map in their own modules; the fields the RMSNorm families share (sizes, RMSNorm,
 vocabulary, tied embeddings) here. Features teratron does not convert (other RoPE scalings, other
-families' sliding windows, other activations, quantized weights) are refused with the field's name.
+families' sliding windows, other activations, quantized weights) are refused with the field's name,
+and so is a hybrid model with Gated Delta Product layers (gdp_layers), which no HF family holds.
 """
 
 from teratron.convert.hf_deepseek import deepseek_args, deepseek_hf_fields
@@ -24,6 +25,7 @@ from teratron.convert.hf_moe import (MOE_FAMILIES, MOE_REQUIRED_FIELDS, moe_args
                                      moe_hf_fields)
 from teratron.convert.hf_nemotron_h import FAMILY as NEMOTRON_H, nemotron_h_args, nemotron_h_hf_config
 from teratron.dist_checkpointing.model_args import MOE_DEFAULTS, VARIANT_DEFAULTS
+from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 OWN_MODULE_FAMILIES = {"deepseek_v3": (deepseek_args, "DeepseekV3ForCausalLM"),
@@ -202,6 +204,10 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   **{family: architecture for family, (_, architecture) in OWN_MODULE_FAMILIES.items()}}
 
 
+# Gated Delta Product M layers have no Hugging Face family: refused both ways in one line.
+GDP_HAS_NO_FAMILY = ("Gated Delta Product M layers (gdp_layers: Megatron's --spec ... gdp_stack_spec), which no "
+                     "Hugging Face family holds (nemotron_h's M layers are Mamba-2, qwen3_next's are Gated DeltaNet)")
+
 _NOT_CONVERTIBLE = ("the checkpoint's model is neither Llama-shaped (RMSNorm, SwiGLU, full rotate-half RoPE) nor "
                     "GPT-2-shaped (LayerNorm, GeLU, learned absolute positions); it has no Hugging Face counterpart "
                     "to export to")
@@ -245,8 +251,12 @@ def _own_module_fields(a: dict, family: str, base: dict, aux_loss_coeff) -> dict
 
 def _hybrid_hf_config(a: dict, base: dict | None, aux_loss_coeff) -> dict:
     """A hybrid model's HF family: the imported one (`base`), else Nemotron-H for Mamba-2 layers,
-    Qwen3-Next for Gated DeltaNet ones (each refuses, in one line, a pattern it cannot hold)."""
+    Qwen3-Next for Gated DeltaNet ones (each refuses, in one line, a pattern it cannot hold); none for
+    Gated Delta Product layers."""
     family, pattern = (base or {}).get("model_type"), a["hybrid_layer_pattern"]
+    if gdp_layers_of_spec(a.get("spec")):
+        raise ValueError(f"the checkpoint's hybrid model has {GDP_HAS_NO_FAMILY}; it does not export: keep it as a "
+                         "teratron checkpoint, or save it with --ckpt-format torch_dist for Megatron-LM")
     if "/" in pattern:
         raise ValueError(f"the checkpoint's hybrid pattern {pattern!r} has multi-token-prediction depths ('/'); "
                          "the nemotron_h and qwen3_next exports do not carry them")

@@ -7,9 +7,10 @@ layers (`M`). gpt-to-hybrid puts GPT layer i's attention half (its input norm an
 the pattern's i-th `*` (`+`) layer and its MLP
 half (pre-MLP norm and MLP or MoE) on the i-th `-` / `E` layer; the pattern must hold exactly as
 many of each as the GPT model has layers, and `E` exactly when the GPT model is MoE. Mamba layers
-have no GPT counterpart: they start from Mamba-2's initialisation (`--seed`). The embedding, final
-norm and output layer are kept. hybrid-to-gpt is the inverse: it drops the Mamba layers (saying
-so) and refuses Gated DeltaNet layers (`G`), which a GPT layer cannot hold.
+have no GPT counterpart: they start from Mamba-2's initialisation (`--seed`), or Gated Delta
+Product's with `--spec ... gdp_stack_spec` (`--gdp-num-householder`). The embedding, final norm and
+output layer are kept. hybrid-to-gpt is the inverse: it drops the M layers (saying so) and refuses
+Gated DeltaNet layers (`G`), which a GPT layer cannot hold.
 
 The pattern `*-*-...` (each GPT layer split in two) computes exactly what the GPT model does. The
 output is a model-only checkpoint (iteration 0; no optimizer, scheduler or RNG state): train it
@@ -23,16 +24,19 @@ import torch
 
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.checkpoint import save_model_tensors
-from teratron.dist_checkpointing.model_args import VARIANT_DEFAULTS, gpt_config_from_model_args
+from teratron.dist_checkpointing.model_args import (GDP_DEFAULTS, GDP_SPEC, VARIANT_DEFAULTS,
+                                                    gpt_config_from_model_args)
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.models.gpt.builder import build_gpt_model
 from teratron.models.hybrid import Symbols, parse_hybrid_pattern
+from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ATTENTION_HALF = ("input_layernorm.", "self_attention.")
 _MLP_HALF = ("pre_mlp_layernorm.", "mlp.")
 _HYBRID_FIELDS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+_HYBRID_DEFAULTS = {**{name: VARIANT_DEFAULTS[name] for name in _HYBRID_FIELDS}, **GDP_DEFAULTS}
 
 
 def _positions(layers: str, symbols: str) -> list:
@@ -111,8 +115,9 @@ def _check_gpt(model_args: dict, folder: str) -> None:
 
 def gpt_to_hybrid(load: str, save: str, pattern: str, mamba: dict | None = None, seed: int = 1234) -> str:
     """Write the hybrid model of `pattern` holding the GPT checkpoint `load`'s weights (see the
-    module docstring) as iteration 0 of the new save directory `save`; `mamba`: Mamba sizes
-    (mamba_state_dim, ...; Megatron's defaults otherwise). Returns its folder."""
+    module docstring) as iteration 0 of the new save directory `save`; `mamba`: the M layers' flag
+    values (mamba_state_dim, ..., Megatron's `spec` and gdp_num_householder; Megatron's defaults
+    otherwise). Returns its folder."""
     folder, metadata, model_args = _source(load)
     _check_gpt(model_args, folder)
     if Symbols.MTP_SEPARATOR in pattern:
@@ -120,8 +125,9 @@ def gpt_to_hybrid(load: str, save: str, pattern: str, mamba: dict | None = None,
                          "translated; give the decoder's layers only")
     layers = parse_hybrid_pattern(pattern).layers
     attention, mlp = _gpt_layer_places(layers, model_args, f"--hybrid-layer-pattern {pattern!r}")
-    hybrid_args = {**model_args, **{name: VARIANT_DEFAULTS[name] for name in _HYBRID_FIELDS[1:]}, **(mamba or {}),
-                   "hybrid_layer_pattern": layers, "num_layers": len(layers)}
+    hybrid_args = {**model_args, **_HYBRID_DEFAULTS, **(mamba or {}), "hybrid_layer_pattern": layers,
+                   "num_layers": len(layers)}
+    hybrid_args["spec"] = GDP_SPEC if gdp_layers_of_spec(hybrid_args["spec"]) else None  # as a run records it
     source = serialization.load_full(folder, is_model_key)
     dtype = next(iter(source.values())).dtype
     torch.manual_seed(seed)
@@ -147,7 +153,7 @@ def hybrid_to_gpt(load: str, save: str) -> str:
     gpt_layers = layers.count(_attention_symbol(model_args))
     attention, mlp = _gpt_layer_places(layers, {**model_args, "num_layers": gpt_layers}, f"--load {folder}")
     gpt_layer_of = {**{place: i for i, place in enumerate(attention)}, **{place: i for i, place in enumerate(mlp)}}
-    gpt_args = {**model_args, **{name: VARIANT_DEFAULTS[name] for name in _HYBRID_FIELDS}, "num_layers": gpt_layers}
+    gpt_args = {**model_args, **_HYBRID_DEFAULTS, "num_layers": gpt_layers}
     tensors = {}
     for key, value in serialization.load_full(folder, is_model_key).items():
         gpt_key = _to_gpt_key(key, gpt_layer_of)
@@ -155,7 +161,8 @@ def hybrid_to_gpt(load: str, save: str) -> str:
             tensors[gpt_key] = value
     dropped = layers.count(Symbols.MAMBA)
     if dropped:
-        print(f"NOTE: {dropped} Mamba layer(s) of {layers} have no GPT counterpart and are dropped", flush=True)
+        kind = "Gated Delta Product" if gdp_layers_of_spec(model_args.get("spec")) else "Mamba"
+        print(f"NOTE: {dropped} {kind} layer(s) of {layers} have no GPT counterpart and are dropped", flush=True)
     built = build_gpt_model(gpt_config_from_model_args(gpt_args)).state_dict()
     _check_keys(tensors, built, lambda key: False, folder)
     return _write(save, tensors, gpt_args, metadata, folder, {"hybrid_to_gpt": {"source": folder, "pattern": layers}})

@@ -26,13 +26,21 @@ other names for the same global tensors:
     ...self_attention.kv_layernorm.*            ...self_attention.linear_kv_up_proj.layer_norm_*
 
     hybrid models (Megatron Core's HybridModel, whose layers are Transformer Engine's only; never stacked):
-    decoder.layers.<i>.norm.*                   ...mixer.in_proj.layer_norm_*   (a Mamba layer's norm)
+    decoder.layers.<i>.norm.*                   ...mixer.in_proj.layer_norm_*   (a Mamba or Gated Delta
+                                                Product layer's norm)
     decoder.layers.<i>.input_layernorm.*        ...self_attention.in_proj.layer_norm_*   (a Gated DeltaNet
                                                 layer's; an attention layer's as above)
-    ...mixer.in_proj.weight                     ...mixer.in_proj.weight.{z,x,B,C,dt}: the parts as tensors
-    ...mixer.conv1d.{weight,bias}               ....{x,B,C}              of their own (each part's global
-    ...self_attention.in_proj.weight            ....{query,key,value,z,beta,alpha}   rows: the mixer's
-    ...self_attention.conv1d.weight             ....{query,key,value}    in_proj_parts / conv1d_parts)
+    ...mixer.in_proj.weight                     ...mixer.in_proj.weight.<part>    the parts as tensors
+    ...mixer.conv1d.{weight,bias}               ...mixer.conv1d.{weight,bias}.<part>   of their own, each
+    ...self_attention.in_proj.weight            ...self_attention.in_proj.weight.<part>   part's global rows
+    ...self_attention.conv1d.weight             ...self_attention.conv1d.weight.<part>    (the mixer's
+                                                in_proj_parts / conv1d_parts, named by its
+                                                in_proj_part_names / conv1d_part_names):
+        Mamba-2 (M)                   in_proj z, x, B, C, dt; conv1d x, B, C
+        Gated Delta Product (M, gdp_layers; M = gdp_num_householder)
+                                      in_proj z, V0 .. V{M-1}, K0 .. K{M-1}, Q, b0 .. b{M-1}, a;
+                                      conv1d V0 .. V{M-1}, K0 .. K{M-1}, Q (no bias)
+        Gated DeltaNet (G)            in_proj query, key, value, z, beta, alpha; conv1d query, key, value
     decoder.final_layernorm.*                   decoder.final_norm.*
     mtp.layers.<d>.transformer_layer.layers.<j> mtp.layers.<d>.mtp_model_layer.layers.<j>
 
@@ -86,19 +94,14 @@ _MLA_NORMS = {f"self_attention.{norm}.{kind}": f"self_attention.{up}.layer_norm_
               for kind in ("weight", "bias")}
 _MLA_MARK = "self_attention.linear_kv_down_proj.weight"  # a parameter only MLA layers have
 # Hybrid models (the module docstring): the norms fused into the mixers' in_proj, the final norm's name,
-# and the parameters stored part by part (Megatron's part names; their sizes come from the mixer).
+# and the submodules of a mixer whose parameters Megatron stores part by part: a mixer with
+# `<submodule>_part_names` (Megatron's names of the parts) and `<submodule>_parts` (their global rows).
 _MAMBA_NORMS = {"norm.weight": "mixer.in_proj.layer_norm_weight", "norm.bias": "mixer.in_proj.layer_norm_bias"}
 _GDN_NORMS = {"input_layernorm.weight": "self_attention.in_proj.layer_norm_weight",
               "input_layernorm.bias": "self_attention.in_proj.layer_norm_bias"}
 _HYBRID_FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight",
                       "decoder.final_layernorm.bias": "decoder.final_norm.bias"}
-_SPLIT_PARTS = {  # name in the layer -> (the mixer's attribute with the parts' global rows, the parts' names)
-    "mixer.in_proj.weight": ("in_proj_parts", ("z", "x", "B", "C", "dt")),
-    "mixer.conv1d.weight": ("conv1d_parts", ("x", "B", "C")),
-    "mixer.conv1d.bias": ("conv1d_parts", ("x", "B", "C")),
-    "self_attention.in_proj.weight": ("in_proj_parts", ("query", "key", "value", "z", "beta", "alpha")),
-    "self_attention.conv1d.weight": ("conv1d_parts", ("query", "key", "value")),
-}
+_SPLIT_SUBMODULES = ("in_proj", "conv1d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +121,6 @@ def _mtp_layer(depth_path: str, j) -> str:
 def hybrid_layout(model_chunks) -> HybridLayout | None:
     """The HybridLayout of a hybrid model (None for a GPT model)."""
     from teratron.models.hybrid import Symbols, parse_hybrid_pattern
-    from teratron.ssm.gated_delta_net import GatedDeltaNet
-    from teratron.ssm.mamba_mixer import MambaMixer
 
     config = unwrap(model_chunks[0]).config
     if config.hybrid_layer_pattern is None:
@@ -130,15 +131,26 @@ def hybrid_layout(model_chunks) -> HybridLayout | None:
             for j, symbol in enumerate(pattern.mtp_layers) if symbol == Symbols.GDN}
     splits = {}
     for chunk in model_chunks:
-        for module in unwrap(chunk).modules():
-            prefix = {MambaMixer: "mixer.", GatedDeltaNet: "self_attention."}.get(type(module))
-            if prefix is None:
-                continue
-            own = dict(module.named_parameters())
-            for name, (sizes, parts) in _SPLIT_PARTS.items():
-                if name.startswith(prefix) and name[len(prefix):] in own:
-                    splits[name] = tuple(zip(parts, getattr(module, sizes)))
+        for path, module in unwrap(chunk).named_modules():
+            splits.update(_split_parameters(path, module))
     return HybridLayout(frozenset(gdn), splits)
+
+
+def _split_parameters(path: str, mixer) -> dict:
+    """The parameters of the module at `path` that Megatron stores part by part: their names in the layer
+    -> ((part, global rows), ...), from the mixer's part names and sizes (`_SPLIT_SUBMODULES`); {} for a
+    module without them."""
+    out = {}
+    for submodule in _SPLIT_SUBMODULES:
+        names = getattr(mixer, f"{submodule}_part_names", None)
+        if names is None:
+            continue
+        parts = tuple(zip(names, getattr(mixer, f"{submodule}_parts"), strict=True))
+        for name, _ in getattr(mixer, submodule).named_parameters():
+            key = _layer_key(f"{path}.{submodule}.{name}")
+            if key is not None:
+                out[key[1]] = parts
+    return out
 
 
 def mla_layers(items) -> frozenset:
@@ -276,13 +288,14 @@ def _megatron_boxes(item: ShardedTensor, saved: dict, num_layers: int, experts: 
     return ways
 
 
-def _teratron_view(saved: dict, num_layers: int) -> dict:
+def _teratron_view(saved: dict, num_layers: int, hybrid: HybridLayout | None = None) -> dict:
     """The saved keys and global shapes under teratron's names (a stacked tensor is num_layers
     tensors of its shape without the layer axis; Megatron's experts under both of teratron's
-    expert layouts)."""
+    expert layouts; a hybrid model's parts as the parameters `hybrid` says they make up)."""
     unfused = {fused: name for table in (_FUSED_NORMS, _MAMBA_NORMS, _GDN_NORMS, _MLA_NORMS)
                for name, fused in table.items()}
-    unsplit = {f"{name}.{part}": name for name, (_, parts) in _SPLIT_PARTS.items() for part in parts}
+    unsplit = {f"{name}.{part}": name for name, parts in (hybrid.splits if hybrid is not None else {}).items()
+               for part, _ in parts}
     final = {megatron: name for name, megatron in _HYBRID_FINAL_NORM.items()}
     view = {}
 
@@ -511,6 +524,7 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
     common = read_common_state(checkpoint_dir) if common is None else common
     layouts = param_layouts(model_chunks)
     items = model_sharded_items(model_chunks)
+    experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
     refresh_masters = False
     if optimizer is not None:
         where = f"{source} {checkpoint_dir}"
@@ -519,10 +533,9 @@ def load_megatron_checkpoint(checkpoint_dir: str, model_chunks, num_layers: int,
             raise ValueError(_layout_refusal(where, layout))
         optimizer_common, step = _megatron_optimizer_common(common["optimizer"], optimizer, where)
         optimizer_items, refresh_masters, missing = prepare_for_load(optimizer, layouts,
-                                                                     _teratron_view(saved, num_layers))
+                                                                     _teratron_view(saved, num_layers, hybrid))
         report_fresh_states(where, missing)
         items += optimizer_items
-    experts, hybrid = _saved_experts(saved), hybrid_layout(model_chunks)
     mla = mla_layers(items)
     ways = [_megatron_boxes(item, saved, num_layers, experts, hybrid, mla) for item in items]
     # The same tensors under other names, not read: every rank's (another stage's layers are another rank's)

@@ -8,12 +8,16 @@ training flags' dest names (Megatron's); `model_args_from_config` writes the rec
 Only what shapes the model's weights or forward math is recorded; training-only MoE settings
 (load balancing, aux-loss coefficients, capacity, dispatcher) are not, so a fine-tune may change
 them. MoE keys default to Megatron's values (`MOE_DEFAULTS`) when a run or an older checkpoint
-lacks them; `mtp_num_layers` (multi-token prediction) to None.
+lacks them; `mtp_num_layers` (multi-token prediction) to None. A hybrid model's M layers are
+recorded as Megatron's args say them (`GDP_DEFAULTS`): `spec` [hybrid_layer_specs, gdp_stack_spec]
+for Gated Delta Product mixers with `gdp_num_householder`, None (and an older record without the
+keys) for Mamba-2 mixers.
 """
 
 import torch
 import torch.nn.functional as F
 
+from teratron.models.hybrid.hybrid_layer_allocation import HYBRID_SPECS_MODULE, gdp_layers_of_spec
 from teratron.transformer.mlp import openai_gelu, quick_gelu, squared_relu
 
 # The MoE architecture and its meaning when absent: a dense model (num_experts None).
@@ -35,6 +39,11 @@ VARIANT_DEFAULTS = {
     "mamba_num_heads": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32,
 }
+
+# A hybrid model's M layers (the flag dests, Megatron's args' names) and their meaning when absent: Mamba-2
+# mixers. `spec` is GDP_SPEC for Gated Delta Product mixers (TransformerConfig.gdp_layers), else None.
+GDP_DEFAULTS = {"spec": None, "gdp_num_householder": 3}
+GDP_SPEC = [HYBRID_SPECS_MODULE, "gdp_stack_spec"]
 
 # Multi-latent attention: the flag dest -> its MLATransformerConfig field; recorded for MLA models only.
 MLA_ARGS = {
@@ -67,7 +76,8 @@ MODEL_ARG_NAMES = (
     "rotary_interleaved",
     "use_rope_scaling", *ROPE_SCALING_ARGS,
     "untie_embeddings_and_output_weights", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-    "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, "multi_latent_attention", *MLA_ARGS, *YARN_ARGS,
+    "mtp_num_layers", *MOE_DEFAULTS, *VARIANT_DEFAULTS, *GDP_DEFAULTS, "multi_latent_attention", *MLA_ARGS,
+    *YARN_ARGS,
 )
 
 
@@ -89,6 +99,7 @@ def model_args_from_config(model) -> dict:
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
         **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
+        spec=GDP_SPEC if c.gdp_layers else None, gdp_num_householder=c.gdp_num_householder,
         multi_latent_attention=c.multi_latent_attention,
     )
     if c.multi_latent_attention:
@@ -152,6 +163,8 @@ def gpt_config_from_model_args(model_args: dict, padded_vocab_size=None, make_vo
         rotary_interleaved=a["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, mtp_num_layers=a.get("mtp_num_layers"),
         **{name: a.get(name, default) for name, default in VARIANT_DEFAULTS.items()},
+        gdp_layers=gdp_layers_of_spec(a.get("spec")),
+        gdp_num_householder=a.get("gdp_num_householder", GDP_DEFAULTS["gdp_num_householder"]),
     )
     if a.get("num_experts"):
         kwargs.update({name: moe_arg(a, name) for name in MOE_DEFAULTS if name != "num_experts"},

@@ -5,7 +5,8 @@ Mamba-2's chunked state-space scan (module `ssd`: its function `ssd` runs Triton
 function `gated_delta_rule` runs Triton kernels on GPUs, `gated_delta_rule_triton`, and plain
 PyTorch, `gated_delta_rule_chunked`, elsewhere); all but the two Triton paths in plain PyTorch
 (the path the CPU tests run and the reference the GPU kernels are checked against); Gated
-DeltaNet's mixer (`GatedDeltaNet`, tensor and sequence parallel)."""
+DeltaNet's mixer (`GatedDeltaNet`, tensor and sequence parallel); Gated Delta Product's
+(`gated_delta_product`: M rank-one updates a token on the gated delta rule)."""
 
 from teratron.ssm.causal_conv1d import causal_conv1d
 from teratron.ssm.gated_delta_net import GatedDeltaNet

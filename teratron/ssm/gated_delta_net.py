@@ -82,6 +82,8 @@ class GatedDeltaNet(nn.Module):
 
         device = param_device(config)
         self.conv1d_parts = conv_parts = (qk_dim, qk_dim, v_dim)
+        self.in_proj_part_names = ("query", "key", "value", "z", "beta", "alpha")  # Megatron's checkpoint names
+        self.conv1d_part_names = self.in_proj_part_names[:3]
         kernel = config.linear_conv_kernel_dim
         bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel of `kernel` taps
         conv_weight = torch.empty(sum(conv_parts), 1, kernel).uniform_(-bound, bound)
@@ -189,22 +191,23 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([key_heads * self.key_head_dim, key_heads * self.key_head_dim,
                              value_heads * self.value_head_dim], dim=-1)
         b, s = v.shape[:2]
-        q = self._value_heads(q, value_heads, 1 / math.sqrt(self.key_head_dim))  # [b, s, value heads, dk]
-        k = self._value_heads(k, value_heads)
+        q = l2_normed_heads(q, self.key_head_dim, value_heads, 1 / math.sqrt(self.key_head_dim))  # [b, s, heads, dk]
+        k = l2_normed_heads(k, self.key_head_dim, value_heads)
         g = -torch.exp(A_log.float()) * F.softplus(alpha.float() + dt_bias.float())  # [b, s, value heads]
         o, rule_state = gated_delta_rule(q, k, v.reshape(b, s, value_heads, self.value_head_dim), g,
                                          torch.sigmoid(beta), initial_state=rule_state, chunk_size=self.chunk_size,
                                          seq_idx=seq_idx)
         return o, (conv_state, rule_state)
 
-    def _value_heads(self, x, value_heads: int, scale: float = 1.0):
-        """[b, s, key heads * dk] -> L2-normalised per head (in fp32) times `scale`, rounded to x's dtype
-        (16-bit q and k halve the rule's reads; FLA's l2norm also returns x's dtype, scaling q after),
-        each key head repeated for its group of the `value_heads`: [b, s, value heads, dk]."""
-        heads = x.unflatten(-1, (-1, self.key_head_dim)).float()
-        heads = (heads * (scale * torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS))).to(x.dtype)
-        return heads.repeat_interleave(value_heads // heads.shape[2], dim=2)
-
     def _gated_norm(self, o, z):
         """out_norm of each head's output times silu(z), in fp32; returned in o's dtype."""
         return (self.out_norm(o.float()).float() * F.silu(z.float())).to(o.dtype)
+
+
+def l2_normed_heads(x, head_dim: int, heads: int, scale: float = 1.0):
+    """[b, s, groups * head_dim] -> each group's head L2-normalised (in fp32) times `scale`, rounded to
+    x's dtype (16-bit q and k halve the rule's reads; FLA's l2norm also returns x's dtype, scaling q
+    after), each repeated for its share of the `heads`: [b, s, heads, head_dim]."""
+    groups = x.unflatten(-1, (-1, head_dim)).float()
+    groups = (groups * (scale * torch.rsqrt(groups.pow(2).sum(-1, keepdim=True) + L2NORM_EPS))).to(x.dtype)
+    return groups.repeat_interleave(heads // groups.shape[2], dim=2)

@@ -48,6 +48,25 @@ def mamba_num_heads(config) -> int:
     return config.mamba_num_heads or EXPAND * config.hidden_size // config.mamba_head_dim
 
 
+def check_heads_and_groups(mixer: str, heads: int, groups: int, tp: int):
+    """A Mamba-sized mixer's heads and groups split over TP, and its heads into the groups."""
+    for what, size in (("heads", heads), ("groups", groups)):
+        if size % tp:
+            raise ValueError(f"{mixer}'s {size} {what} do not split over tensor-parallel size {tp}; choose "
+                             f"--mamba-num-{what} divisible by it")
+    if heads % groups:
+        raise ValueError(f"{mixer}'s {heads} heads do not split into {groups} groups; choose --mamba-num-groups "
+                         "dividing the heads")
+
+
+def initial_dt_bias(heads: int, dt_min: float, dt_max: float, dt_init_floor: float) -> torch.Tensor:
+    """Mamba-2's dt_bias [heads]: softplus(dt_bias) = dt, dt log-uniform in [dt_min, dt_max], at least
+    dt_init_floor."""
+    dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_init_floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 class MambaMixer(nn.Module):
     def __init__(self, config, layer_number: int | None = None, pg_collection=None, d_state: int | None = None,
                  head_dim: int | None = None, ngroups: int | None = None, nheads: int | None = None,
@@ -69,13 +88,7 @@ class MambaMixer(nn.Module):
             tp_group = pg_collection.tp
         self.tp_group = resolve_tp_group(tp_group)
         tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
-        for what, size in (("heads", self.nheads), ("groups", ngroups)):
-            if size % tp:
-                raise ValueError(f"Mamba's {size} {what} do not split over tensor-parallel size {tp}; choose "
-                                 f"--mamba-num-{what} divisible by it")
-        if self.nheads % ngroups:
-            raise ValueError(f"Mamba's {self.nheads} heads do not split into {ngroups} groups; choose "
-                             "--mamba-num-groups dividing the heads")
+        check_heads_and_groups("Mamba", self.nheads, ngroups, tp)
         self.nheads_local, self.ngroups_local = self.nheads // tp, ngroups // tp
         self.d_inner_local = self.d_inner // tp
         bc = ngroups * d_state
@@ -90,11 +103,12 @@ class MambaMixer(nn.Module):
 
         device = param_device(config)
         self.conv1d_parts = conv_parts = (self.d_inner, bc, bc)
+        self.in_proj_part_names = ("z", "x", "B", "C", "dt")  # Megatron's checkpoint names
+        self.conv1d_part_names = self.in_proj_part_names[1:4]
         bound = 1.0 / math.sqrt(d_conv)  # torch's Conv1d default for a depthwise kernel of d_conv taps
         conv_weight = torch.empty(sum(conv_parts), d_conv).uniform_(-bound, bound)
         conv_bias = torch.empty(sum(conv_parts)).uniform_(-bound, bound)
-        dt = torch.exp(torch.rand(self.nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_init_floor)
+        dt_bias = initial_dt_bias(self.nheads, dt_min, dt_max, dt_init_floor)
         A = torch.empty(self.nheads).uniform_(*A_init_range)
 
         def shard(full, parts_=1):
@@ -106,7 +120,7 @@ class MambaMixer(nn.Module):
         self.conv1d = nn.Conv1d(channels, channels, d_conv, groups=channels, device="meta")
         self.conv1d.weight = shard(conv_weight[:, None, :], conv_parts)
         self.conv1d.bias = shard(conv_bias, conv_parts)
-        self.dt_bias = shard(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.dt_bias = shard(dt_bias)
         self.A_log = shard(torch.log(A))
         self.D = shard(torch.ones(self.nheads))
         self.norm = GroupGatedRMSNorm(shard(torch.ones(self.d_inner)), self.ngroups_local, config.layernorm_epsilon)

@@ -19,6 +19,7 @@ import os
 
 import yaml
 
+from teratron.models.hybrid.hybrid_layer_allocation import HYBRID_SPECS_MODULE
 from teratron.training import megatron_flags
 from teratron.training.rerun import ERROR_INJECTION_TYPES, RERUN_MODES
 from teratron.transformer.activation_offload import OFFLOAD_MODULES
@@ -327,6 +328,12 @@ def _add_hybrid_args(parser):
     g.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2 groups sharing B and C.")
     g.add_argument("--mamba-num-heads", type=int, default=None,
                    help="Mamba-2 heads; default 2 * hidden size / head size.")
+    g.add_argument("--spec", nargs="+", default=None, metavar=("MODULE", "NAME"),
+                   help="Megatron's layer-spec choice; teratron takes its two hybrid stacks: "
+                        f"'{HYBRID_SPECS_MODULE} gdp_stack_spec' (the M layers are Gated Delta Product mixers) "
+                        f"or '{HYBRID_SPECS_MODULE} hybrid_stack_spec' (Mamba-2, the default).")
+    g.add_argument("--gdp-num-householder", type=int, default=3,
+                   help="Gated Delta Product: rank-one state updates (Householder substeps) per token.")
     g.add_argument("--linear-conv-kernel-dim", type=int, default=4,
                    help="Gated DeltaNet: taps of the causal convolution over q, k, v.")
     g.add_argument("--linear-key-head-dim", type=int, default=128, help="Gated DeltaNet: query/key head size.")
@@ -906,12 +913,15 @@ def _take_checkpoint_args(args, explicit: frozenset) -> None:
 
 def _contradicts(dest: str, saved, given, num_layers) -> bool:
     """Whether a flag given contradicts the checkpoint's value (lists and tuples alike; --moe-layer-freq
-    by the layers it makes MoE). The position table's size may change and MTP layers may be added:
-    the load checks and reports both."""
+    by the layers it makes MoE; --spec by the M layers it builds). The position table's size may change
+    and MTP layers may be added: the load checks and reports both."""
     from teratron.dist_checkpointing.model_args import canonical_moe_layer_freq
+    from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
 
     if dest == "max_position_embeddings" or (dest == "mtp_num_layers" and saved is None):
         return False
+    if dest == "spec":  # None and Mamba-2's hybrid_stack_spec are the same layers
+        return gdp_layers_of_spec(saved) != gdp_layers_of_spec(given)
     saved, given = (list(v) if isinstance(v, tuple) else v for v in (saved, given))
     if dest == "moe_layer_freq" and num_layers and saved != given:
         return canonical_moe_layer_freq(num_layers, saved) != canonical_moe_layer_freq(num_layers, given)

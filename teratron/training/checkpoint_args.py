@@ -10,8 +10,10 @@ command line's.
 
 Taken: everything that shapes the model's weights or forward math (layers, sizes, heads and
 groups, MLP, norm, biases, position embedding and RoPE, tied embeddings, MoE, MLA, MTP, attention
-variants; Megatron's `--apply-layernorm-1p` too), and the position table's size unless the command
-line gives one. Not taken: the vocabulary (the tokenizer flags give it; its padding follows
+variants, a hybrid model's layers and sizes and its M layers' kind -- Megatron's `--spec ...
+gdp_stack_spec` and `--gdp-num-householder` for Gated Delta Product; Megatron's
+`--apply-layernorm-1p` too), and the position table's size unless the command line gives one. Not
+taken: the vocabulary (the tokenizer flags give it; its padding follows
 --make-vocab-size-divisible-by and TP), the sequence length, dropout and every training setting.
 """
 
@@ -19,8 +21,9 @@ import os
 
 from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.megatron_format import is_megatron_checkpoint, read_common_state
-from teratron.dist_checkpointing.model_args import (MLA_ARGS, MODEL_ARG_NAMES, MOE_DEFAULTS, ROPE_SCALING_ARGS,
-                                                    YARN_ARGS)
+from teratron.dist_checkpointing.model_args import (GDP_SPEC, MLA_ARGS, MODEL_ARG_NAMES, MOE_DEFAULTS,
+                                                    ROPE_SCALING_ARGS, YARN_ARGS)
+from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
 
 # Model args a run does not take: the vocabulary is the tokenizer's, its padding the layout's.
 _NOT_TAKEN = ("vocab_size", "padded_vocab_size")
@@ -94,11 +97,13 @@ def _megatron_model_args(saved: dict) -> dict:
     """Megatron-LM's saved args (a dict of its destinations) as a model record: the names it has,
     --norm-epsilon under its current destination, the query groups without --group-query-attention
     (Megatron keeps its default 1 then) as the heads, the old foundation models' disable_bias_linear,
-    and a hybrid model's layers (`_megatron_hybrid_pattern`)."""
+    and a hybrid model's layers (`_megatron_hybrid_pattern`, `_megatron_spec`)."""
     model_args = {name: saved[name] for name in MODEL_ARG_NAMES if name in saved}
     pattern = _megatron_hybrid_pattern(saved)
     if pattern is not None:
         model_args["hybrid_layer_pattern"] = pattern
+    if "spec" in saved:
+        model_args["spec"] = _megatron_spec(saved["spec"])
     if "layernorm_epsilon" in saved:
         model_args["norm_epsilon"] = saved["layernorm_epsilon"]
     if "disable_bias_linear" in saved:
@@ -120,3 +125,12 @@ def _megatron_hybrid_pattern(saved: dict):
     if mtp and depths > 0 and "/" not in pattern:
         pattern += f"/{mtp}" * depths
     return pattern.replace("|", "")
+
+
+def _megatron_spec(spec):
+    """Megatron's --spec as teratron records it: GDP_SPEC for its Gated Delta Product stack, else None
+    (its Mamba-2 hybrid stack, a GPT layer spec, ...: layers teratron builds from the other args alone)."""
+    try:
+        return GDP_SPEC if gdp_layers_of_spec(spec) else None
+    except ValueError:
+        return None

@@ -36,7 +36,7 @@ from teratron.dist_checkpointing.checkpoint import all_ranks_true
 from teratron.dist_checkpointing.megatron_format import (TERATRON_RECORD, is_megatron_checkpoint,
                                                          load_megatron_checkpoint)
 from teratron.dist_checkpointing.megatron_format import read_common_state as read_megatron_common_state
-from teratron.dist_checkpointing.model_args import model_args_from_config
+from teratron.dist_checkpointing.model_args import GDP_DEFAULTS, model_args_from_config
 from teratron.training.arguments import flag_values
 from teratron.training.telemetry import NO_TELEMETRY
 
@@ -217,8 +217,10 @@ class Checkpointer:
                 int(common.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))))
 
     def _check_model_args(self, saved: dict, checkpoint_dir: str) -> None:
-        """Refuse a checkpoint of another model, naming each flag that differs and both values."""
+        """Refuse a checkpoint of another model, naming each flag that differs and both values (an older
+        record without the hybrid M layers' kind has Mamba-2's)."""
         current = model_args_from_config(self.run.model)
+        saved = {**GDP_DEFAULTS, **saved} if saved else saved
         differ = [flag_values(k, ("saved", saved[k]), ("now", current[k])) for k in current
                   if k in saved and k not in _MAY_DIFFER and saved[k] != current[k]
                   and not (k == "mtp_num_layers" and saved[k] is None)]  # MTP added: `_adds_mtp_layers`

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from teratron.distributed import DistributedDataParallelConfig
 from teratron.models.gpt.gpt_config import GPTModelConfig
+from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
 from teratron.optimizer import OptimizerConfig
 from teratron.parallel_state import launched_by_torchrun
 from teratron.dist_checkpointing.model_args import YARN_ARGS
@@ -472,6 +473,7 @@ RENAMED = {
     "ddp_average_in_collective": ("ddp", "average_in_collective", None),
     "untie_embeddings_and_output_weights": ("model", "share_embeddings_and_output_weights", lambda v: not v),
     "use_rope_scaling": ("model", "rope_scaling", None),
+    "spec": ("transformer", "gdp_layers", gdp_layers_of_spec),
     "yarn_original_max_position_embeddings": ("mla", "original_max_position_embeddings", None),
     "yarn_beta_fast": ("mla", "beta_fast", None),
     "yarn_beta_slow": ("mla", "beta_slow", None),

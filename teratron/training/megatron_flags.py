@@ -42,6 +42,8 @@ _TENSORBOARD = ("teratron's TensorBoard scalars are fixed: every --log-interval 
 
 # note -> flags accepted with it
 ACCEPTED = {
+    "read only by the CuTeDSL Gated Delta Product kernel (--gdp-cutedsl-kernel), which teratron does not have; "
+    "its own rule kernels keep every chunk's state": "--gdp-num-chunk-states-to-recompute=",
     "teratron's Mamba layers have one path (the chunked scan with its own kernels); there is no separate "
     "memory-efficient path to switch off": "--disable-mamba-mem-eff-path",
     "the attention softmax runs inside SDPA/FlexAttention (--attention-backend picks the kernel); there is no "
@@ -285,8 +287,8 @@ REFUSED = {
                                                  "--mhc-sinkhorn-iterations= --mhc-init-gating-factor= "
                                                  "--mhc-recompute-layer-num=",
     Refused("multimodal RoPE"): "--mrope-section=+",
-    Refused("Gated Delta Product layers (Megatron's hybrid 'D'-free GDP variant)"):
-        "--gdp-num-householder= --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute=",
+    Refused("the CuTeDSL Gated Delta Product kernel package (gdp_attn)",
+            "drop it; teratron's GDP layers run its own gated-delta-rule kernels"): "--gdp-cutedsl-kernel",
     Refused("a Mamba SSM state dtype other than fp32 in training", "drop the flag (the scan keeps fp32 states)"):
         "--mamba-training-ssm-states-dtype=",
     Refused("chunking the MLP in training"): "--mlp-chunks-for-training=",
@@ -334,7 +336,6 @@ REFUSED = {
                                     "--logits-load-ignore-errors",
     Refused("a heterogeneous layer config"): "--heterogeneous-layers-config-path= "
                                             "--heterogeneous-layers-config-encoded-json=",
-    Refused("choosing layer specs on the command line", "build custom layers with ModuleSpec in Python"): "--spec=*",
     Refused("Megatron's YAML config", "use --config (a YAML file of teratron train's flag names)"): "--yaml-cfg=",
     Refused("the precision-aware optimizer (low-precision optimizer states)"): "--use-precision-aware-optimizer",
     Refused("tuning of Megatron-FSDP's own buffers and hybrid-sharding variants",

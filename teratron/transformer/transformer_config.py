@@ -85,9 +85,9 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 TERATRON_EXTRA_FIELDS = ("moe_router_quantile_balancing_ema", "fine_grained_activation_offloading",
                          "offload_modules", "min_offloaded_tensor_size", "hybrid_layer_pattern",
                          "freeze_base_model_for_mtp", "moe_shared_expert_gate",  # Megatron's, newer than the reference
-                         "attention_output_gate",
+                         "attention_output_gate", "gdp_layers",
                          "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",  # so are these
-                         "linear_num_key_heads", "linear_num_value_heads",
+                         "linear_num_key_heads", "linear_num_value_heads", "gdp_num_householder",
                          *YARN_FIELDS)
 
 
@@ -643,6 +643,14 @@ class TransformerConfig(ModelParallelConfig):
     use_mamba_mem_eff_path: bool = True
     """Memory-efficient Mamba path."""
 
+    gdp_num_householder: int = 3
+    """Gated Delta Product: rank-one updates of the state per token (Householder substeps)."""
+
+    gdp_layers: bool = False
+    """The hybrid pattern's M layers are Gated Delta Product mixers (`teratron.ssm.gated_delta_product`,
+    Megatron's `--spec megatron.core.models.hybrid.hybrid_layer_specs gdp_stack_spec`), sized by the
+    mamba_* fields; False: Mamba-2 mixers."""
+
     linear_conv_kernel_dim: int = 4
     """Gated DeltaNet: taps of the short causal convolution over q, k and v."""
 
@@ -699,7 +707,11 @@ class TransformerConfig(ModelParallelConfig):
     def _check_hybrid(self):
         """A hybrid model's layer kinds against the other fields; its symbols and length are checked
         with the model (`GPTModelConfig`, `models.hybrid`), which owns the pattern's grammar."""
+        _check_positive_int(self, "gdp_num_householder")
         if self.hybrid_layer_pattern is None:
+            if self.gdp_layers:
+                raise ValueError("gdp_layers without hybrid_layer_pattern: Gated Delta Product mixers are the "
+                                 "pattern's M layers; give --hybrid-layer-pattern (e.g. 'M-M*-')")
             if self.is_hybrid_model:
                 raise ValueError("is_hybrid_model without hybrid_layer_pattern; give the layers with "
                                  "--hybrid-layer-pattern (e.g. 'M-M*-')")

@@ -26,7 +26,7 @@ from teratron.convert.hf import from_hf
 from teratron.convert.hf_config import hf_config_from_model_args
 from teratron.convert.safetensors_io import SINGLE_FILENAME
 from teratron.dist_checkpointing import save_checkpoint, storage
-from teratron.dist_checkpointing.model_args import VARIANT_DEFAULTS, gpt_config_from_model_args
+from teratron.dist_checkpointing.model_args import GDP_DEFAULTS, VARIANT_DEFAULTS, gpt_config_from_model_args
 from teratron.inference.config import InferenceConfig
 from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.loading import load_for_inference
@@ -244,6 +244,6 @@ def test_trained_recipe_model_exports_and_generates_with_transformers(tmp_path, 
     convert("import-hf", "--hf-path", str(out), "--save", str(tmp_path / "back"))
     trained = storage.read_metadata(storage.resolve_checkpoint_dir(ckpt))["model_args"]
     back = storage.read_metadata(storage.resolve_checkpoint_dir(str(tmp_path / "back")))["model_args"]
-    back = {**VARIANT_DEFAULTS, "mtp_num_layers": None, "multi_latent_attention": False, "quick_geglu": False,
-            "squared_relu": False, **back}  # an import leaves out what is absent
+    back = {**VARIANT_DEFAULTS, **GDP_DEFAULTS, "mtp_num_layers": None, "multi_latent_attention": False,
+            "quick_geglu": False, "squared_relu": False, **back}  # an import leaves out what is absent
     assert {k: back[k] for k in trained} == trained

@@ -257,3 +257,50 @@ def test_the_cli_refuses_with_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"teratron: error: --hf-path {src}: conv_kernel=2; teratron's Mamba convolution has 4 taps, so only "
         "conv_kernel=4 converts")
+
+
+GDP_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec"]
+NO_GDP_FAMILY = ("Gated Delta Product M layers (gdp_layers: Megatron's --spec ... gdp_stack_spec), which no Hugging "
+                 "Face family holds (nemotron_h's M layers are Mamba-2, qwen3_next's are Gated DeltaNet)")
+
+
+def test_gated_delta_product_models_are_refused_both_ways(tmp_path, capsys):
+    """Hugging Face has no Gated Delta Product model: exporting a checkpoint whose M layers are GDP mixers
+    (as either hybrid family), filling a GDP model from an HF folder, and fine-tuning an import as a GDP
+    model are each refused with one line naming the problem and the way out; nothing is written."""
+    from teratron import cli
+
+    src, gdp, imported = tmp_path / "hf", tmp_path / "gdp", tmp_path / "imported"
+    make_model(src)
+    gdp_args = {**model_args_from_hf(read_config(src), "cfg"), "spec": GDP_SPEC}
+    export_refusal = (f"the checkpoint's hybrid model has {NO_GDP_FAMILY}; it does not export: keep it as a teratron "
+                      "checkpoint, or save it with --ckpt-format torch_dist for Megatron-LM")
+    for base in (None, {"model_type": "qwen3_next"}):
+        with pytest.raises(ValueError) as raised:
+            hf_config_from_model_args(gdp_args, base)
+        assert str(raised.value) == export_refusal
+    model = build_gpt_model(gpt_config_from_model_args(gdp_args))
+    assert type(model.decoder.layers[0].mixer).__name__ == "GatedDeltaProductMixer"
+    save_checkpoint(str(gdp), 1, [model], metadata={"model_args": gdp_args})
+    capsys.readouterr()
+    assert cli.main(["convert", "export-hf", "--load", str(gdp), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"teratron: error: {export_refusal}"]
+    assert not (tmp_path / "out").exists()
+
+    with pytest.raises(ValueError) as raised:
+        load_hf_weights(str(src), [model])
+    assert str(raised.value) == (f"--hf-path {src}: the model to fill has {NO_GDP_FAMILY}; build it from the "
+                                 "folder's config.json (model_args_from_hf), without gdp_layers")
+
+    convert("import-hf", "--hf-path", str(src), "--save", str(imported))
+    capsys.readouterr()
+    train = ["train", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *TRAINING_SHAPE,
+             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-2", "--eval-iters", "0",
+             "--num-workers", "0", "--no-progress-bar", "--load", str(imported), "--finetune",
+             "--save", str(tmp_path / "trained"), "--spec", *GDP_SPEC]
+    assert cli.main(train) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"teratron: error: --load {storage.iteration_dir(str(imported), 0)}: the checkpoint holds another model: "
+        f"--spec (saved unset, now {GDP_SPEC}); pass the architecture flags it was saved with, or "
+        "--use-checkpoint-args to take them from it")
+    assert storage.read_tracker(str(tmp_path / "trained")) is None

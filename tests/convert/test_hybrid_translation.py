@@ -135,3 +135,51 @@ def test_a_hybrid_with_mtp_depths_is_not_translated_to_gpt(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the hybrid pattern 'M*-/*-' has multi-token-prediction depths ('/')" in err[0], err
     assert not (tmp_path / "gpt").exists()
+
+
+GDP_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec"]
+GDP = ["--spec", *GDP_SPEC, "--gdp-num-householder", "2"]
+
+
+def test_gated_delta_product_m_layers_are_new_and_the_rest_round_trips(gpt_checkpoint, tmp_path, capsys):
+    """With Megatron's gdp_stack_spec the pattern's M layers are new Gated Delta Product mixers (of 2
+    substeps, A in [0, 16] and no D, as Megatron initialises them), the record says so and rebuilds a GDP
+    model, the kept halves are the GPT weights, the model trains with its flags, and back to
+    GPT drops the GDP layers (saying so) and returns the GPT weights bit for bit; a spec teratron does not
+    build is refused in one line."""
+    _convert("gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "gdp"),
+             "--hybrid-layer-pattern", "M*-M*-", *MAMBA, *GDP)
+    assert cli.main(["convert", "gpt-to-hybrid", "--load", str(gpt_checkpoint), "--save", str(tmp_path / "other"),
+                     "--hybrid-layer-pattern", "M*-M*-", "--spec", "my.specs", "my_stack_spec"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--spec my.specs my_stack_spec: teratron builds its layers without Megatron's specs" in \
+        err[0] and not (tmp_path / "other").exists()
+    folder = storage.resolve_checkpoint_dir(str(tmp_path / "gdp"))
+    record = storage.read_metadata(folder)["model_args"]
+    assert (record["spec"], record["gdp_num_householder"], record["hybrid_layer_pattern"]) == (GDP_SPEC, 2, "M*-M*-")
+    mixer = _model(tmp_path / "gdp").decoder.layers[3].mixer
+    assert (type(mixer).__name__, mixer.num_householder) == ("GatedDeltaProductMixer", 2)
+    gpt = load_full(storage.resolve_checkpoint_dir(str(gpt_checkpoint)), is_model_key)
+    gdp = load_full(folder, is_model_key)
+    for gpt_layer, place in ((0, 1), (1, 4)):  # each GPT layer's attention half on its '*' layer
+        for key, value in gpt.items():
+            if key.startswith(f"decoder.layers.{gpt_layer}.self_attention."):
+                assert torch.equal(gdp[key.replace(f"layers.{gpt_layer}.", f"layers.{place}.")], value), key
+    # 8 heads (2 x 32 / 8) of 8, 2 groups of state 8: z, V0, V1 (64 each), K0, K1, Q (16 each), b0, b1, a (8 each)
+    assert gdp["decoder.layers.0.mixer.in_proj.weight"].shape == (64 * 3 + 16 * 3 + 8 * 3, 32)
+    assert "decoder.layers.0.mixer.D" not in gdp and "decoder.layers.0.mixer.conv1d.bias" not in gdp
+    a = gdp["decoder.layers.0.mixer.A_log"].exp()
+    assert bool(((a >= 0) & (a <= 16)).all()) and bool((a < 1).any())  # Megatron's GDP A ~ U(0, 16)
+
+    records = training_records(train(GPT + MAMBA + GDP + ["--hybrid-layer-pattern", "M*-M*-", "--train-iters", "1",
+                                                          "--load", str(tmp_path / "gdp"), "--finetune"],
+                                     tmp_path, "finetune")[0])
+    assert [r["iteration"] for r in records] == [1]
+
+    capsys.readouterr()
+    _convert("hybrid-to-gpt", "--load", str(tmp_path / "gdp"), "--save", str(tmp_path / "back"))
+    assert "NOTE: 2 Gated Delta Product layer(s) of M*-M*- have no GPT counterpart" in capsys.readouterr().out
+    back_dir = storage.resolve_checkpoint_dir(str(tmp_path / "back"))
+    back = load_full(back_dir, is_model_key)
+    assert back.keys() == gpt.keys() and all(torch.equal(back[k], gpt[k]) for k in gpt)
+    assert storage.read_metadata(back_dir)["model_args"]["spec"] is None

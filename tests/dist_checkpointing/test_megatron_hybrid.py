@@ -10,6 +10,12 @@ z, x, B, C, dt and conv1d's weight and bias as x, B, C, each a tensor `<name>.<p
 (ssm/utils.py `_split_tensor_factory`); Gated DeltaNet (ssm/gated_delta_net/common.py, gdn.py) its
 in_proj.weight as query, key, value, z, beta, alpha and conv1d.weight as query, key, value; a hybrid
 MTP depth keeps its layers in `mtp_model_layer`, a hybrid stack (transformer/multi_token_prediction.py).
+Gated Delta Product layers (`--spec megatron.core.models.hybrid.hybrid_layer_specs gdp_stack_spec`: a
+MambaLayer whose mixer is GatedDeltaProductMixer, ssm/gated_delta_product.py, its in_proj a
+TELayerNormColumnParallelLinear too) store in_proj.weight as z, V0 .. V{M-1}, K0 .. K{M-1}, Q,
+b0 .. b{M-1}, a and conv1d.weight (no bias) as V0 .. V{M-1}, K0 .. K{M-1}, Q, M the Householder
+substeps (`_get_in_proj_checkpoint_split_layout`, `_get_conv_checkpoint_split_layout`), with dt_bias,
+A_log and norm.weight but no D; Megatron's args carry `spec` and `gdp_num_householder`.
 No Megatron-written hybrid checkpoint is among the fixtures (Megatron's hybrid layers need Transformer
 Engine, mamba_ssm and causal_conv1d).
 """
@@ -89,6 +95,58 @@ def test_a_torch_dist_save_at_tp2_resumes_at_tp1_and_pp2_with_the_same_losses(tm
     staged = TINY + ["--hybrid-layer-pattern", PATTERN.replace("*-", "*|-"), "--pipeline-model-parallel-size", "2",
                      "--load", str(tmp_path / "tp2")]
     assert_same_losses(reference, training_records(train(staged, tmp_path, "pp2-from-tp2", nproc=2)[0]), "pp2-from-tp2")
+
+
+GDP_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec"]
+GDP_MODEL = MODEL + ["--spec", *GDP_SPEC, "--gdp-num-householder", "2"]
+
+
+def _gdp_keys(layer: str, householder: int = 2) -> dict:
+    """Megatron's keys of a Gated Delta Product layer at TINY's sizes (Mamba's: 8 heads of 8, d_inner 64, 2
+    groups of state 8), its parts named by Megatron's rule for `householder` substeps."""
+    d_inner, keys_rows, heads = 64, 2 * 8, 8
+    in_proj = {"z": d_inner, **{f"V{i}": d_inner for i in range(householder)},
+               **{f"K{i}": keys_rows for i in range(householder)}, "Q": keys_rows,
+               **{f"b{i}": heads for i in range(householder)}, "a": heads}
+    conv1d = {part: rows for part, rows in in_proj.items() if part[0] in "VKQ"}
+    keys = {f"{layer}.mixer.in_proj.layer_norm_weight": (H,), f"{layer}.mixer.dt_bias": (heads,),
+            f"{layer}.mixer.A_log": (heads,), f"{layer}.mixer.norm.weight": (d_inner,),
+            f"{layer}.mixer.out_proj.weight": (H, d_inner)}
+    keys.update({f"{layer}.mixer.in_proj.weight.{part}": (rows, H) for part, rows in in_proj.items()})
+    keys.update({f"{layer}.mixer.conv1d.weight.{part}": (rows, 1, 4) for part, rows in conv1d.items()})
+    return keys
+
+
+def test_gated_delta_product_layers_in_megatrons_layout_reshard_from_tp2_to_tp1(tmp_path):
+    """A GDP hybrid (M layers Gated Delta Product mixers of 2 substeps, in the decoder and the MTP depth)
+    saved in Megatron's layout by two tensor-parallel ranks: every GDP layer's tensors under exactly
+    Megatron's keys and part names (and no Mamba part, D or conv1d bias), Megatron's args naming the
+    stack; resumed by one process taking the architecture from those args (no --spec given), the
+    losses of an uninterrupted single-process run."""
+    from teratron.dist_checkpointing import serialization
+    from teratron.dist_checkpointing.megatron_format import read_common_state
+
+    reference = training_records(train(GDP_MODEL, tmp_path, "single")[0])
+    train(GDP_MODEL + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                       "--save", str(tmp_path / "tp2"), "--save-interval", "2", "--exit-interval", "2",
+                       "--ckpt-format", "torch_dist"], tmp_path, "tp2", nproc=2)
+    folder = str(tmp_path / "tp2" / "iter_0000002")
+    saved = serialization.saved_keys(folder)
+    layers = [("decoder.layers.0", _gdp_keys), ("mtp.layers.0.mtp_model_layer.layers.0", _gdp_keys),
+              ("decoder.layers.1", _gdn_keys), ("mtp.layers.0.mtp_model_layer.layers.1", _gdn_keys)]
+    for layer, keys in layers:
+        expected = keys(layer)
+        assert {key: saved[key] for key in saved if key.startswith(layer + ".")} == expected, layer
+        moments = {key: saved[key] for key in saved if key.startswith(f"optimizer.state.exp_avg.{layer}.")}
+        assert moments == {f"optimizer.state.exp_avg.{key}": shape for key, shape in expected.items()}, layer
+    args = read_common_state(folder)["args"]
+    assert (args.spec, args.gdp_num_householder, args.hybrid_layer_pattern) == (GDP_SPEC, 2, PATTERN)
+
+    resumed, stdout = train(MODEL + ["--load", str(tmp_path / "tp2"), "--use-checkpoint-args"], tmp_path, "tp1")
+    assert "holds no optimizer state" not in stdout
+    resumed = training_records(resumed)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert_same_losses(reference, resumed, "tp1-from-tp2")
 
 
 def test_mamba_projections_have_no_biases_as_megatrons():

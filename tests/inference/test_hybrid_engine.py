@@ -1,5 +1,5 @@
-"""DynamicInferenceEngine serving hybrid models (fp32, CPU): each request's Mamba-2 and Gated
-DeltaNet layers carry their convolution and scan states from one step to the next (prefill chunks
+"""DynamicInferenceEngine serving hybrid models (fp32, CPU): each request's Mamba-2, Gated DeltaNet and
+Gated Delta Product layers carry their convolution and scan states from one step to the next (prefill chunks
 and decode tokens), so greedy output equals the model's own greedy decoding by full recompute (the
 whole sequence through the model at each step), for requests alone, batched with chunked prefill,
 decoding together as one batch, and in a buffer tight enough to preempt (a preempted request recomputes its states); with attention
@@ -36,12 +36,15 @@ MLA = dict(kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, 
            rotary_scaling_factor=4.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=1.0)
 
 
-@pytest.fixture(scope="module", params=["attention", "mla", "mla-latents", "recurrent"])
+@pytest.fixture(scope="module", params=["attention", "mla", "mla-latents", "recurrent", "gdp"])
 def model(request):
-    """MG*-M, MG+-M with multi-latent attention (per-head keys and values cached, or the latents), or
-    MG-GM without attention (a context of no keys: its blocks only count tokens)."""
+    """MG*-M, MG+-M with multi-latent attention (per-head keys and values cached, or the latents),
+    MG-GM without attention (a context of no keys: its blocks only count tokens), or MG*-M with Gated
+    Delta Product mixers in the M places (2 substeps a token)."""
     if request.param == "attention":
         config = TransformerConfig(hybrid_layer_pattern="MG*-M", **HYBRID)
+    elif request.param == "gdp":
+        config = TransformerConfig(hybrid_layer_pattern="MG*-M", gdp_layers=True, gdp_num_householder=2, **HYBRID)
     elif request.param == "recurrent":
         config = TransformerConfig(hybrid_layer_pattern="MG-GM", **HYBRID)
     else:
@@ -185,7 +188,7 @@ def test_speculative_decoding_equals_full_recompute(model, n):
     with drafts both accepted and rejected."""
     reference = [recompute_greedy(model, p) for p in PROMPTS]
     config = InferenceConfig(buffer_size_gb=0.01, block_size=4, num_speculative_tokens=n)
-    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config, draft_model=noisy_copy(model, 0.05))
+    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), config, draft_model=noisy_copy(model, 0.1))
     assert generate_all(engine, PROMPTS) == reference
     assert 0 < engine.num_draft_tokens_accepted < engine.num_draft_tokens_proposed
     assert not engine.context.recurrent_states and not engine.draft.context.recurrent_states

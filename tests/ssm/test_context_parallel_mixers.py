@@ -1,5 +1,5 @@
-"""Context parallelism inside the recurrent mixers (teratron/ssm/context_parallel.py): Mamba-2's and
-Gated DeltaNet's on four gloo ranks under CP 2, CP 4 and TP 2 x CP 2 (so groups, B and C or key
+"""Context parallelism inside the recurrent mixers (teratron/ssm/context_parallel.py): Mamba-2's, Gated
+DeltaNet's and Gated Delta Product's on four gloo ranks under CP 2, CP 4 and TP 2 x CP 2 (so groups, B and C or key
 heads, both split over CP and repeated on several CP ranks), on plain rows and on packed documents
 ('sbhd' rows and one 'thd' row): each rank's output and input gradient equal those rows of one
 process's, and the parameters' gradients summed over the CP ranks equal its (TP shards of them); on
@@ -20,6 +20,7 @@ from teratron.packed_seq_params import PackedSeqParams, cu_seqlens_from_document
 from teratron.process_groups import ProcessGroupCollection
 from teratron.ssm import GatedDeltaNet
 from teratron.ssm.context_parallel import channel_index, head_shares
+from teratron.ssm.gated_delta_product import GatedDeltaProductMixer
 from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.tensor_parallel.utils import shard_tensor
 from teratron.transformer.context_parallel import cp_token_index
@@ -50,13 +51,26 @@ def _gated_delta_net(chunk, tp=1, groups=None):
     return m
 
 
+def _gated_delta_product(chunk, tp=1, groups=None):
+    """8 heads of 4 channels in 2 groups, 2 substeps a token."""
+    torch.manual_seed(5)
+    m = GatedDeltaProductMixer(_config(tp, hybrid_layer_pattern="M", gdp_layers=True, mamba_state_dim=4,
+                                       mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=8, gdp_num_householder=2),
+                               pg_collection=groups)
+    m.chunk_size = chunk
+    return m
+
+
 # Parameters sharded over TP: (dim, stride) as each mixer builds them.
 MAMBA_SHARDS = {"in_proj.weight": (0, (32, 32, 8, 8, 8)), "conv1d.weight": (0, (32, 8, 8)),
                 "conv1d.bias": (0, (32, 8, 8)), "dt_bias": (0, 1), "A_log": (0, 1), "D": (0, 1),
                 "norm.weight": (0, 1), "out_proj.weight": (1, 1)}
 GDN_SHARDS = {"in_proj.weight": (0, (8, 8, 12, 12, 4, 4)), "conv1d.weight": (0, (8, 8, 12)), "dt_bias": (0, 1),
               "A_log": (0, 1), "out_proj.weight": (1, 1), "out_norm.weight": None}
-MIXERS = {"mamba": (_mamba, MAMBA_SHARDS), "gated delta net": (_gated_delta_net, GDN_SHARDS)}
+GDP_SHARDS = {"in_proj.weight": (0, (32, 32, 32, 8, 8, 8, 8, 8, 8)), "conv1d.weight": (0, (32, 32, 8, 8, 8)),
+              "dt_bias": (0, 1), "A_log": (0, 1), "norm.weight": (0, 1), "out_proj.weight": (1, 1)}
+MIXERS = {"mamba": (_mamba, MAMBA_SHARDS), "gated delta net": (_gated_delta_net, GDN_SHARDS),
+          "gated delta product": (_gated_delta_product, GDP_SHARDS)}
 
 
 def _packed(layout, seq):
@@ -89,12 +103,13 @@ def _groups():
             ("tp2 x cp2", 2, 2, ProcessGroupCollection(tp=pairs[rank // 2], cp=strided[rank % 2]))]
 
 
-def check_every_layout(seq=S, chunk=4):
-    """The failures of every mixer, packing and layout, and how many were checked (on each rank):
-    rows of `seq` tokens, the scans' chunks of `chunk`."""
+def check_every_layout(seq=S, chunk=4, mixers=tuple(MIXERS)):
+    """The failures of every mixer (of `mixers`), packing and layout, and how many were checked (on
+    each rank): rows of `seq` tokens, the scans' chunks of `chunk`."""
     rank, failures, checked = dist.get_rank(), [], 0
     layouts = _groups()
-    for kind, (build, shards) in MIXERS.items():
+    for kind in mixers:
+        build, shards = MIXERS[kind]
         for packing in (None, "sbhd", "thd"):
             batch, length = (1, 2 * seq) if packing == "thd" else (B, seq)
             gen = torch.Generator().manual_seed(0)
@@ -129,7 +144,7 @@ def check_every_layout(seq=S, chunk=4):
 
 def test_every_layout_equals_one_process():
     for failures, checked in run_distributed(check_every_layout, 4):
-        assert failures == [] and checked == 2 * 3 * 3
+        assert failures == [] and checked == len(MIXERS) * 3 * 3
 
 
 def _compiled_cp2():
@@ -156,7 +171,9 @@ def test_compiled_mixers_under_context_parallelism():
 
 
 def test_the_triton_kernels_take_the_exchanged_inputs():
-    """The same check on the mixers' Triton kernels (Triton's interpreter), rows of 32, chunks of 16."""
+    """The same check on Mamba's and Gated DeltaNet's Triton kernels (Triton's interpreter), rows of 32,
+    chunks of 16 (Gated Delta Product runs Gated DeltaNet's rule kernel: tests/ssm/test_gated_delta_product.py
+    checks it there)."""
     assert run_in_the_interpreter(__file__, "context_parallel_mixers_cases.py") == "checked 18 layouts"
 
 

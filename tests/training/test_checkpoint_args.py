@@ -24,6 +24,10 @@ TRAINING = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--t
 MEGATRON_FIXTURE = os.path.join(os.path.dirname(__file__), "..", "dist_checkpointing", "fixtures", "megatron_core",
                                 "tp1")
 
+GDP_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "gdp_stack_spec"]
+HYBRID = ["--hybrid-layer-pattern", "M*-M", "--hidden-size", "32", "--num-attention-heads", "4", "--mamba-state-dim",
+          "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2"]
+
 # Architectures whose flags differ from the defaults in every recorded field they touch.
 ARCHITECTURES = {
     "llama": ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
@@ -51,6 +55,7 @@ ARCHITECTURES = {
                 "--window-size", "8,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable",
                 "--activation-func-clamp-value", "7", "--glu-linear-offset", "1", "--no-rope-freq", "[0,1]",
                 "--attention-backend", "local"],
+    "gdp": HYBRID + ["--spec", *GDP_SPEC, "--gdp-num-householder", "2"],
 }
 
 
@@ -178,6 +183,35 @@ def test_megatron_hybrid_patterns_of_either_era():
     assert _megatron_model_args({"hybrid_override_pattern": "MG*E"})["hybrid_layer_pattern"] == "MG*E"
     without_depths = {"hybrid_override_pattern": "M*", "mtp_hybrid_override_pattern": "M-", "mtp_num_layers": None}
     assert _megatron_model_args(without_depths)["hybrid_layer_pattern"] == "M*"  # Megatron builds no MTP then
+
+
+def test_megatron_hybrid_specs():
+    """Megatron's --spec: its Gated Delta Product stack gives GDP M layers (with --gdp-num-householder);
+    its Mamba-2 stack (either module path), GPT layer specs and none give teratron's record without them."""
+    from teratron.training.checkpoint_args import _megatron_model_args
+
+    gdp = _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": GDP_SPEC, "gdp_num_householder": 2})
+    assert (gdp["spec"], gdp["gdp_num_householder"]) == (GDP_SPEC, 2)
+    for spec in (["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"],
+                 ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
+                 ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], [], None):
+        assert _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": spec})["spec"] is None, spec
+    assert "spec" not in _megatron_model_args({"hybrid_layer_pattern": "M*M-"})
+
+
+def test_a_spec_is_compared_by_the_layers_it_builds(tmp_path):
+    """--use-checkpoint-args with --spec: Mamba-2's hybrid_stack_spec agrees with a Mamba checkpoint (which
+    records none); gdp_stack_spec contradicts it, and a GDP checkpoint gives the spec itself."""
+    saved = model_args_from_config(_run(TRAINING + HYBRID).model)
+    assert (saved["spec"], saved["gdp_num_householder"]) == (None, 3)
+    base = TRAINING + ["--load", _write_checkpoint(tmp_path / "mamba", saved), "--use-checkpoint-args"]
+    assert not _run(base + ["--spec", GDP_SPEC[0], "hybrid_stack_spec"]).model.transformer.gdp_layers
+    with pytest.raises(ValueError, match=r"--spec \(checkpoint unset, command line \['megatron.core.models.hybrid."
+                                         r"hybrid_layer_specs', 'gdp_stack_spec'\]\)"):
+        parse_train_args(base + ["--spec", *GDP_SPEC])
+    gdp = model_args_from_config(_run(TRAINING + ARCHITECTURES["gdp"]).model)
+    run = _run(TRAINING + ["--load", _write_checkpoint(tmp_path / "gdp", gdp), "--use-checkpoint-args"])
+    assert (run.model.transformer.gdp_layers, run.model.transformer.gdp_num_householder) == (True, 2)
 
 
 def test_mismatch_errors_name_the_flags():

@@ -1,6 +1,6 @@
 """Megatron's hybrid layer pattern: one symbol per layer, `|` between pipeline stages.
 
-    M  Mamba-2 layer        (norm, Mamba mixer, residual)
+    M  Mamba-2 layer        (norm, Mamba mixer, residual; a Gated Delta Product mixer with gdp_layers)
     G  Gated DeltaNet layer (norm, Gated DeltaNet, residual)
     *  attention layer      (norm, self-attention, residual; no MLP)
     +  multi-latent attention layer (norm, MLA, residual; with --multi-latent-attention)
@@ -33,6 +33,24 @@ class Symbols:
 
 
 _NOT_YET = {"D": "DeepSeek sparse attention layers (D)"}
+
+# Megatron's `--spec` of a hybrid model: its module, and the stacks teratron builds (Megatron's aliases
+# too) -> gdp_layers; its older Mamba module's stack is the Mamba-2 one
+HYBRID_SPECS_MODULE = "megatron.core.models.hybrid.hybrid_layer_specs"
+HYBRID_STACK_SPECS = {"hybrid_stack_spec": False, "mamba_stack_spec": False, "gdp_stack_spec": True,
+                      "gated_delta_product_stack_spec": True}
+_OLDER_MAMBA_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
+
+
+def gdp_layers_of_spec(spec) -> bool:
+    """Megatron's `--spec MODULE NAME` (None: not given) -> gdp_layers; ValueError for other specs."""
+    if spec is None or tuple(spec) == _OLDER_MAMBA_SPEC:
+        return False
+    if len(spec) == 2 and spec[0] == HYBRID_SPECS_MODULE and spec[1] in HYBRID_STACK_SPECS:
+        return HYBRID_STACK_SPECS[spec[1]]
+    names = " or ".join(f"'{HYBRID_SPECS_MODULE} {name}'" for name in ("gdp_stack_spec", "hybrid_stack_spec"))
+    raise ValueError(f"--spec {' '.join(spec)}: teratron builds its layers without Megatron's specs and takes only "
+                     f"{names}; drop it (build custom layers with ModuleSpec in Python)")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Attention (`*`, `+` multi-latent), MLP and MoE layers are GPT's local layer with the other half left
 out (an IdentityOp submodule: `TransformerLayer` skips it); Gated DeltaNet takes the attention's place in that layer
-(Megatron's `gdn_layer`); Mamba layers are Megatron's `MambaLayer` (norm + mixer). Norms follow
+(Megatron's `gdn_layer`); Mamba layers are Megatron's `MambaLayer` (norm + mixer: Mamba-2's, or Gated
+Delta Product's with `config.gdp_layers`, Megatron's `gdp_stack_spec`). Norms follow
 `config.normalization` unless `normalization` fixes them, as GPT's specs do.
 """
 
@@ -13,6 +14,7 @@ from teratron.pipeline_parallel.layout import get_num_layers_to_build, get_trans
 from teratron.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from teratron.models.hybrid.hybrid_stack import HybridStack
 from teratron.models.hybrid.mamba_layer import MambaLayer, MambaLayerSubmodules
+from teratron.ssm.gated_delta_product import GatedDeltaProductMixer
 from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.transformer.identity_op import IdentityOp
 from teratron.transformer.spec_utils import ModuleSpec
@@ -48,8 +50,9 @@ def _moe_layer(config, normalization):
 
 
 def _mamba_layer(config, normalization):
+    mixer = GatedDeltaProductMixer if config.gdp_layers else MambaMixer
     return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(norm=_norm_class(normalization),
-                                                                         mixer=MambaMixer))
+                                                                         mixer=mixer))
 
 
 def _gated_delta_net_layer(config, normalization):
