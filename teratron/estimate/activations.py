@@ -50,11 +50,12 @@ recomputes the softmax in backward; its passes are compiled kernels on CUDA, eag
 (`fused_loss_transients`).
 
 A hybrid model's layer (--hybrid-layer-pattern) keeps its one norm and what its kind keeps
-(`hybrid_layer_storages`): attention's, the MLP's or the MoE layer's storages as above, or a Mamba or
-Gated DeltaNet mixer's as its Triton kernels keep them (what a GPU runs; on the CPU the PyTorch
-reference scans keep far more and are not modelled). Under context parallelism a mixer's
-convolution and scan run over whole sequences for the rank's share of the heads (`_mixer_share`),
-keeping the exchanged inputs besides; the token order the exchanges share counts once.
+(`hybrid_layer_storages`): attention's, the MLP's or the MoE layer's storages as above, or a Mamba-2,
+Gated Delta Product (an `M` layer with gdp_layers) or Gated DeltaNet mixer's as its Triton kernels keep
+them (what a GPU runs; on the CPU the PyTorch reference scans keep far more and are not modelled).
+Under context parallelism a mixer's convolution and scan run over whole sequences for the rank's share
+of the heads (`_mixer_share`), keeping the exchanged inputs besides; the token order the exchanges share
+counts once.
 
 Each multi-token-prediction depth (on the last stage) keeps what its embedding lookup keeps
 (the shifted int64 ids), enorm's and hnorm's storages (hnorm's input is the previous output,
@@ -72,6 +73,7 @@ from teratron.estimate.params import ModelShape, hybrid_symbols, mtp_depth_layer
 from teratron.models.hybrid import Symbols
 from teratron.ssm.context_parallel import head_shares
 from teratron.ssm.gated_delta_net import CHUNK_SIZE as GATED_DELTA_NET_CHUNK_SIZE
+from teratron.ssm.gated_delta_product import CHUNK_SIZE as GATED_DELTA_PRODUCT_CHUNK_SIZE
 from teratron.ssm.mamba_mixer import CHUNK_SIZE as MAMBA_CHUNK_SIZE
 from teratron.ssm.mamba_mixer import D_CONV, mamba_num_heads
 from teratron.tensor_parallel.fused_cross_entropy import default_chunk_size
@@ -344,9 +346,9 @@ def _moe_storages(config, d: Dims) -> list:
 
 def _mixer_share(config, d: Dims, symbol: str) -> tuple:
     """(sequence length, heads, groups, the convolution's channels, every channel read) of what a
-    rank's Mamba ('M') or Gated DeltaNet ('G': value heads and the key heads they read) mixer scans:
-    its tensor-parallel rank's heads over its tokens, or under context parallelism its share
-    (`teratron.ssm.context_parallel`) over whole sequences."""
+    rank's Mamba ('M'; Gated Delta Product with gdp_layers) or Gated DeltaNet ('G': value heads and the
+    key heads they read) mixer scans: its tensor-parallel rank's heads over its tokens, or under context
+    parallelism its share (`teratron.ssm.context_parallel`) over whole sequences."""
     if symbol == Symbols.MAMBA:
         heads, groups = mamba_num_heads(config) // d.tp, config.mamba_num_groups // d.tp
     else:
@@ -355,6 +357,10 @@ def _mixer_share(config, d: Dims, symbol: str) -> tuple:
     if cp > 1:
         share = head_shares(heads, groups, cp, ("heads", "groups", "a recurrent mixer"))[0]
         s, heads, groups = cp * d.s, len(share.heads), len(share.groups)
+    if symbol == Symbols.MAMBA and config.gdp_layers:
+        m = config.gdp_num_householder
+        conv = m * heads * config.mamba_head_dim + (m + 1) * groups * config.mamba_state_dim
+        return s, heads, groups, conv, conv + (m + 1) * heads  # V_m K_m Q, b_m a
     if symbol == Symbols.MAMBA:
         conv = heads * config.mamba_head_dim + 2 * groups * config.mamba_state_dim
         return s, heads, groups, conv, conv + heads  # x B C, dt
@@ -366,10 +372,11 @@ def _exchange_storages(config, d: Dims, symbol: str, part: str) -> list:
     """What a recurrent mixer's exchange under context parallelism keeps: the received inputs
     [b S, channels] (whole sequences; the convolution's input is a view of them), the int64 channel
     indices of every share's reads and of this share's convolution, and the share's copy of the
-    convolution's weight (and Mamba's bias)."""
+    convolution's weight (and Mamba-2's bias)."""
     s, _, _, conv, channels = _mixer_share(config, d, symbol)
     tokens, cp = s * d.b, config.context_parallel_size
-    taps, bias = (D_CONV, 1) if symbol == Symbols.MAMBA else (config.linear_conv_kernel_dim, 0)
+    taps = D_CONV if symbol == Symbols.MAMBA else config.linear_conv_kernel_dim
+    bias = int(symbol == Symbols.MAMBA and not config.gdp_layers)
     return [_saved(part, d.a * tokens * channels, tokens * channels),
             _saved(part, 8 * cp * channels, cp * channels), _saved(part, 8 * conv, conv),
             _saved(part, d.a * conv * (taps + bias), conv * taps)]
@@ -478,6 +485,70 @@ def _gated_delta_net_storages(config, kernels: KernelProfile, d: Dims, compiled:
     return out + [_saved("gdn gated output", 4 * T * v, T * v), _saved("gdn out_proj input", a * T * v, T * v)]
 
 
+def _gated_delta_product_storages(config, d: Dims, compiled: bool) -> list:
+    """A Gated Delta Product mixer on the rule's kernels (heads, groups / tp, head dim p, state n, M
+    substeps a token): in_proj's input [T, h] and whole output [T, z V_m K_m Q b_m a] (the convolution's
+    input; z, b and a are views of it); the convolution and the rule (`_gated_delta_product_rule_storages`);
+    the gated norm's y, a view of the rule's whole output [M T, heads p] read at each token's last
+    substep, and its fp32 1/rms [T, groups]; out_proj's input [T, d_inner] (the norm's output).
+
+    Under context parallelism the convolution and the rule run over whole sequences for the rank's
+    share of the heads and groups; the exchanged [b S, V_m K_m Q b_m a] share its convolution reads
+    and the share's copy of the convolution's weight are kept besides, and the gated norm keeps the
+    output exchanged back [T, d_inner] (in_proj's output stays: z is a view of it)."""
+    a, T, tp = d.a, d.tokens, d.tp
+    m, p, n = config.gdp_num_householder, config.mamba_head_dim, config.mamba_state_dim
+    heads, groups = mamba_num_heads(config) // tp, config.mamba_num_groups // tp
+    d_inner, projected = heads * p, (m + 1) * (heads * p + groups * n + heads)
+    out = [_saved("gdp in_proj input", a * T * config.hidden_size, T * config.hidden_size),
+           _saved("gdp in_proj output", a * T * projected, T * projected)]
+    y = m * T * d_inner  # the rule's output
+    if config.context_parallel_size > 1:
+        out += _exchange_storages(config, d, Symbols.MAMBA, "gdp exchange")
+        y = T * d_inner  # exchanged back
+    out += _gated_delta_product_rule_storages(config, d, compiled)
+    return out + [_saved("gdp gated norm", a * y + 4 * T * groups, y),
+                  _saved("gdp out_proj input", a * T * d_inner, T * d_inner)]
+
+
+def _gated_delta_product_rule_storages(config, d: Dims, compiled: bool) -> list:
+    """What a Gated Delta Product's convolution and rule keep over Ts tokens and E = M Ts substeps
+    (this rank's share of the heads and groups; L the rule's chunk, m = ceil(M s / L) chunks): the
+    convolution's output [Ts, V_m K_m Q] where a view of it is kept (q's with fp32 activations, v's and
+    k's with M = 1); q's and k's L2 norms in fp32: q's upcast [Ts, groups n], k's [E, groups n] (a copy:
+    a token's M keys are not one stride apart in the convolution's output), each with 1/norm and its
+    scaled form per group; g's exp(A_log), its negation, softplus's input and output (fp32); sigmoid(b)
+    [E, heads]; the rule's q (zeros but at a token's last substep) and k [E, heads n] (each group's
+    repeated for its heads), v [E, heads p] (a copy when M > 1), g (fp32, zeros but at a token's first
+    substep), beta [E, heads] (when M > 1 and b > 1 a copy of sigmoid(b), whose [s, b] layout does not
+    reshape to a token's substeps in a row), the fp32 cum [b, heads, m L] and solved systems
+    [b, m, heads, L, L]. Compiled, Inductor keeps the convolution's output (for q), k's copy in the
+    activations' dtype, one of each 1/norm pair, and of g's tensors only one [Ts, heads] with fp32
+    activations (none with 16-bit ones): the rest is recomputed from them."""
+    a, m, p, n = d.a, config.gdp_num_householder, config.mamba_head_dim, config.mamba_state_dim
+    s, heads, groups, conv, _ = _mixer_share(config, d, Symbols.MAMBA)
+    Ts, L = s * d.b, GATED_DELTA_PRODUCT_CHUNK_SIZE
+    E, chunks = m * Ts, -(-m * s // L)
+    upcast = a != 4 and not compiled  # eager 16-bit activations: q's and k's norms take fp32 copies
+    out = [_saved("gdp convolution output", a * Ts * conv, Ts * conv)] * (compiled or a == 4 or m == 1)
+    out += [_saved("gdp q, k norms", 4 * Ts * groups * n, Ts * groups * n)] * upcast
+    out += [_saved("gdp q, k norms", (a if compiled else 4) * E * groups * n, E * groups * n)] * (m > 1 or upcast)
+    out += (1 if compiled else 2) * [_saved("gdp q, k norms", 4 * Ts * groups, Ts * groups),
+                                     _saved("gdp q, k norms", 4 * E * groups, E * groups)]
+    if not compiled:
+        out.append(_saved("gdp gates", 2 * 4 * heads + 2 * 4 * Ts * heads, Ts * heads))
+    elif a == 4:
+        out.append(_saved("gdp gates", 4 * Ts * heads, Ts * heads))
+    substeps = E * heads
+    beta_copy = a if m > 1 and d.b > 1 else 0
+    return out + [
+        _saved("gdp gates", a * substeps, substeps),  # sigmoid(b)
+        _saved("gdp rule", a * substeps * (2 * n + (p if m > 1 else 0)), substeps * n),  # q, k (and v)
+        _saved("gdp rule", (4 + beta_copy) * substeps, substeps),  # g (and beta)
+        _saved("gdp rule", 4 * d.b * heads * chunks * L, d.b * heads * chunks * L),
+        _saved("gdp rule", 4 * d.b * chunks * heads * L * L, d.b * chunks * heads * L * L)]
+
+
 def _gate_copies(compiled: bool, a: int) -> int:
     """[T, heads] fp32 gate tensors a Mamba or Gated DeltaNet layer keeps besides its scan's (softplus's
     input and output; compiled, one, or both with fp32 activations)."""
@@ -488,9 +559,10 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
                           input_is_new: bool = True, compiled: bool = False, a2a: int = 1) -> list:
     """The storages one hybrid layer keeps (no full recompute): its norm, then the half of a GPT
     layer `symbol` names (* attention, + multi-latent attention, - MLP, E MoE) or its recurrent mixer
-    (M Mamba, G Gated DeltaNet), and its dropout mask. Compiled: decomposed norms and dropout, RoPE's
-    tables and SwiGLU's pieces recomputed as in a GPT layer. Selective recompute as in a GPT layer's
-    halves (`layernorm`, `core_attn`, `mla_up_proj`, `mlp`, `moe`); a Mamba layer recomputes nothing."""
+    (M Mamba-2, or Gated Delta Product with gdp_layers; G Gated DeltaNet), and its dropout mask.
+    Compiled: decomposed norms and dropout, RoPE's tables and SwiGLU's pieces recomputed as in a GPT
+    layer. Selective recompute as in a GPT layer's halves (`layernorm`, `core_attn`, `mla_up_proj`, `mlp`,
+    `moe`); an `M` layer recomputes nothing."""
     if compiled:
         kernels = replace(kernels, fused_rms_norm=True, fused_dropout=True)
     h, Tn = config.hidden_size, d.norm_tokens
@@ -513,6 +585,8 @@ def hybrid_layer_storages(config, kernels: KernelProfile, d: Dims, rope_dim: int
         out += mlp[:2] + mlp[-1:] if compiled else mlp
     elif symbol == Symbols.MOE:
         out += _moe_storages(config, d)
+    elif symbol == Symbols.MAMBA and config.gdp_layers:
+        out += _gated_delta_product_storages(config, d, compiled)
     elif symbol == Symbols.MAMBA:
         out += _mamba_storages(config, d, compiled)
     else:
@@ -533,7 +607,8 @@ def _check_hybrid(config, kernels: KernelProfile, symbols: str) -> None:
 
 
 def recurrent(symbols: str) -> bool:
-    """Whether a hybrid model's layer symbols include a recurrent mixer (Mamba or Gated DeltaNet)."""
+    """Whether a hybrid model's layer symbols include a recurrent mixer (Mamba-2 or Gated Delta Product,
+    Gated DeltaNet)."""
     return Symbols.MAMBA in symbols or Symbols.GDN in symbols
 
 
@@ -871,7 +946,10 @@ def _largest_tensor(config, d: Dims, has_moe: bool, symbols: str = "") -> int:
             config.qk_head_dim + config.v_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim)
     if Symbols.MAMBA in symbols:
         heads, bc = mamba_num_heads(config), config.mamba_num_groups * config.mamba_state_dim
-        sizes.append(d.tokens * (2 * heads * config.mamba_head_dim + 2 * bc + heads) // d.tp)
+        d_inner = heads * config.mamba_head_dim  # Gated Delta Product: [z V_m K_m Q b_m a], else [z x B C dt]
+        width = ((config.gdp_num_householder + 1) * (d_inner + bc + heads) if config.gdp_layers
+                 else 2 * d_inner + 2 * bc + heads)
+        sizes.append(d.tokens * width // d.tp)
     if Symbols.GDN in symbols:
         v_heads = config.linear_num_value_heads
         sizes.append(d.tokens * 2 * (config.linear_num_key_heads * config.linear_key_head_dim

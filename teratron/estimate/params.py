@@ -9,8 +9,9 @@ optional TP-sharded shared expert. The multi-token-prediction depths sit with th
 holds three norms, eh_proj [h / tp, 2h] and a layer like the last decoder layer, and their stage
 a copy of the word embedding (which a tied output layer then uses). A hybrid model's layers
 (--hybrid-layer-pattern) are each one norm and one half of a GPT layer (`*` attention, `-` MLP,
-`E` MoE) or a recurrent mixer (`mamba_params`, `gated_delta_net_params`); its MTP depths hold the
-layers after '/'. Tests compare them with the numel of real models.
+`E` MoE) or a recurrent mixer (`mamba_params`, `gated_delta_product_params` with gdp_layers,
+`gated_delta_net_params`); its MTP depths hold the layers after '/'. Tests compare them with the
+numel of real models.
 """
 
 from dataclasses import dataclass, field
@@ -138,6 +139,28 @@ def mamba_params(config) -> list:
             h * (d_inner // tp)]
 
 
+def gated_delta_product_params(config) -> list:
+    """A Gated Delta Product mixer (an 'M' layer with gdp_layers; M = gdp_num_householder) on one rank:
+    in_proj [z, V_m, K_m, Q, b_m, a] / tp by h, the convolution over [V_m, K_m, Q] / tp (no bias),
+    dt_bias and A_log per head, the gated norm's weight [d_inner / tp] and out_proj [h, d_inner / tp]; no D,
+    no projection biases."""
+    tp, h, m = config.tensor_model_parallel_size, config.hidden_size, config.gdp_num_householder
+    heads, gn = mamba_num_heads(config), config.mamba_num_groups * config.mamba_state_dim
+    d_inner = heads * config.mamba_head_dim
+    return [(m + 1) * (d_inner + gn + heads) // tp * h, (m * d_inner + (m + 1) * gn) // tp * D_CONV,
+            *2 * [heads // tp], d_inner // tp, h * (d_inner // tp)]
+
+
+def recurrent_mixer_params(config, symbol: str) -> tuple:
+    """(report part, sizes) of a hybrid layer's recurrent mixer: 'M' Mamba-2's (Gated Delta Product's with
+    gdp_layers), 'G' Gated DeltaNet's."""
+    if symbol == Symbols.GDN:
+        return "gated deltanet", gated_delta_net_params(config)
+    if config.gdp_layers:
+        return "gated delta product", gated_delta_product_params(config)
+    return "mamba", mamba_params(config)
+
+
 def gated_delta_net_params(config) -> list:
     """A Gated DeltaNet on one rank: in_proj [q, k, v, z, b, a] / tp by h, the convolution over
     [q, k, v] / tp (no bias), dt_bias and A_log per value head, out_norm over a value head (whole on
@@ -203,8 +226,7 @@ def _add_layer(params: ChunkParams, config, is_moe: bool, symbol: str | None = N
         for size in attention_params(config):
             params.add("attention", size)
     if symbol in (Symbols.MAMBA, Symbols.GDN):
-        name, sizes = (("mamba", mamba_params(config)) if symbol == Symbols.MAMBA
-                       else ("gated deltanet", gated_delta_net_params(config)))
+        name, sizes = recurrent_mixer_params(config, symbol)
         for size in sizes:
             params.add(name, size)
     if symbol in (Symbols.ATTENTION, Symbols.MLA, Symbols.MAMBA, Symbols.GDN):

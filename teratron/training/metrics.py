@@ -82,6 +82,7 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
               (in and out projections; the scan, Megatron's rough 7 FLOPs per channel and state)
       Gated DeltaNet = 6 * (h * (2 qk + 2 v + 2 v_heads) + conv * (2 qk + v) + 4 v_heads * v_head^2 + v * h)
               (qk = key heads * key head size, v = value heads * value head size)
+      Gated Delta Product (the M layers with gdp_layers): `_gated_delta_product_flops`
     plus the output layer, 6 * h * padded_vocab; each MTP depth ('/') adds its layers, its eh_proj
     and the output layer as a GPT model's depth does."""
     from teratron.models.hybrid import Symbols, parse_hybrid_pattern
@@ -99,6 +100,8 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
         Symbols.MAMBA: fb_fma * (h * (2 * d_inner + 2 * groups_state + heads) + d_inner * h)
         + 3 * 7 * d_inner * t.mamba_state_dim,
     }
+    if t.gdp_layers:
+        per_layer[Symbols.MAMBA] = _gated_delta_product_flops(t, heads)
     if t.num_moe_experts:
         moe_ffn = t.moe_ffn_hidden_size * t.moe_router_topk + (t.moe_shared_expert_intermediate_size or 0)
         per_layer[Symbols.MOE] = fb_fma * h * ffn_factor * moe_ffn
@@ -114,6 +117,24 @@ def _hybrid_flops(model, seq_length: int, batch_size: int) -> float:
     layers = sum(per_layer[symbol] for symbol in pattern.layers + pattern.mtp_layers * pattern.mtp_depths)
     mtp_projection = fb_fma * pattern.mtp_depths * (2 * h * h + 3 * h)  # as a GPT model's MTP depths
     return batch_size * s * (layers + mtp_projection + fb_fma * h * model.padded_vocab_size * (1 + pattern.mtp_depths))
+
+
+def _gated_delta_product_flops(t, heads: int) -> float:
+    """Per token, a Gated Delta Product mixer of M = gdp_num_householder substeps, Megatron-LM's
+    `gated_delta_product_layer_flops` (d_inner = heads * head_dim, gn = groups * state):
+      6 * (h * (M + 1) * (d_inner + gn + heads)   in_proj: z and V_m; K_m and Q; b_m and a
+           + D_CONV * (M d_inner + (M + 1) gn)     the depthwise convolution over [V_m; K_m; Q]
+           + d_inner * h)                          out_proj
+      + 3 * (4 M + 3) * d_inner * state            the rule: per substep k^T S and the rank-one update
+                                                   (2 FLOPs each per state entry), per token the decay and
+                                                   the readout S q (Megatron's best-case count, not the
+                                                   chunked kernels' extra work)"""
+    from teratron.ssm.mamba_mixer import D_CONV
+
+    m, h = t.gdp_num_householder, t.hidden_size
+    d_inner, gn = heads * t.mamba_head_dim, t.mamba_num_groups * t.mamba_state_dim
+    projections = h * (m + 1) * (d_inner + gn + heads) + D_CONV * (m * d_inner + (m + 1) * gn) + d_inner * h
+    return 3 * 2 * projections + 3 * (4 * m + 3) * d_inner * t.mamba_state_dim
 
 
 def _mla_attention_flops(t, s: int) -> float:

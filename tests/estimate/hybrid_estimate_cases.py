@@ -1,6 +1,7 @@
-"""The activation model of hybrid models against what autograd keeps, with the Mamba and Gated
-DeltaNet layers on their Triton kernels (what a GPU runs): test_hybrid_estimate.py runs it in
-Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when kernels are defined):
+"""The activation model of hybrid models against what autograd keeps, with the Mamba, Gated Delta
+Product and Gated DeltaNet layers on their Triton kernels (what a GPU runs): test_hybrid_estimate.py
+runs it in Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when kernels are
+defined):
 
     PYTHONPATH=tests TRITON_INTERPRET=1 python tests/estimate/hybrid_estimate_cases.py [one | tp | cp | cp-compiled ...]
 
@@ -20,11 +21,14 @@ SIZES = ("--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 --linear
 MOE = " --num-experts 4 --moe-router-topk 2"
 MLA = (" --multi-latent-attention --kv-lora-rank 12 --qk-head-dim 10 --qk-pos-emb-head-dim 6 --v-head-dim 16 "
        "--q-lora-rank 20 --qk-layernorm --rotary-scaling-factor 4 --mscale-all-dim 1 --position-embedding-type rope")
+GDP = " --spec megatron.core.models.hybrid.hybrid_layer_specs gdp_stack_spec"  # the M layers: Gated Delta Product
 # fp32 and bf16, RMSNorm (the CPU's composite) and LayerNorm, every layer kind, dropout, MTP depths
 # of hybrid layers (an MoE one among them), full and selective recompute, fp32 residuals and zero-centred norms
 # (weights cast or shifted), a sequence of two scan chunks and a ragged one; layers compiled by
 # --torch-compile (Inductor's choices: fp32 and bf16, both norms, a depth's Mamba layer uncompiled);
-# multi-latent attention layers (+), with MLA's selective recompute.
+# multi-latent attention layers (+), with MLA's selective recompute; Gated Delta Product layers (GDP:
+# fp32 and bf16, M = 1 (views of the convolution's output), 2 (a ragged chunk of the expanded sequence)
+# and 3, one sequence a micro-batch, full recompute, compiled, an MTP depth's).
 CASES = [
     "--hybrid-layer-pattern M --normalization RMSNorm",
     "--hybrid-layer-pattern M --normalization RMSNorm --bf16",
@@ -49,6 +53,15 @@ CASES = [
     "--hybrid-layer-pattern M+-G+E --bf16 --normalization RMSNorm" + MLA + MOE,
     "--hybrid-layer-pattern M+-G --recompute-granularity selective --recompute-modules mla_up_proj core_attn"
     + MLA,
+    "--hybrid-layer-pattern M*- --normalization RMSNorm" + GDP,
+    "--hybrid-layer-pattern MG*-E/M- --bf16 --hidden-dropout 0.1 --position-embedding-type rope" + MOE + GDP,
+    "--hybrid-layer-pattern MG --seq-length 200 --bf16 --gdp-num-householder 2" + GDP,
+    "--hybrid-layer-pattern M- --gdp-num-householder 1" + GDP,
+    "--hybrid-layer-pattern M --bf16 --gdp-num-householder 1 --micro-batch-size 1" + GDP,
+    "--hybrid-layer-pattern MM*- --bf16 --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 2" + GDP,
+    "--torch-compile --hybrid-layer-pattern MG --normalization RMSNorm --gdp-num-householder 2" + GDP,
+    "--torch-compile --hybrid-layer-pattern M*-/M- --bf16 --position-embedding-type rope --micro-batch-size 1" + GDP,
 ]
 TP_CASES = [
     "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MG*-E/M- --bf16 --normalization RMSNorm "
@@ -57,6 +70,8 @@ TP_CASES = [
     "uniform --recompute-num-layers 1",
     "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern M+-G+ --bf16 --normalization RMSNorm "
     "--disable-bias-linear" + MLA,
+    "--tensor-model-parallel-size 2 --sequence-parallel --hybrid-layer-pattern MG*-E --bf16 --normalization RMSNorm "
+    "--disable-bias-linear --expert-tensor-parallel-size 1" + MOE + GDP,
 ]
 # Context parallelism: the mixers' shares of heads over whole sequences (fewer groups than CP ranks:
 # every rank reads the one group), next to p2p and a2a attention (sharing the token order), MTP
@@ -70,11 +85,18 @@ CP_CASES = [
     "--context-parallel-size 2 --hybrid-layer-pattern MG --seq-length 200 --bf16 --hidden-dropout 0.1",
     "--context-parallel-size 2 --hybrid-layer-pattern GM*- --bf16 --recompute-granularity full "
     "--recompute-method uniform --recompute-num-layers 1",
+    "--context-parallel-size 2 --hybrid-layer-pattern MG*-/M- --normalization RMSNorm --position-embedding-type rope"
+    + GDP,
+    "--context-parallel-size 2 --cp-comm-type a2a --hybrid-layer-pattern M*-G --seq-length 200 --bf16 "
+    "--mamba-num-groups 1 --linear-num-key-heads 1 --gdp-num-householder 2" + GDP,
 ]
 CP_COMPILED_CASES = [
     "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern GM --seq-length 200",
     "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern MG*-E/M- --bf16 --position-embedding-type rope "
     "--swiglu --normalization RMSNorm" + MOE,
+    "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern MG --seq-length 200" + GDP,
+    "--torch-compile --context-parallel-size 2 --hybrid-layer-pattern M*-E/M- --bf16 --position-embedding-type rope "
+    "--swiglu --normalization RMSNorm --gdp-num-householder 2" + MOE + GDP,
 ]
 # Each part runs in a process of its own (test_hybrid_estimate.py: one subprocess each, within its time limit).
 PARTS = {"one": CASES, "tp": TP_CASES, "cp": CP_CASES, "cp-compiled": CP_COMPILED_CASES}

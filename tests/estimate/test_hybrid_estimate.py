@@ -1,14 +1,16 @@
 """`teratron estimate` of hybrid models (--hybrid-layer-pattern): parameters per rank against real
 models' numel (one process, TP 2, PP 2 by the pattern's '|', MTP depths of hybrid layers);
-activations against what autograd keeps with the Mamba and Gated DeltaNet layers on their Triton
-kernels, as a GPU runs them, in one process and under TP 2 and CP 2 (hybrid_estimate_cases.py, in
-Triton's interpreter); what the estimate does not model refused in one line."""
+activations against what autograd keeps with the Mamba, Gated Delta Product and Gated DeltaNet layers
+on their Triton kernels, as a GPU runs them, in one process and under TP 2 and CP 2
+(hybrid_estimate_cases.py, in Triton's interpreter); what the estimate does not model refused in one
+line."""
 
+import dataclasses
 import json
 
 import pytest
 
-from estimate.hybrid_estimate_cases import MLA, PARTS, SIZES
+from estimate.hybrid_estimate_cases import GDP, MLA, PARTS, SIZES
 from estimate.test_params import BASE, assert_params_per_rank, real_numel
 from kernel_tests import run_in_the_interpreter
 from teratron.estimate import cli
@@ -23,6 +25,9 @@ SHAPES = [
     "--hybrid-layer-pattern M*-/G-/G- --untie-embeddings-and-output-weights --position-embedding-type rope",
     "--hybrid-layer-pattern GEGE/M- --bf16 --position-embedding-type none --mamba-num-heads 4" + MOE,
     "--hybrid-layer-pattern M+-G+E/+- --normalization RMSNorm" + MLA + MOE,
+    "--hybrid-layer-pattern MG*-" + GDP,
+    "--hybrid-layer-pattern M*-/M- --bf16 --mamba-num-heads 4 --gdp-num-householder 2 --position-embedding-type rope"
+    + GDP,
 ]
 
 
@@ -44,6 +49,8 @@ DISTRIBUTED = [
     "--pipeline-model-parallel-size 2 --hybrid-layer-pattern MG*|-M/G- --position-embedding-type rope "
     "--tensor-model-parallel-size 2",
     "--pipeline-model-parallel-size 2 --hybrid-layer-pattern M+|-G+ --tensor-model-parallel-size 2" + MLA,
+    "--pipeline-model-parallel-size 2 --hybrid-layer-pattern MG*|-M/M- --tensor-model-parallel-size 2 "
+    "--gdp-num-householder 2 --position-embedding-type rope" + GDP,
 ]
 
 
@@ -81,12 +88,27 @@ def test_the_command_on_a_hybrid_model(capsys):
     assert out["layout"]["dp"] == 2 and all(stage["chunk_activations"][0] > 0 for stage in out["stages"])
 
 
+def test_the_command_on_a_gated_delta_product_model(capsys):
+    """`teratron estimate` takes Megatron's --spec of GDP layers and --gdp-num-householder: each of the two
+    M layers (h 64: 8 heads of 16, 2 groups of state 16, M = 2) holds in_proj 3 x (128 + 32 + 8) x 64,
+    the convolution's weight (2 x 128 + 3 x 32) x 4 taps, dt_bias and A_log 8 each, the norm's 128 and
+    out_proj 64 x 128 = 42,000 parameters, listed as "gated delta product"."""
+    flags = BASE + (SIZES + "--hybrid-layer-pattern M*-M --gdp-num-householder 2" + GDP).split()
+    assert cli.main(flags + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stages"][0]["params"]["gated delta product"] == 2 * 42000
+    assert "mamba" not in out["stages"][0]["params"]
+    assert cli.main(flags) == 0
+    assert "gated delta product" in capsys.readouterr().out
+
+
 def test_context_parallel_transients_of_the_mixers():
     """A recurrent mixer's exchange under CP 4, counted by hand: T = 16 x 2 tokens per rank, bf16; it sends
     (and receives) every share's channels of its tokens. Mamba: 8 heads of 4 in 2 groups of state 8, so a
     share is 2 heads reading one group: x 2 x 4, B and C 8 each, dt 2 = 26 channels. Gated DeltaNet: 8
     value heads of 4 reading 4 key heads of 8, so a share is 2 value heads and one key head: q, k 8 each,
-    v 2 x 4, b and a 2 each = 28 channels. An MLP layer exchanges nothing."""
+    v 2 x 4, b and a 2 each = 28 channels. Gated Delta Product (the M layers, M = 2 substeps): V_0, V_1
+    2 x 4 each, K_0, K_1 and Q 8 each, b_0, b_1 and a 2 each = 46 channels. An MLP layer exchanges nothing."""
     from teratron.estimate.activations import Dims, context_parallel_transients
     from teratron.transformer.transformer_config import TransformerConfig
 
@@ -98,3 +120,5 @@ def test_context_parallel_transients_of_the_mixers():
     assert context_parallel_transients(config, d, 1, "M") == (2 * 2 * 32 * 4 * 26,) * 2
     assert context_parallel_transients(config, d, 2, "G") == (2 * 2 * 32 * 4 * 28,) * 2
     assert context_parallel_transients(config, d, 3, "-") == (0, 0)
+    gdp = dataclasses.replace(config, gdp_layers=True, gdp_num_householder=2)
+    assert context_parallel_transients(gdp, d, 1, "M") == (2 * 2 * 32 * 4 * 46,) * 2

@@ -159,3 +159,32 @@ def test_hybrid_model_counts_each_layer_by_its_kind():
     assert math.isclose(flops("*-*-/*-/*-", mtp_num_layers=2), gpt_mtp, rel_tol=1e-12)
     assert math.isclose(flops("*-*-/M*-", mtp_num_layers=1) - flops("*-*-/*-", mtp_num_layers=1), batch * s * mamba,
                         rel_tol=1e-12)
+
+
+def test_gated_delta_product_flops_count_the_m_substeps_of_a_token():
+    """With gdp_layers the 'M' layers are Gated Delta Product mixers, counted as Megatron-LM's
+    `gated_delta_product_layer_flops`: written out here from one sequence's multiplies (in_proj's parts,
+    the 4-tap convolution's multiply-adds per channel, out_proj) and the rule's (4 M + 3) d_inner n per
+    token, times 3 for forward and backward; M = 1 .. 3 substeps, next to a Mamba-2 layer's count."""
+    h, s, vocab, batch = 64, 32, 256, 3
+    heads, p, groups, n = 4, 16, 2, 8
+
+    def flops(pattern, **kw):
+        config = TransformerConfig(num_layers=len(pattern), hybrid_layer_pattern=pattern, hidden_size=h,
+                                   num_attention_heads=4, ffn_hidden_size=96, mamba_num_heads=heads,
+                                   mamba_head_dim=p, mamba_num_groups=groups, mamba_state_dim=n, **kw)
+        model = GPTModelConfig(config, vocab_size=vocab, max_position_embeddings=s, padded_vocab_size=vocab,
+                               position_embedding_type="rope")
+        return num_floating_point_operations(model, s, batch)
+
+    gemm = lambda rows, inner, cols: 2 * rows * inner * cols  # noqa: E731 - [rows, inner] @ [inner, cols]
+    d_inner, gn = heads * p, groups * n
+    for m in (1, 2, 3):
+        in_proj = d_inner + m * d_inner + m * gn + gn + m * heads + heads  # z, V_m, K_m, Q, b_m, a
+        conv = 2 * 4 * s * (m * d_inner + m * gn + gn)  # [V_m; K_m; Q], one multiply-add a tap
+        rule = (4 * m + 3) * s * d_inner * n
+        gdp = gemm(s, h, in_proj) + conv + rule + gemm(s, d_inner, h)
+        layer = flops("M-", gdp_layers=True, gdp_num_householder=m) - flops("-")
+        assert math.isclose(layer, 3 * batch * gdp, rel_tol=1e-12), m
+    mamba = gemm(s, h, 2 * d_inner + 2 * gn + heads) + 7 * s * d_inner * n + gemm(s, d_inner, h)
+    assert math.isclose(flops("M-") - flops("-"), 3 * batch * mamba, rel_tol=1e-12)
