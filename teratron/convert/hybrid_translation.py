@@ -24,8 +24,8 @@ import torch
 
 from teratron.dist_checkpointing import serialization, storage
 from teratron.dist_checkpointing.checkpoint import save_model_tensors
-from teratron.dist_checkpointing.model_args import (GDP_DEFAULTS, GDP_SPEC, VARIANT_DEFAULTS,
-                                                    gpt_config_from_model_args)
+from teratron.dist_checkpointing.model_args import (GDP_DEFAULTS, VARIANT_DEFAULTS, gpt_config_from_model_args,
+                                                    model_args_from_config)
 from teratron.dist_checkpointing.model_state import is_model_key
 from teratron.dist_checkpointing.safe_load import read_common_state
 from teratron.models.gpt.builder import build_gpt_model
@@ -127,11 +127,13 @@ def gpt_to_hybrid(load: str, save: str, pattern: str, mamba: dict | None = None,
     attention, mlp = _gpt_layer_places(layers, model_args, f"--hybrid-layer-pattern {pattern!r}")
     hybrid_args = {**model_args, **_HYBRID_DEFAULTS, **(mamba or {}), "hybrid_layer_pattern": layers,
                    "num_layers": len(layers)}
-    hybrid_args["spec"] = GDP_SPEC if gdp_layers_of_spec(hybrid_args["spec"]) else None  # as a run records it
     source = serialization.load_full(folder, is_model_key)
     dtype = next(iter(source.values())).dtype
     torch.manual_seed(seed)
-    built = build_gpt_model(gpt_config_from_model_args(hybrid_args, params_dtype=dtype)).state_dict()
+    config = gpt_config_from_model_args(hybrid_args, params_dtype=dtype)
+    built = build_gpt_model(config).state_dict()
+    record = model_args_from_config(config)  # as a run records its model: GDP's resolved heads, the spec
+    hybrid_args.update({name: record[name] for name in (*GDP_DEFAULTS, "mamba_num_heads")})
     tensors = {_to_hybrid_key(key, attention, mlp): value for key, value in source.items()}
     _check_keys(tensors, built, lambda key: _LAYER.match(key) and layers[int(_LAYER.match(key).group(1))] == "M",
                 folder)

@@ -99,7 +99,8 @@ def model_args_from_config(model) -> dict:
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size, mtp_num_layers=c.mtp_num_layers, **MOE_DEFAULTS,
         **{name: _jsonable(getattr(c, name)) for name in VARIANT_DEFAULTS},
-        spec=GDP_SPEC if c.gdp_layers else None, gdp_num_householder=c.gdp_num_householder,
+        spec=GDP_SPEC if c.gdp_layers else None,  # the substeps shape GDP layers only: Mamba-2 records the default
+        gdp_num_householder=c.gdp_num_householder if c.gdp_layers else GDP_DEFAULTS["gdp_num_householder"],
         multi_latent_attention=c.multi_latent_attention,
     )
     if c.multi_latent_attention:

@@ -489,8 +489,8 @@ def _gated_delta_product_storages(config, d: Dims, compiled: bool) -> list:
     """A Gated Delta Product mixer on the rule's kernels (heads, groups / tp, head dim p, state n, M
     substeps a token): in_proj's input [T, h] and whole output [T, z V_m K_m Q b_m a] (the convolution's
     input; z, b and a are views of it); the convolution and the rule (`_gated_delta_product_rule_storages`);
-    the gated norm's y, a view of the rule's whole output [M T, heads p] read at each token's last
-    substep, and its fp32 1/rms [T, groups]; out_proj's input [T, d_inner] (the norm's output).
+    the gated norm's y, the rule's output at each token's last substep [T, heads p] (a copy), and its
+    fp32 1/rms [T, groups]; out_proj's input [T, d_inner] (the norm's output).
 
     Under context parallelism the convolution and the rule run over whole sequences for the rank's
     share of the heads and groups; the exchanged [b S, V_m K_m Q b_m a] share its convolution reads
@@ -502,11 +502,10 @@ def _gated_delta_product_storages(config, d: Dims, compiled: bool) -> list:
     d_inner, projected = heads * p, (m + 1) * (heads * p + groups * n + heads)
     out = [_saved("gdp in_proj input", a * T * config.hidden_size, T * config.hidden_size),
            _saved("gdp in_proj output", a * T * projected, T * projected)]
-    y = m * T * d_inner  # the rule's output
     if config.context_parallel_size > 1:
         out += _exchange_storages(config, d, Symbols.MAMBA, "gdp exchange")
-        y = T * d_inner  # exchanged back
     out += _gated_delta_product_rule_storages(config, d, compiled)
+    y = T * d_inner  # the tokens' outputs (a copy of the rule's, or exchanged back)
     return out + [_saved("gdp gated norm", a * y + 4 * T * groups, y),
                   _saved("gdp out_proj input", a * T * d_inner, T * d_inner)]
 

@@ -1,4 +1,5 @@
-"""Context parallelism inside Mamba-2 and Gated DeltaNet layers (Megatron's all-to-all CP for SSMs).
+"""Context parallelism inside Mamba-2, Gated DeltaNet and Gated Delta Product layers (Megatron's all-to-all
+CP for SSMs).
 
 Under context parallelism (CP) a rank holds two chunks of every sequence
 (`teratron.transformer.context_parallel`), but a recurrent layer's convolution and scan run over a
@@ -10,9 +11,9 @@ the outputs for that rank's tokens (a second all-to-all). The projections, the o
 gate z stay on the rank's tokens: only the scan's inputs and outputs travel.
 
 Shares (`head_shares`): the heads of a tensor-parallel rank must divide by CP. Heads read a shared
-tensor per group (Mamba's B and C, Gated DeltaNet's key heads): with at least CP groups they divide
-by CP too and each rank takes its own; with fewer, CP must divide by them and a group goes to every
-rank whose heads read it (autograd sums its gradient back). A share's parameters (convolution
+tensor per group (Mamba's B and C, Gated DeltaNet's key heads, Gated Delta Product's keys and
+queries): with at least CP groups they divide by CP too and each rank takes its own; with fewer, CP
+must divide by them and a group goes to every rank whose heads read it (autograd sums its gradient back). A share's parameters (convolution
 channels, dt_bias, A_log, D) are slices of the rank's, taken in the forward: each CP rank's
 gradient lands on its rows, and the data-parallel reduction over the DP x CP ranks sums them.
 Packed documents: the scan takes the whole sequence's `seq_idx`. Inference runs without CP.

@@ -66,7 +66,8 @@ def gated_delta_product(q, k, v, g, beta, num_householder: int, initial_state=No
     expanded_seq_idx = None if seq_idx is None else seq_idx.repeat_interleave(m, dim=1)
     o, state = gated_delta_rule(expanded_q, k, v, expanded_g, beta, initial_state=initial_state,
                                 chunk_size=chunk_size, seq_idx=expanded_seq_idx)
-    return o.unflatten(1, (s, m))[:, :, -1], state
+    # a copy of the tokens' outputs: a view would keep every substep's output alive for the norm's backward
+    return o.unflatten(1, (s, m))[:, :, -1].contiguous(), state
 
 
 class GatedDeltaProductMixer(nn.Module):
@@ -112,7 +113,7 @@ class GatedDeltaProductMixer(nn.Module):
             return nn.Parameter(part if part.is_meta else part.to(device))  # built on meta: shapes only
 
         # An nn.Conv1d for Megatron's parameter name and shape ([c, 1, d_conv]); causal_conv1d runs it.
-        channels = sum(conv_parts) // tp
+        self.conv_width_local = channels = sum(conv_parts) // tp
         self.conv1d = nn.Conv1d(channels, channels, d_conv, groups=channels, bias=False, device="meta")
         self.conv1d.weight = shard(conv_weight, conv_parts)
         self.dt_bias = shard(dt_bias)
@@ -134,7 +135,7 @@ class GatedDeltaProductMixer(nn.Module):
             return
         shares = head_shares(self.nheads_local, self.ngroups_local, cp, ("heads", "groups", "Gated Delta Product"))
         self.cp_share = shares[get_pg_rank(cp_group)]
-        gates = self.d_inner_local + self._conv_width()  # projected's channels: z, V_m, K_m, Q, then b_m, a
+        gates = self.d_inner_local + self.conv_width_local  # projected's channels: z, V_m, K_m, Q, then b_m, a
         reads = [channel_index(*self._conv_parts(share, offset=self.d_inner_local),
                                *((gates + i * self.nheads_local, 1, share.heads)
                                  for i in range(self.num_householder + 1)))
@@ -142,10 +143,6 @@ class GatedDeltaProductMixer(nn.Module):
         self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
         self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
                              persistent=False)
-
-    def _conv_width(self) -> int:
-        return (self.num_householder * self.d_inner_local
-                + (self.num_householder + 1) * self.ngroups_local * self.d_state)
 
     def _conv_parts(self, share: HeadShare, offset: int = 0) -> tuple:
         """The convolution's channels (V_m, K_m, Q) a share reads, as channel_index parts."""
@@ -181,8 +178,11 @@ class GatedDeltaProductMixer(nn.Module):
         seq_idx [b, s] (packed documents) or None -> (the gated, normed output [b, s, d_inner / tp], the
         state after it)."""
         heads = self.nheads_local
-        z, vkq, beta, alpha = projected.split(
-            [self.d_inner_local, self._conv_width(), self.num_householder * heads, heads], dim=-1)
+        # Split in the projection's memory order ([s, b] in training), as MambaMixer._mix does: the
+        # gradient's concatenation then comes out laid out as in_proj's backward reads it.
+        parts = projected.transpose(0, 1).split(
+            [self.d_inner_local, self.conv_width_local, self.num_householder * heads, heads], dim=-1)
+        z, vkq, beta, alpha = (part.transpose(0, 1) for part in parts)  # [b, s, c]
         o, state = self._rule(vkq, beta, alpha, self.whole, state, seq_idx)
         return self.norm(o.flatten(2), z), state
 

@@ -23,7 +23,7 @@ from teratron.dist_checkpointing import storage
 from teratron.dist_checkpointing.megatron_format import is_megatron_checkpoint, read_common_state
 from teratron.dist_checkpointing.model_args import (GDP_SPEC, MLA_ARGS, MODEL_ARG_NAMES, MOE_DEFAULTS,
                                                     ROPE_SCALING_ARGS, YARN_ARGS)
-from teratron.models.hybrid.hybrid_layer_allocation import gdp_layers_of_spec
+from teratron.models.hybrid.hybrid_layer_allocation import HYBRID_SPECS_MODULE, gdp_layers_of_spec
 
 # Model args a run does not take: the vocabulary is the tokenizer's, its padding the layout's.
 _NOT_TAKEN = ("vocab_size", "padded_vocab_size")
@@ -128,9 +128,9 @@ def _megatron_hybrid_pattern(saved: dict):
 
 
 def _megatron_spec(spec):
-    """Megatron's --spec as teratron records it: GDP_SPEC for its Gated Delta Product stack, else None
-    (its Mamba-2 hybrid stack, a GPT layer spec, ...: layers teratron builds from the other args alone)."""
-    try:
-        return GDP_SPEC if gdp_layers_of_spec(spec) else None
-    except ValueError:
+    """Megatron's --spec as teratron records it: GDP_SPEC for its Gated Delta Product stacks, else None
+    (its Mamba-2 hybrid stacks, a GPT layer spec, ...: layers teratron builds from the other args alone);
+    another spec of Megatron's hybrid module is refused in one line (`gdp_layers_of_spec`)."""
+    if not spec or spec[0] != HYBRID_SPECS_MODULE:
         return None
+    return GDP_SPEC if gdp_layers_of_spec(spec) else None

@@ -77,7 +77,8 @@ UNSUPPORTED = {
 # Values other than the default that are supported for fields of the table above.
 ALSO_SUPPORTED = {"distribute_saved_activations": (False,)}
 
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out",
+                     "gdp_in_proj", "gdp_qkv")
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "mla_up_proj")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Fields teratron adds to Megatron's TransformerConfig (each documented where it is declared).
@@ -638,7 +639,8 @@ class TransformerConfig(ModelParallelConfig):
     """Mamba groups."""
 
     mamba_num_heads: Optional[int] = None
-    """Mamba heads; None derives them from hidden_size."""
+    """Mamba heads; None derives them from hidden_size (2 x hidden_size / mamba_head_dim; resolved to that
+    value with gdp_layers, whose Megatron mixer needs it given)."""
 
     use_mamba_mem_eff_path: bool = True
     """Memory-efficient Mamba path."""
@@ -717,6 +719,10 @@ class TransformerConfig(ModelParallelConfig):
                                  "--hybrid-layer-pattern (e.g. 'M-M*-')")
             return
         self.is_hybrid_model = True
+        if self.gdp_layers and self.mamba_num_heads is None:
+            # Megatron's GDP mixer has no default head count: resolved (Mamba-2's, ssm.mamba_mixer.mamba_num_heads)
+            # so that checkpoints record it
+            self.mamba_num_heads = 2 * self.hidden_size // self.mamba_head_dim
         if "|" in self.hybrid_layer_pattern:
             raise ValueError("hybrid_layer_pattern holds the layers only; a pattern with '|' is split into "
                              "stages by the run (--hybrid-layer-pattern), or set pipeline_model_parallel_layout")

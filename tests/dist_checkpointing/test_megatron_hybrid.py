@@ -20,6 +20,8 @@ No Megatron-written hybrid checkpoint is among the fixtures (Megatron's hybrid l
 Engine, mamba_ssm and causal_conv1d).
 """
 
+import torch
+
 from test_hybrid_training import TINY
 from train_runs import assert_same_losses, train, training_records
 
@@ -126,7 +128,8 @@ def test_gated_delta_product_layers_in_megatrons_layout_reshard_from_tp2_to_tp1(
     from teratron.dist_checkpointing import serialization
     from teratron.dist_checkpointing.megatron_format import read_common_state
 
-    reference = training_records(train(GDP_MODEL, tmp_path, "single")[0])
+    reference = training_records(train(GDP_MODEL + ["--save", str(tmp_path / "own"), "--save-interval", "2"],
+                                       tmp_path, "single")[0])
     train(GDP_MODEL + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
                        "--save", str(tmp_path / "tp2"), "--save-interval", "2", "--exit-interval", "2",
                        "--ckpt-format", "torch_dist"], tmp_path, "tp2", nproc=2)
@@ -141,6 +144,16 @@ def test_gated_delta_product_layers_in_megatrons_layout_reshard_from_tp2_to_tp1(
         assert moments == {f"optimizer.state.exp_avg.{key}": shape for key, shape in expected.items()}, layer
     args = read_common_state(folder)["args"]
     assert (args.spec, args.gdp_num_householder, args.hybrid_layer_pattern) == (GDP_SPEC, 2, PATTERN)
+    assert args.mamba_num_heads == 8  # resolved: Megatron's GDP mixer needs it given
+    # the parts' values, in Megatron's order, are the rows of the single process's whole tensors (teratron's
+    # own layout, saved at the same iteration): no part is written under another's name
+    for name in ("in_proj.weight", "conv1d.weight"):
+        whole = serialization.load_full(str(tmp_path / "own" / "iter_0000002"),
+                                        lambda key: key == f"decoder.layers.0.mixer.{name}")
+        parts = serialization.load_full(folder, lambda key: key.startswith(f"decoder.layers.0.mixer.{name}."))
+        order = [key for key in _gdp_keys("decoder.layers.0") if key.startswith(f"decoder.layers.0.mixer.{name}.")]
+        torch.testing.assert_close(torch.cat([parts[key] for key in order]),
+                                   whole[f"decoder.layers.0.mixer.{name}"], rtol=1e-4, atol=1e-5)
 
     resumed, stdout = train(MODEL + ["--load", str(tmp_path / "tp2"), "--use-checkpoint-args"], tmp_path, "tp1")
     assert "holds no optimizer state" not in stdout

@@ -187,7 +187,8 @@ def test_megatron_hybrid_patterns_of_either_era():
 
 def test_megatron_hybrid_specs():
     """Megatron's --spec: its Gated Delta Product stack gives GDP M layers (with --gdp-num-householder);
-    its Mamba-2 stack (either module path), GPT layer specs and none give teratron's record without them."""
+    its Mamba-2 stack (either module path), GPT layer specs and none give teratron's record without them;
+    another stack of the hybrid module is refused in one line."""
     from teratron.training.checkpoint_args import _megatron_model_args
 
     gdp = _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": GDP_SPEC, "gdp_num_householder": 2})
@@ -197,6 +198,11 @@ def test_megatron_hybrid_specs():
                  ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], [], None):
         assert _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": spec})["spec"] is None, spec
     assert "spec" not in _megatron_model_args({"hybrid_layer_pattern": "M*M-"})
+    inference = _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": [GDP_SPEC[0], "gdp_inference_stack_spec"]})
+    assert inference["spec"] == GDP_SPEC  # Megatron's inference-optimized stack: the same layers
+    with pytest.raises(ValueError, match=r"^--spec megatron.core.models.hybrid.hybrid_layer_specs my_stack_spec: "
+                                         r"teratron builds its layers without Megatron's specs"):
+        _megatron_model_args({"hybrid_layer_pattern": "M*M-", "spec": [GDP_SPEC[0], "my_stack_spec"]})
 
 
 def test_a_spec_is_compared_by_the_layers_it_builds(tmp_path):

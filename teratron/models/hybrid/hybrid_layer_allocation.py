@@ -34,11 +34,14 @@ class Symbols:
 
 _NOT_YET = {"D": "DeepSeek sparse attention layers (D)"}
 
-# Megatron's `--spec` of a hybrid model: its module, and the stacks teratron builds (Megatron's aliases
-# too) -> gdp_layers; its older Mamba module's stack is the Mamba-2 one
+# Megatron's `--spec` of a hybrid model: its module, and the stacks teratron builds (Megatron's aliases and
+# its inference-optimized stacks too: the same layers) -> gdp_layers; its older Mamba module's stack is Mamba-2
 HYBRID_SPECS_MODULE = "megatron.core.models.hybrid.hybrid_layer_specs"
-HYBRID_STACK_SPECS = {"hybrid_stack_spec": False, "mamba_stack_spec": False, "gdp_stack_spec": True,
-                      "gated_delta_product_stack_spec": True}
+HYBRID_STACK_SPECS = {
+    "hybrid_stack_spec": False, "hybrid_inference_stack_spec": False, "mamba_stack_spec": False,
+    "mamba_inference_stack_spec": False, "gdp_stack_spec": True, "gdp_inference_stack_spec": True,
+    "gated_delta_product_stack_spec": True, "gated_delta_product_inference_stack_spec": True,
+}
 _OLDER_MAMBA_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
 
 

@@ -2,8 +2,9 @@
 
     out = x + dropout(mixer(norm(x)))            x, out [s, b, h] ([s/tp, b, h] under SP)
 
-The mixer is Mamba-2's (`MambaMixer`, the hybrid pattern's `M`); Megatron's names (`norm`,
-`mixer`) so its checkpoints map one to one.
+The mixer is the hybrid pattern's `M`: Mamba-2's (`MambaMixer`), or Gated Delta Product's
+(`GatedDeltaProductMixer`, with gdp_layers); Megatron's names (`norm`, `mixer`) so its checkpoints map
+one to one.
 """
 
 from dataclasses import dataclass
