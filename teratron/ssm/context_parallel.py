@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from teratron.process_groups import get_pg_size
+from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.recurrence import packed_document_index
 from teratron.transformer.context_parallel import heads_to_sequence, sequence_to_heads, token_layout
 
@@ -55,6 +55,23 @@ def head_shares(heads: int, groups: int, cp: int, what: str) -> list:
     ranks_per_group = cp // groups
     return [HeadShare(range(r * per_rank, (r + 1) * per_rank), range(r // ranks_per_group, r // ranks_per_group + 1))
             for r in range(cp)]
+
+
+def set_up_head_exchange(mixer, cp_group, heads: int, groups: int, what: tuple, device):
+    """Gives `mixer` its CP group and share: `cp_group`, `cp_share` (this rank's HeadShare; None without
+    CP) and, under CP, the buffers `cp_channels` (the projection's channels every share reads, rank 0's
+    first: the mixer's `_projection_parts(share)`) and `cp_conv_channels` (its convolution's channels
+    this share reads: `_conv_parts(share)`). heads, groups, what: as `head_shares` takes them."""
+    mixer.cp_group, cp = cp_group, get_pg_size(cp_group)
+    mixer.cp_share = None
+    if cp == 1:
+        return
+    shares = head_shares(heads, groups, cp, what)
+    mixer.cp_share = shares[get_pg_rank(cp_group)]
+    reads = torch.cat([channel_index(*mixer._projection_parts(share)) for share in shares])
+    mixer.register_buffer("cp_channels", reads.to(device), persistent=False)
+    mixer.register_buffer("cp_conv_channels", channel_index(*mixer._conv_parts(mixer.cp_share)).to(device),
+                          persistent=False)
 
 
 def channel_index(*parts) -> torch.Tensor:

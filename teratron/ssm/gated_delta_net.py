@@ -40,7 +40,7 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
-from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
+from teratron.ssm.context_parallel import HeadShare, heads_to_tokens, set_up_head_exchange, tokens_to_heads
 from teratron.ssm.gated_delta_rule import gated_delta_rule
 from teratron.ssm.recurrence import conv_state_bytes, mix_tokens
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -107,24 +107,14 @@ class GatedDeltaNet(nn.Module):
         for param in self.out_norm.parameters():
             param.sequence_parallel = True  # finalize_model_grads sums these grads over TP
         self.whole = HeadShare(range(self.num_value_heads_local), range(self.num_key_heads_local))
-        self._context_parallel(resolve_pg_collection(pg_collection).cp, device)
+        set_up_head_exchange(self, resolve_pg_collection(pg_collection).cp, self.num_value_heads_local,
+                             self.num_key_heads_local, ("value heads", "key heads", "Gated DeltaNet"), device)
 
-    def _context_parallel(self, cp_group, device):
-        """This CP rank's share of the heads (value heads, grouped by key head) and the channels every
-        share reads (CP > 1)."""
-        self.cp_group, cp = cp_group, get_pg_size(cp_group)
-        self.cp_share = None
-        if cp == 1:
-            return
-        shares = head_shares(self.num_value_heads_local, self.num_key_heads_local, cp,
-                             ("value heads", "key heads", "Gated DeltaNet"))
-        self.cp_share = shares[get_pg_rank(cp_group)]
-        gates = 2 * self.qk_dim_local + 2 * self.v_dim_local  # projected's channels: q k v z b a
-        reads = [channel_index(*self._conv_parts(share), (gates, 1, share.heads),
-                               (gates + self.num_value_heads_local, 1, share.heads)) for share in shares]
-        self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
-        self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
-                             persistent=False)
+    def _projection_parts(self, share: HeadShare) -> tuple:
+        """The projection's channels a CP share reads (q, k, v, b, a; z stays), as channel_index parts:
+        projected is q k v z b a, value heads grouped by key head."""
+        gates = 2 * self.qk_dim_local + 2 * self.v_dim_local
+        return (*self._conv_parts(share), (gates, 1, share.heads), (gates + self.num_value_heads_local, 1, share.heads))
 
     def _conv_parts(self, share: HeadShare) -> tuple:
         """The convolution's channels (q, k, v) a share reads, as channel_index parts."""

@@ -37,7 +37,7 @@ from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
-from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
+from teratron.ssm.context_parallel import HeadShare, heads_to_tokens, set_up_head_exchange, tokens_to_heads
 from teratron.ssm.gated_delta_net import l2_normed_heads
 from teratron.ssm.gated_delta_rule import gated_delta_rule
 from teratron.ssm.mamba_mixer import (D_CONV, GroupGatedRMSNorm, check_heads_and_groups, initial_dt_bias,
@@ -125,24 +125,15 @@ class GatedDeltaProductMixer(nn.Module):
         for param in (self.conv1d.weight, self.norm.weight):
             param.data = param.data.to(config.params_dtype)
         self.whole = HeadShare(range(self.nheads_local), range(self.ngroups_local))
-        self._context_parallel(resolve_pg_collection(pg_collection).cp, device)
+        set_up_head_exchange(self, resolve_pg_collection(pg_collection).cp, self.nheads_local, self.ngroups_local,
+                             ("heads", "groups", "Gated Delta Product"), device)
 
-    def _context_parallel(self, cp_group, device):
-        """This CP rank's share of the heads and the channels every share reads (CP > 1)."""
-        self.cp_group, cp = cp_group, get_pg_size(cp_group)
-        self.cp_share = None
-        if cp == 1:
-            return
-        shares = head_shares(self.nheads_local, self.ngroups_local, cp, ("heads", "groups", "Gated Delta Product"))
-        self.cp_share = shares[get_pg_rank(cp_group)]
-        gates = self.d_inner_local + self.conv_width_local  # projected's channels: z, V_m, K_m, Q, then b_m, a
-        reads = [channel_index(*self._conv_parts(share, offset=self.d_inner_local),
-                               *((gates + i * self.nheads_local, 1, share.heads)
-                                 for i in range(self.num_householder + 1)))
-                 for share in shares]
-        self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
-        self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
-                             persistent=False)
+    def _projection_parts(self, share: HeadShare) -> tuple:
+        """The projection's channels a CP share reads (V_m, K_m, Q, b_m, a; z stays), as channel_index
+        parts: projected is z, V_m, K_m, Q, then b_m, a."""
+        gates = self.d_inner_local + self.conv_width_local
+        return (*self._conv_parts(share, offset=self.d_inner_local),
+                *((gates + i * self.nheads_local, 1, share.heads) for i in range(self.num_householder + 1)))
 
     def _conv_parts(self, share: HeadShare, offset: int = 0) -> tuple:
         """The convolution's channels (V_m, K_m, Q) a share reads, as channel_index parts."""

@@ -29,7 +29,7 @@ from torch import nn
 from teratron.process_groups import get_pg_rank, get_pg_size
 from teratron.ssm import gated_norm_triton
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
-from teratron.ssm.context_parallel import HeadShare, channel_index, head_shares, heads_to_tokens, tokens_to_heads
+from teratron.ssm.context_parallel import HeadShare, heads_to_tokens, set_up_head_exchange, tokens_to_heads
 from teratron.ssm.recurrence import conv_state_bytes, mix_tokens
 from teratron.ssm.ssd import ssd
 from teratron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -130,23 +130,14 @@ class MambaMixer(nn.Module):
         for param in (self.conv1d.weight, self.conv1d.bias, self.norm.weight):
             param.data = param.data.to(config.params_dtype)
         self.whole = HeadShare(range(self.nheads_local), range(self.ngroups_local))
-        self._context_parallel(resolve_pg_collection(pg_collection).cp, device)
+        set_up_head_exchange(self, resolve_pg_collection(pg_collection).cp, self.nheads_local, self.ngroups_local,
+                             ("heads", "groups", "Mamba"), device)
 
-    def _context_parallel(self, cp_group, device):
-        """This CP rank's share of the heads and the channels every share reads (CP > 1)."""
-        self.cp_group, cp = cp_group, get_pg_size(cp_group)
-        self.cp_share = None
-        if cp == 1:
-            return
-        shares = head_shares(self.nheads_local, self.ngroups_local, cp, ("heads", "groups", "Mamba"))
-        self.cp_share = shares[get_pg_rank(cp_group)]
+    def _projection_parts(self, share: HeadShare) -> tuple:
+        """The projection's channels a CP share reads (the convolution's x, B, C and dt; z stays), as
+        channel_index parts: projected is z, then the convolution's channels, then dt."""
         z = self.d_inner_local
-        # projected's channels: z, then the convolution's (x, B, C), then dt
-        reads = [channel_index(*self._conv_parts(share, offset=z), (z + self._conv_width(), 1, share.heads))
-                 for share in shares]
-        self.register_buffer("cp_channels", torch.cat(reads).to(device), persistent=False)
-        self.register_buffer("cp_conv_channels", channel_index(*self._conv_parts(self.cp_share)).to(device),
-                             persistent=False)
+        return (*self._conv_parts(share, offset=z), (z + self._conv_width(), 1, share.heads))
 
     def _conv_width(self) -> int:
         return self.d_inner_local + 2 * self.ngroups_local * self.d_state
