@@ -17,9 +17,15 @@ as GatedDeltaNet passes them. Each case runs --warmup steps first (Triton's comp
 then --iters timed steps between CUDA events. Prints one RESULT line per case (ms per forward +
 backward, peak memory), the largest difference between each Triton path's outputs and its
 PyTorch path's, and the ratios against the targets.
+
+Where installed, the reference Triton implementations run beside them on the same inputs, for scale:
+Mamba's own SSD (`mamba_chunk_scan_combined` from `mamba_ssm`, dt already through softplus) and
+flash-linear-attention's chunked gated delta rule (`chunk_gated_delta_rule` from `fla`, q already
+scaled: scale 1). teratron depends on neither; a case prints "not run" without its package.
 """
 
 import argparse
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +36,29 @@ from teratron.ssm.gated_delta_rule_triton import gated_delta_rule_triton
 from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
 
-RULE_CHUNK = 64  # GatedDeltaNet's chunk size
+RULE_CHUNK = 64  # GatedDeltaNet's chunk size (and flash-linear-attention's)
+
+
+def reference(module: str, name: str):
+    """`name` from `module` of a reference implementation, or the reason it cannot run here."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        return f"{module} not importable: {error}"
+
+
+def mamba_ssm_scan(x, dt, A, B, C, D, chunk_size):
+    """Mamba's Triton SSD on ssd_triton's arguments -> (out, None)."""
+    scan = reference("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+    return scan(x, dt, A, B, C, chunk_size, D=D), None
+
+
+def fla_rule(q, k, v, g, beta, chunk_size):
+    """flash-linear-attention's chunked gated delta rule (chunks of 64) on gated_delta_rule_triton's
+    arguments -> (out, final state)."""
+    rule = reference("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    assert chunk_size == RULE_CHUNK
+    return rule(q, k, v, g, beta, scale=1.0, output_final_state=True)
 
 
 def scan_inputs(args):
@@ -121,10 +149,13 @@ def largest_difference(triton_path, torch_path, inputs, chunk_size) -> float:
     return ((out.float() - out_ref.float()).abs().max() / out_ref.float().abs().max()).item()
 
 
-def run_cases(cases, shape, args):
-    """{name: ms} of the cases that ran, each printed as a RESULT line."""
+def run_cases(cases, shape, args, missing=None):
+    """{name: ms} of the cases that ran, each printed as a RESULT line; `missing`: {name: why not run}."""
     times = {}
     for name, make in cases.items():
+        if name in (missing or {}):
+            print(f"RESULT {name}: not run ({missing[name]})", flush=True)
+            continue
         try:
             ms, peak = time_step(make(), args)
         except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
@@ -149,6 +180,19 @@ def report_targets(triton_name, torch_name, times):
               "target >= 5x", flush=True)
 
 
+def unavailable(references: dict) -> dict:
+    """{case: why not run} of the reference cases ({case: (module, name)}) whose package is missing."""
+    found = {case: reference(*where) for case, where in references.items()}
+    return {case: why for case, why in found.items() if isinstance(why, str)}
+
+
+def report_reference(triton_name, reference_name, times):
+    """teratron's kernels over the reference implementation's, where both ran."""
+    if triton_name in times and reference_name in times:
+        print(f"RESULT {triton_name} / {reference_name}: {times[triton_name] / times[reference_name]:.3f}",
+              flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-length", type=int, default=8192)
@@ -171,28 +215,41 @@ def main():
               f"torch {torch.__version__}")
 
     h, p = args.heads, args.head_dim
+    mamba = "mamba_ssm's mamba_chunk_scan_combined (reference)"
+    missing = unavailable({mamba: ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")})
     times = run_cases({
         "ssd_triton": lambda: scan_step(ssd_triton, args),
+        mamba: lambda: scan_step(mamba_ssm_scan, args),
         "ssd_chunked (PyTorch)": lambda: scan_step(ssd_chunked, args),
         "causal attention, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, h, p, args),
         "causal attention, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, p, args),
-    }, f"heads {h} x {p}, d_state {args.d_state}, groups {args.groups}, chunk {args.chunk_size}, {common}", args)
-    difference = largest_difference(ssd_triton, ssd_chunked, scan_inputs(args), args.chunk_size)
-    print(f"RESULT ssd_triton vs ssd_chunked: largest output difference {difference:.2e} of the largest output",
-          flush=True)
+    }, f"heads {h} x {p}, d_state {args.d_state}, groups {args.groups}, chunk {args.chunk_size}, {common}", args,
+        missing)
+    scans = {"ssd_triton": ssd_triton, **({} if mamba in missing else {mamba: mamba_ssm_scan})}
+    for name, scan in scans.items():
+        difference = largest_difference(scan, ssd_chunked, scan_inputs(args), args.chunk_size)
+        print(f"RESULT {name} vs ssd_chunked: largest output difference {difference:.2e} of the largest output",
+              flush=True)
     report_targets("ssd_triton", "ssd_chunked (PyTorch)", times)
+    report_reference("ssd_triton", mamba, times)
 
     h, d = args.rule_heads, args.rule_head_dim
+    fla = "flash-linear-attention's chunk_gated_delta_rule (reference)"
+    missing = unavailable({fla: ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")})
     times = run_cases({
         "gated_delta_rule_triton": lambda: rule_step(gated_delta_rule_triton, args),
+        fla: lambda: rule_step(fla_rule, args),
         "gated_delta_rule_chunked (PyTorch)": lambda: rule_step(gated_delta_rule_chunked, args),
         f"causal attention {h} x {d}, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, h, d, args),
         f"causal attention {h} x {d}, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, d, args),
-    }, f"heads {h}, dk = dv = {d}, chunk {RULE_CHUNK}, {common}", args)
-    difference = largest_difference(gated_delta_rule_triton, gated_delta_rule_chunked, rule_inputs(args), RULE_CHUNK)
-    print(f"RESULT gated_delta_rule_triton vs gated_delta_rule_chunked: largest output difference {difference:.2e} "
-          "of the largest output", flush=True)
+    }, f"heads {h}, dk = dv = {d}, chunk {RULE_CHUNK}, {common}", args, missing)
+    rules = {"gated_delta_rule_triton": gated_delta_rule_triton, **({} if fla in missing else {fla: fla_rule})}
+    for name, rule in rules.items():
+        difference = largest_difference(rule, gated_delta_rule_chunked, rule_inputs(args), RULE_CHUNK)
+        print(f"RESULT {name} vs gated_delta_rule_chunked: largest output difference {difference:.2e} of the "
+              "largest output", flush=True)
     report_targets("gated_delta_rule_triton", "gated_delta_rule_chunked (PyTorch)", times)
+    report_reference("gated_delta_rule_triton", fla, times)
 
 
 if __name__ == "__main__":
