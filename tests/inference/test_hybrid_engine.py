@@ -154,8 +154,7 @@ def test_the_buffer_holds_the_running_requests_states_first(model, dtype):
 def test_mamba_memory_ratio_caps_the_running_requests(model):
     """A share of the buffer holding two requests' states: at most two run at once, the rest wait; the
     output stays full recompute's. Budgets that hold no request are refused in one line."""
-    per_request = sum(m.inference_state_bytes() for m in model.decoder.modules() if getattr(m, "recurrent", False))
-    ratio = 2.5 * per_request / (0.01 * 1024**3)
+    ratio = 2.5 * state_bytes(model) / (0.01 * 1024**3)
     engine = engine_for(model, buffer_size_gb=0.01, mamba_memory_ratio=ratio)
     assert engine.context.max_requests == 2
     running = []
@@ -192,6 +191,38 @@ def test_speculative_decoding_equals_full_recompute(model, n):
     assert generate_all(engine, PROMPTS) == reference
     assert 0 < engine.num_draft_tokens_accepted < engine.num_draft_tokens_proposed
     assert not engine.context.recurrent_states and not engine.draft.context.recurrent_states
+
+
+def state_bytes(model) -> int:
+    """What one request's recurrent layers keep in inference, at most."""
+    return sum(m.inference_state_bytes() for m in model.decoder.modules() if getattr(m, "recurrent", False))
+
+
+def test_a_draft_holds_no_more_requests_than_its_state_budget(model):
+    """A draft model whose states take more than the target's (12 recurrent layers): under one
+    mamba_memory_ratio its context runs fewer requests at once than the target's. It drafts for as many
+    as its budget holds, the others decode without drafts meanwhile; greedy output stays full recompute's."""
+    torch.manual_seed(1)
+    config = TransformerConfig(hybrid_layer_pattern="MG" * 6, **{**HYBRID, "num_layers": 12})
+    draft = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
+                                           position_embedding_type="rope")).eval()
+    kept = 2  # states a request keeps with one speculative token
+    ratio = 1.5 * kept * state_bytes(draft) / (0.01 * 1024**3)
+    engine = DynamicInferenceEngine(model, NullTokenizer(VOCAB), InferenceConfig(
+        buffer_size_gb=0.01, block_size=4, num_speculative_tokens=1, mamba_memory_ratio=ratio), draft_model=draft)
+    assert engine.draft.context.max_requests == 1 < engine.context.max_requests
+    held, running = [], []
+    propose = engine.draft.propose
+
+    def counting(requests):
+        running.append(len(requests))
+        proposals = propose(requests)
+        held.append(len(engine.draft.context.block_tables))
+        return proposals
+
+    engine.draft.propose = counting
+    assert generate_all(engine, PROMPTS) == [recompute_greedy(model, p) for p in PROMPTS]
+    assert max(running) > 1 and max(held) == 1 and engine.num_draft_tokens_proposed > 0
 
 
 SYSTEM = [7, 3, 9, 12, 40, 41, 42, 43, 44, 45]  # a shared prefix: two full blocks of 4, then two tokens

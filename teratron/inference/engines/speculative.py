@@ -84,7 +84,10 @@ class DraftProposer:
 
     def _reserve(self, request_id: int, num_tokens: int, count: int) -> int:
         """Blocks for proposing up to `count` tokens after the first `num_tokens` (the last proposal is
-        never fed back); the count that fits."""
+        never fed back); the count that fits. A request new to the draft gets none while the draft runs
+        its max_requests (a hybrid draft's state budget may hold fewer requests than the target's)."""
+        if request_id not in self.context.block_tables and len(self.context.block_tables) >= self.context.max_requests:
+            return 0
         table = self.context.block_tables.get(request_id, [])
         room = (len(table) + self.context.num_allocatable_blocks()) * self.context.block_size
         count = min(count, room - num_tokens + 1)
