@@ -53,7 +53,9 @@ power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p
 loop over n (C H^T and B dS^T are sums over n; ddt, dA and dD sum the p blocks' shares
 afterwards), the chunk states a block of p (looping over n), dB and dC one block of n (looping
 over p), CB and dCB loop over n and p: a program's
-registers stay near what the [L, L] tiles take whatever p and n are.
+registers stay near what the [L, L] tiles take whatever p and n are. The dCB and dB/dC kernels, whose
+loops over p run inside a program, take p in smaller blocks (`KERNEL_BLOCKS`): the same work in
+more, smaller products, with fewer registers spilled.
 """
 
 import os
@@ -84,6 +86,11 @@ CHUNK_SIZES = (16, 32, 64, 128)
 # (half the loop trips and programs; bench/RESULTS.md session 14), and every kernel's shared memory
 # stays within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 64
+# Caps on (BLOCK_P, BLOCK_N) below MAX_BLOCK for kernels that loop over p inside a program (the dCB
+# and dB/dC kernels: their grids do not depend on BLOCK_P): smaller tiles of x and dY beside their
+# [L, L] and accumulator tiles spill fewer registers (sm_90, bf16, 8 warps, L = 128: dCB 1,876 / 1,696
+# -> 844 / 840 bytes a thread stored / loaded, dB/dC 2,544 / 3,940 -> 852 / 924) at the same work.
+KERNEL_BLOCKS = dict(dcb=(32, 64), dbc=(32, 64))
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
 DCB_PROGRAMS = 512
@@ -138,7 +145,8 @@ class _Shape:
 
     def meta(self, dtype, kernel: str):
         """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
-        return dict(L=self.chunk, BLOCK_P=self.block_p, BLOCK_N=self.block_n,
+        block_p, block_n = self.blocks(kernel)
+        return dict(L=self.chunk, BLOCK_P=block_p, BLOCK_N=block_n,
                     # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
                     PRECISION="ieee" if dtype == torch.float32 else "tf32", **self.launch(kernel))
 
@@ -148,21 +156,19 @@ class _Shape:
         warps, stages = LAUNCH[kernel]
         return dict(num_warps=warps, num_stages=stages)
 
-    @property
-    def block_p(self):  # 16 at least: tl.dot's smallest tile side
-        return min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK)
+    def blocks(self, kernel: str = ""):
+        """(BLOCK_P, BLOCK_N) of `kernel`: p and n padded to a power of 2 of at least 16 (tl.dot's
+        smallest tile side), at most MAX_BLOCK and the kernel's KERNEL_BLOCKS caps."""
+        cap_p, cap_n = KERNEL_BLOCKS.get(kernel, (MAX_BLOCK, MAX_BLOCK))
+        return (min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK, cap_p),
+                min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK, cap_n))
 
     @property
-    def block_n(self):
-        return min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK)
+    def p_blocks(self):  # of the kernels whose grids take p in blocks (KERNEL_BLOCKS caps none of them)
+        return triton.cdiv(self.head_dim, self.blocks()[0])
 
-    @property
-    def p_blocks(self):
-        return triton.cdiv(self.head_dim, self.block_p)
-
-    @property
-    def n_blocks(self):
-        return triton.cdiv(self.d_state, self.block_n)
+    def n_blocks(self, kernel: str = ""):
+        return triton.cdiv(self.d_state, self.blocks(kernel)[1])
 
     @property
     def heads_per_split(self):
@@ -290,10 +296,11 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
     # pull on the chunk's decay), summed here
     dB, dC = _empty_tokens(B), _empty_tokens(C)
-    dlast_parts = torch.empty(b, h, m, shape.n_blocks, **fp32)
+    n_parts = shape.n_blocks("dbc")
+    dlast_parts = torch.empty(b, h, m, n_parts, **fp32)
     # ... and each n block's share of the earlier chunks' pull on the decay (dcum), added by the dx kernel
-    dcum_earlier_parts = torch.empty(shape.n_blocks, *cum.shape, **fp32)
-    _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, shape.n_blocks)](
+    dcum_earlier_parts = torch.empty(n_parts, *cum.shape, **fp32)
+    _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, n_parts)](
         x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, dcum_earlier_parts,
         **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
     dlast = dlast_parts.sum(-1)
@@ -303,7 +310,8 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
     _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
         x, dt, A32, B, D32, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts, dx, ddt_parts, dA_parts,
-        dD_parts, **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), HAS_D=D is not None, **shape.meta(x.dtype, "dx"))
+        dD_parts, **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), HAS_D=D is not None, EARLIER_PARTS=n_parts,
+        **shape.meta(x.dtype, "dx"))
     ddt = ddt_parts.sum(0).to(dt.dtype)
     dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
     dD = dD_parts.sum((0, 1, 2)).to(D.dtype if D is not None else torch.float32)
@@ -558,11 +566,12 @@ if triton is not None:
                                        dx, ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s,
                                        heads, heads_per_group, m, p, n,
                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       PRECISION: tl.constexpr, HAS_D: tl.constexpr):
+                                       PRECISION: tl.constexpr, HAS_D: tl.constexpr,
+                                       EARLIER_PARTS: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
         ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p
         (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, the earlier chunks',
-        dcum_earlier_parts' n blocks, and the state passing's)."""
+        dcum_earlier_parts' EARLIER_PARTS blocks of n, and the state passing's)."""
         bi, c, head = program_chunk(m)
         group, groups = head // heads_per_group, heads // heads_per_group
         block = tl.program_id(2)
@@ -592,8 +601,8 @@ if triton is not None:
         if block == 0:
             dcum += tl.load(dcum_intra + row)
             part_size = tl.num_programs(0).to(tl.int64) * heads * L  # one n block's [b, h, m * L]
-            for n0 in range(0, n, BLOCK_N):  # in order: the same sum every run
-                dcum += tl.load(dcum_earlier_parts + (n0 // BLOCK_N) * part_size + row)
+            for share in range(EARLIER_PARTS):  # in order: the same sum every run
+                dcum += tl.load(dcum_earlier_parts + share * part_size + row)
         da = tl.cumsum(dcum, 0, reverse=True)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
         t = c * L + tl.arange(0, L)
