@@ -20,11 +20,14 @@ expanded gradient, is copied first). The output and the gradients are allocated 
 memory, as the layer lays them out.
 
 The kernels are two custom ops (`teratron::cudnn_window_forward` / `_backward`), so a layer
-compiled whole traces through them without a graph break; `cudnn` is imported when an op first
+compiled whole traces through them without a graph break; in eager mode the autograd function calls
+their bodies directly, and the handle's stream is set only when it changes (the host path of a step:
+1.19 -> 0.89 ms at 16,384 tokens, bench/RESULTS.md session 24); `cudnn` is imported when an op first
 runs, never on the CPU. `available` says whether a layer's inputs can run here. The frontend
 1.16.0 has no attention-sink input: layers with a sink stay on FlexAttention.
 """
 
+import contextlib
 import functools
 import importlib.util
 import warnings
@@ -60,8 +63,22 @@ def available(q, k, v, window, causal: bool, dropout_p: float, sink) -> bool:
     explicit mask), no attention dropout, no sink, 16-bit, head sizes cuDNN supports."""
     if not (q.is_cuda and PACKAGE_FOUND):
         return False
-    properties = torch.cuda.get_device_properties(q.device)
-    return fits(q, k, v, window, causal, dropout_p, sink, (properties.major, properties.minor))
+    return fits(q, k, v, window, causal, dropout_p, sink, _capability(q.device))
+
+
+def _capability(device):
+    """The GPU's (major, minor): cached in eager mode (a layer asks every step); asked directly while
+    torch.compile traces (once per graph), which does not trace through a cache."""
+    if torch.compiler.is_compiling():
+        properties = torch.cuda.get_device_properties(device)
+        return properties.major, properties.minor
+    return _cached_capability(_device_index(device))
+
+
+@functools.cache
+def _cached_capability(index):
+    properties = torch.cuda.get_device_properties(index)
+    return properties.major, properties.minor
 
 
 def left_bound(window_left: int, s: int):
@@ -82,7 +99,9 @@ def cudnn_window_attention(q, k, v, window_left: int, scale: float):
 class _CudnnWindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window_left, scale):
-        out, stats = cudnn_window_forward(q, k, v, window_left, scale)
+        # the ops themselves in eager mode (the custom ops' dispatch only serves tracing)
+        forward = cudnn_window_forward if torch.compiler.is_compiling() else _forward
+        out, stats = forward(q, k, v, window_left, scale)
         ctx.window_left, ctx.scale = window_left, scale
         ctx.save_for_backward(q, k, v, out, stats)
         return out
@@ -90,7 +109,8 @@ class _CudnnWindowAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, stats = ctx.saved_tensors
-        dq, dk, dv = cudnn_window_backward(dout, q, k, v, out, stats, ctx.window_left, ctx.scale)
+        backward = cudnn_window_backward if torch.compiler.is_compiling() else _backward
+        dq, dk, dv = backward(dout, q, k, v, out, stats, ctx.window_left, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -110,6 +130,10 @@ def cudnn_window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wind
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n, s, hv] laid out [s, b, n, hv], stats [b, n, s, 1] fp32: log-sum-exp of the
     scaled scores each query sees)."""
+    return _forward(q, k, v, window_left, scale)
+
+
+def _forward(q, k, v, window_left: int, scale: float):
     q, k, v = (_addressable(t) for t in (q, k, v))
     b, n, s, _ = q.shape
     out, stats = _like_layer(q, b, n, s, v.shape[-1]), _stats_like(q)
@@ -131,6 +155,10 @@ def cudnn_window_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           stats: torch.Tensor, window_left: int,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v (laid out [s, b, *, h]) given the forward's output and statistics."""
+    return _backward(dout, q, k, v, out, stats, window_left, scale)
+
+
+def _backward(dout, q, k, v, out, stats, window_left: int, scale: float):
     dout, q, k, v, out = (_addressable(t) for t in (dout, q, k, v, out))
     dq, dk, dv = _gradients_like(q, k, v)
     tensors = dict(q=q, k=k, v=v, o=out, dO=dout, stats=stats, dQ=dq, dK=dk, dV=dv)
@@ -167,10 +195,11 @@ def _cudnn():
 
 
 _HANDLES = {}  # device index -> cuDNN handle (one per device, for the process)
+_HANDLE_STREAMS = {}  # device index -> the stream its handle was last set to
 
 
 def _handle(device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _HANDLES:
         with torch.cuda.device(index):
             _HANDLES[index] = _cudnn().create_handle()
@@ -236,7 +265,7 @@ def _time_plan(graph, pack: dict, index: int, device, repeats: int = 5) -> float
     handle = _handle(device)
     with torch.cuda.device(device):
         workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8, device=device)
-        _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        _set_stream(handle, _device_index(device))
         graph.execute_plan_at_index(pack, workspace, index, handle=handle)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -281,13 +310,25 @@ def _operation_graph(kind: str, bound, scale: float, deterministic: bool, tensor
     return graph, {**inputs, **outputs}
 
 
+def _device_index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _set_stream(handle, index):
+    """Points device `index`'s handle at the current stream (a call to cuDNN only when it changed)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    if _HANDLE_STREAMS.get(index) != stream:
+        _cudnn().set_stream(handle=handle, stream=stream)
+        _HANDLE_STREAMS[index] = stream
+
+
 def _execute(built, tensors: dict, device):
     graph, described, plan = built
-    cudnn = _cudnn()
+    index = _device_index(device)
     handle = _handle(device)
     pack = {described[name]: t for name, t in tensors.items()}
-    with torch.cuda.device(device):
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
+        _set_stream(handle, index)
         if plan is None:
             workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
             graph.execute(pack, workspace, handle=handle)
