@@ -20,8 +20,8 @@ PyTorch path's, and the ratios against the targets.
 
 Where installed, the reference Triton implementations run beside them on the same inputs, for scale:
 Mamba's own SSD (`mamba_chunk_scan_combined` from `mamba_ssm`, dt already through softplus) and
-flash-linear-attention's chunked gated delta rule (`chunk_gated_delta_rule` from `fla`, q already
-scaled: scale 1). teratron depends on neither; a case prints "not run" without its package.
+flash-linear-attention's chunked gated delta rule (`chunk_gated_delta_rule` from `fla`, scale 1: teratron's
+rule takes q as given). teratron depends on neither; a case prints "not run" without its package.
 """
 
 import argparse
@@ -37,13 +37,14 @@ from teratron.ssm.ssd import ssd_chunked
 from teratron.ssm.ssd_triton import ssd_triton
 
 RULE_CHUNK = 64  # GatedDeltaNet's chunk size (and flash-linear-attention's)
+REFERENCE = "(reference)"  # the reference implementations' cases end with it
 
 
 def reference(module: str, name: str):
     """`name` from `module` of a reference implementation, or the reason it cannot run here."""
     try:
         return getattr(importlib.import_module(module), name)
-    except ImportError as error:
+    except Exception as error:  # not installed, or an install that fails to import
         return f"{module} not importable: {error}"
 
 
@@ -158,7 +159,8 @@ def run_cases(cases, shape, args, missing=None):
             continue
         try:
             ms, peak = time_step(make(), args)
-        except RuntimeError as error:  # a pinned SDPA kernel that cannot run this shape
+        except (Exception if name.endswith(REFERENCE) else RuntimeError) as error:  # a pinned SDPA kernel that
+            # cannot run this shape; a reference implementation failing in any way here
             print(f"RESULT {name}: not run ({str(error).splitlines()[0]})", flush=True)
             continue
         times[name] = ms
@@ -215,7 +217,7 @@ def main():
               f"torch {torch.__version__}")
 
     h, p = args.heads, args.head_dim
-    mamba = "mamba_ssm's mamba_chunk_scan_combined (reference)"
+    mamba = f"mamba_ssm's mamba_chunk_scan_combined {REFERENCE}"
     missing = unavailable({mamba: ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")})
     times = run_cases({
         "ssd_triton": lambda: scan_step(ssd_triton, args),
@@ -225,7 +227,7 @@ def main():
         "causal attention, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, p, args),
     }, f"heads {h} x {p}, d_state {args.d_state}, groups {args.groups}, chunk {args.chunk_size}, {common}", args,
         missing)
-    scans = {"ssd_triton": ssd_triton, **({} if mamba in missing else {mamba: mamba_ssm_scan})}
+    scans = {"ssd_triton": ssd_triton, **({mamba: mamba_ssm_scan} if mamba in times else {})}
     for name, scan in scans.items():
         difference = largest_difference(scan, ssd_chunked, scan_inputs(args), args.chunk_size)
         print(f"RESULT {name} vs ssd_chunked: largest output difference {difference:.2e} of the largest output",
@@ -234,7 +236,7 @@ def main():
     report_reference("ssd_triton", mamba, times)
 
     h, d = args.rule_heads, args.rule_head_dim
-    fla = "flash-linear-attention's chunk_gated_delta_rule (reference)"
+    fla = f"flash-linear-attention's chunk_gated_delta_rule {REFERENCE}"
     missing = unavailable({fla: ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")})
     times = run_cases({
         "gated_delta_rule_triton": lambda: rule_step(gated_delta_rule_triton, args),
@@ -243,7 +245,7 @@ def main():
         f"causal attention {h} x {d}, SDPA cuDNN": lambda: attention_step(SDPBackend.CUDNN_ATTENTION, h, d, args),
         f"causal attention {h} x {d}, SDPA flash": lambda: attention_step(SDPBackend.FLASH_ATTENTION, h, d, args),
     }, f"heads {h}, dk = dv = {d}, chunk {RULE_CHUNK}, {common}", args, missing)
-    rules = {"gated_delta_rule_triton": gated_delta_rule_triton, **({} if fla in missing else {fla: fla_rule})}
+    rules = {"gated_delta_rule_triton": gated_delta_rule_triton, **({fla: fla_rule} if fla in times else {})}
     for name, rule in rules.items():
         difference = largest_difference(rule, gated_delta_rule_chunked, rule_inputs(args), RULE_CHUNK)
         print(f"RESULT {name} vs gated_delta_rule_chunked: largest output difference {difference:.2e} of the "
