@@ -70,15 +70,11 @@ def _capability(device):
     """The GPU's (major, minor): cached in eager mode (a layer asks every step); asked directly while
     torch.compile traces (once per graph), which does not trace through a cache."""
     if torch.compiler.is_compiling():
-        properties = torch.cuda.get_device_properties(device)
-        return properties.major, properties.minor
+        return torch.cuda.get_device_capability(device)
     return _cached_capability(_device_index(device))
 
 
-@functools.cache
-def _cached_capability(index):
-    properties = torch.cuda.get_device_properties(index)
-    return properties.major, properties.minor
+_cached_capability = functools.cache(torch.cuda.get_device_capability)
 
 
 def left_bound(window_left: int, s: int):
