@@ -36,7 +36,7 @@ class HeadShare:
     groups: range
 
 
-def head_shares(heads: int, groups: int, cp: int, what: str) -> list:
+def head_shares(heads: int, groups: int, cp: int, what: tuple[str, str, str]) -> list:
     """Every CP rank's HeadShare of `heads` heads in `groups` groups (per tensor-parallel rank).
     `what` names them for the error: (heads' name, groups' name, the mixer)."""
     head_name, group_name, mixer = what
@@ -57,7 +57,7 @@ def head_shares(heads: int, groups: int, cp: int, what: str) -> list:
             for r in range(cp)]
 
 
-def set_up_head_exchange(mixer, cp_group, heads: int, groups: int, what: tuple, device):
+def set_up_head_exchange(mixer, cp_group, heads: int, groups: int, what: tuple[str, str, str], device):
     """Gives `mixer` its CP group and share: `cp_group`, `cp_share` (this rank's HeadShare; None without
     CP) and, under CP, the buffers `cp_channels` (the projection's channels every share reads, rank 0's
     first: the mixer's `_projection_parts(share)`) and `cp_conv_channels` (its convolution's channels
