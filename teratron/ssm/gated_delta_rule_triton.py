@@ -40,15 +40,18 @@ state entering the chunk [dv, dk], H' the one leaving it and (x o y) the product
               - e, e = w o rowsum(U * K dH'^T);  dG_L += sum(e) + gamma_L <dH', H>   (w and gamma_L)
       dg    = reverse running sum of dG in the chunk                      (_chunk_backward_kernel)
 
-Every sum accumulates in fp32. Q K^T and K K^T multiply q and k as they come (16-bit from
-GatedDeltaNet, which rounds them to v's dtype after their L2 norm and q's 1/sqrt(dk): exact
-products, half the reads); every other tile is converted to fp32, and those products run on
-tensor cores in tf32 when v is bf16 or fp16 (T's joining products in 3xTF32, fp32's accuracy) and
-in full fp32 ("ieee") when v is fp32: correct, but that variant's
-state passings spill several KiB of registers a thread on sm_90 (fp32 FMA products), so it is
-slow. The chunk kernels tile dk and dv in blocks of at most MAX_BLOCK and loop over them beside the
-[L, L] fp32 tiles; the two state passings keep a [STATE_ROWS, dk] state tile (dk up to
-MAX_KEY_DIM) across the chunk loop.
+Every sum accumulates in fp32. With 16-bit v the buffers the kernels pass each other (W, U, the
+chunks' states H_c and their gradients dH') are kept in v's dtype, as flash-linear-attention keeps
+them (half the memory traffic; drhs stays fp32, so that dV = beta o drhs is rounded once), and the
+state passings round their products' fp32 operands (the state, U's and dH's steps) to that dtype.
+Two 16-bit tiles of one dtype multiply as they are (exact products in the fp32 sums: q and k come
+16-bit from GatedDeltaNet, which rounds them to v's dtype after their L2 norm and q's 1/sqrt(dk));
+every other product runs on fp32 operands, on tensor cores in tf32 when v is bf16 or fp16 (T's
+joining products in 3xTF32, fp32's accuracy) and in full fp32 ("ieee") when v is fp32, with every
+buffer fp32: correct, but that variant's state passings spill several KiB of registers a thread on
+sm_90 (fp32 FMA products), so it is slow. The chunk kernels tile dk and dv in blocks of at most
+MAX_BLOCK and loop over them beside the [L, L] fp32 tiles; the two state passings keep a
+[STATE_ROWS, dk] fp32 state tile (dk up to MAX_KEY_DIM) across the chunk loop.
 """
 
 import os
@@ -78,10 +81,12 @@ SOLVE_BLOCK = tl.constexpr(16) if triton is not None and not INTERPRETED else 16
 # Triton's interpreter multiplies bfloat16 tiles as their raw bits: it takes Q K^T's tiles in fp32 (the
 # same products: a 16-bit value's is exact in fp32).
 NATIVE_16BIT_DOTS = tl.constexpr(True) if triton is not None and not INTERPRETED else False
-# Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this). For sm_90
-# (16-bit v, chunk 64, 8 warps: before LAUNCH) ptxas spilled nothing in the forward ones and 456 bytes
-# a thread in _chunk_backward_kernel (112 with blocks of 16 over dv, at twice the loop trips).
-MAX_BLOCK = 32
+# Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this), and lower caps
+# for some kernels (by LAUNCH key): beside its accumulators and [L, L] tiles the per-chunk backward is
+# fastest on tiles of 32, the output kernels on tiles of 64 (H100, 16-bit buffers: 1.36 vs 1.51 ms a
+# call, and 0.35 vs 0.30 ms for the two output kernels; bench/RESULTS.md, session 25).
+MAX_BLOCK = 64
+KERNEL_BLOCKS = dict(backward=32)
 # The state passings hold a [STATE_ROWS, dk] fp32 tile of the state and [L, dk] tiles of K, Q and W
 # whole: rows of 16 kept ptxas's register spills for sm_90 (16-bit v, 8 warps before LAUNCH, chunk 64,
 # dk 128) under 128 bytes a thread (32: 336), and all six kernels' shared memory within an H100's 227 KiB
@@ -91,10 +96,11 @@ STATE_ROWS = 16
 # (warps, software-pipelining stages) of each kernel at GatedDeltaNet's chunk of 64: the fastest of
 # 2-16 warps x 1-4 stages, each kernel timed alone at 32 heads, dk = dv = 128, 1 x 8,192 bf16 tokens
 # on an H200 (bench/scan_launch_sweep.py --scan rule; bench/RESULTS.md, session 17: 7.42 -> 5.14 ms
-# of kernels per forward + backward). The solve runs twice: solving (forward) and rebuilding W and U
+# of kernels per forward + backward); with the 16-bit buffers the forward state passing and the
+# per-chunk backward take a third stage (H100, session 25: 3.66 -> 3.49 ms). The solve runs twice: solving (forward) and rebuilding W and U
 # from the kept T (backward, `solved`). Chunks of 32 and less: 4 warps, Triton's default stages.
-LAUNCH = dict(solve=(4, 3), solved=(2, 4), state_passing=(4, 2), output=(2, 4), output_backward=(2, 4),
-              state_passing_backward=(4, 1), backward=(4, 2))
+LAUNCH = dict(solve=(4, 3), solved=(2, 4), state_passing=(4, 3), output=(2, 4), output_backward=(2, 4),
+              state_passing_backward=(4, 1), backward=(4, 3))
 
 
 def gated_delta_rule_triton(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, seq_idx=None):
@@ -140,7 +146,8 @@ class _Shape:
 
     def meta(self, dtype, kernel: str):
         """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
-        return dict(L=self.chunk, BLOCK_K=self.block_k, BLOCK_V=self.block_v, KEY_TILE=self.key_tile,
+        return dict(L=self.chunk, BLOCK_K=self.block(self.key_dim, kernel),
+                    BLOCK_V=self.block(self.value_dim, kernel), KEY_TILE=self.key_tile,
                     **self.launch(kernel),
                     # fp32 v needs "ieee" to match the PyTorch path to fp32 rounding; 16-bit v takes tf32
                     PRECISION="ieee" if dtype == torch.float32 else "tf32")
@@ -155,21 +162,15 @@ class _Shape:
         """`meta` for the two state passings, with their rows of the state."""
         return {**self.meta(dtype, kernel), "STATE_ROWS": STATE_ROWS}
 
-    @property
-    def block_k(self):  # 16 at least: tl.dot's smallest tile side
-        return min(max(16, triton.next_power_of_2(self.key_dim)), MAX_BLOCK)
-
-    @property
-    def block_v(self):
-        return min(max(16, triton.next_power_of_2(self.value_dim)), MAX_BLOCK)
+    @staticmethod
+    def block(width: int, kernel: str):
+        """`kernel`'s tile side over dk or dv (`width`): 16 at least (tl.dot's smallest tile side), at
+        most MAX_BLOCK and the kernel's KERNEL_BLOCKS cap."""
+        return min(max(16, triton.next_power_of_2(width)), MAX_BLOCK, KERNEL_BLOCKS.get(kernel, MAX_BLOCK))
 
     @property
     def key_tile(self):  # dk whole, for the state passings
         return max(16, triton.next_power_of_2(self.key_dim))
-
-    @property
-    def v_blocks(self):
-        return triton.cdiv(self.value_dim, self.block_v)
 
     @property
     def state_grid(self):  # (batch, head, block of STATE_ROWS rows of the state)
@@ -233,7 +234,8 @@ def _gated_delta_rule_backward(do: torch.Tensor, dfinal: torch.Tensor, q: torch.
     b, h, m = shape.batch, shape.heads, shape.chunks
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     cum, solve, u, states, _ = _forward_states(k, v, g, beta, initial_state, shape, solved=(cum, solve))
-    drhs = torch.empty_like(u)  # (D * Q K^T)^T dO, then drhs in place
+    # (D * Q K^T)^T dO, then drhs in place: fp32, as dV = beta o drhs is rounded once, to dV's dtype
+    drhs = torch.empty(u.shape, device=u.device, dtype=torch.float32)
     _chunk_output_backward_kernel[(b * m, h)](
         q, k, do, cum, drhs, **shape.sizes(), **shape.meta(v.dtype, "output_backward"))
     dstates = torch.empty_like(states)
@@ -258,21 +260,28 @@ def _(do, dfinal, q, k, v, g, beta, initial_state, cum, solve, chunk_size):
 _gated_delta_rule.register_autograd(_rule_autograd, setup_context=_setup_rule)
 
 
+def _buffer_dtype(v):
+    """W, U, the chunks' states and their gradients are kept in v's dtype when it is 16-bit (half the
+    memory traffic of the kernels that pass them), else in fp32."""
+    return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
-    """fp32: G [b, h, m * L], T [b, m, h, L, L], U [b, m, h, L, dv], the states entering each chunk
-    [b, m, h, dv, dk] and the final state [b, h, dv, dk]. `solved`: (G, T) of an earlier call on the
-    same inputs, taken instead of solving again."""
+    """G [b, h, m * L] and T [b, m, h, L, L] (fp32), U [b, m, h, L, dv] and the states entering each
+    chunk [b, m, h, dv, dk] (`_buffer_dtype`), and the final state [b, h, dv, dk] (fp32). `solved`:
+    (G, T) of an earlier call on the same inputs, taken instead of solving again."""
     b, h, m, L, dk, dv = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.key_dim, shape.value_dim
     fp32 = dict(device=v.device, dtype=torch.float32)
+    buffers = dict(device=v.device, dtype=_buffer_dtype(v))
     if solved is None:
         cum, solve = torch.empty(b, h, m * L, **fp32), torch.empty(b, m, h, L, L, **fp32)
     else:
         cum, solve = solved
-    w = torch.empty(b, m, h, L, dk, **fp32)
-    u = torch.empty(b, m, h, L, dv, **fp32)  # Ub, then U in place
+    w = torch.empty(b, m, h, L, dk, **buffers)
+    u = torch.empty(b, m, h, L, dv, **buffers)  # Ub, then U in place
     _chunk_solve_kernel[(b * m, h)](k, v, g, beta, cum, solve, w, u, **shape.sizes(), SOLVED=solved is not None,
                                     **shape.meta(v.dtype, "solve" if solved is None else "solved"))
-    states = torch.empty(b, m, h, dv, dk, **fp32)
+    states = torch.empty(b, m, h, dv, dk, **buffers)
     final = torch.empty(b, h, dv, dk, **fp32)
     initial = initial_state.float().contiguous() if initial_state is not None else final  # unused without
     _state_passing_kernel[shape.state_grid](
@@ -303,6 +312,22 @@ if triton is not None:
         return offsets, (rows[:, None] < L) & (lanes[None, :] < width)
 
     @triton.jit
+    def _load_tokens_as_stored(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """`load_tokens` in the tensor's own dtype (a 16-bit tile for `_dot`)."""
+        offsets, mask = token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def _dot(x, y, PRECISION: tl.constexpr):
+        """x y accumulated in fp32: two 16-bit tiles of one dtype multiply as they are (exact products),
+        any other pair in fp32 at PRECISION."""
+        if NATIVE_16BIT_DOTS and x.dtype == y.dtype and x.dtype != tl.float32:
+            out = tl.dot(x, y)
+        else:
+            out = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PRECISION)
+        return out
+
+    @triton.jit
     def _load_chunk_tile(ptr, bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
         offsets, mask = _chunk_tile_offsets(bi, c, head, heads, m, width, first, L, WIDTH)
         return tl.load(ptr + offsets, mask=mask, other=0.0)
@@ -310,7 +335,7 @@ if triton is not None:
     @triton.jit
     def _store_chunk_tile(ptr, tile, bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
         offsets, mask = _chunk_tile_offsets(bi, c, head, heads, m, width, first, L, WIDTH)
-        tl.store(ptr + offsets, tile, mask=mask)
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _state_offsets(bi, c, head, heads, m, dk, dv, v0, k0, ROWS: tl.constexpr, LANES: tl.constexpr):
@@ -329,7 +354,7 @@ if triton is not None:
     @triton.jit
     def _store_state(ptr, tile, bi, c, head, heads, m, dk, dv, v0, k0, ROWS: tl.constexpr, LANES: tl.constexpr):
         offsets, mask = _state_offsets(bi, c, head, heads, m, dk, dv, v0, k0, ROWS, LANES)
-        tl.store(ptr + offsets, tile, mask=mask)
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _load_cum(cum, bi, c, head, heads, m, L: tl.constexpr):
@@ -360,28 +385,25 @@ if triton is not None:
         multiply as they are: their products are exact in the fp32 sums (as tf32's of the same values)."""
         out = tl.zeros([L, L], tl.float32)
         for k0 in range(0, dk, BLOCK_K):
-            offsets, mask = token_offsets(bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            x_tile = tl.load(x + offsets, mask=mask, other=0.0)
-            y_tile = tl.load(y + offsets, mask=mask, other=0.0)
-            if NATIVE_16BIT_DOTS:
-                out += tl.dot(x_tile, tl.trans(y_tile), input_precision=PRECISION)
-            else:
-                out += tl.dot(x_tile.to(tl.float32), tl.trans(y_tile.to(tl.float32)), input_precision=PRECISION)
+            x_tile = _load_tokens_as_stored(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            y_tile = _load_tokens_as_stored(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            out += _dot(x_tile, tl.trans(y_tile), PRECISION)
         return out
 
     @triton.jit
     def _diagonal_block_inverses(tile, L: tl.constexpr):
         """The [L, L] strictly lower a in `tile` -> the offsets of its L / SOLVE_BLOCK diagonal blocks
         a_r and (I + a_r)^-1 [blocks, SOLVE_BLOCK, SOLVE_BLOCK]: all blocks at once by forward
-        substitution, row t = e_t - sum_{j < t} a_r[t, j] (row j), SOLVE_BLOCK - 1 steps."""
+        substitution, row t = e_t - sum_{j < t} a_r[t, j] (row j), SOLVE_BLOCK - 1 steps (a_r's row t read
+        from `tile`, not picked out of a register tile by a masked sum)."""
         r = tl.arange(0, L // SOLVE_BLOCK)[:, None, None]
         i = tl.arange(0, SOLVE_BLOCK)
         rows, lanes = i[None, :, None], i[None, None, :]
         offsets = (r * SOLVE_BLOCK + rows) * L + r * SOLVE_BLOCK + lanes
-        a = tl.load(tile + offsets)
         inverse = tl.where(rows == lanes, 1.0, 0.0) + tl.zeros([L // SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK], tl.float32)
+        first = tl.arange(0, L // SOLVE_BLOCK)[:, None] * SOLVE_BLOCK  # [blocks, 1]: each block's first row and lane
         for t in range(1, SOLVE_BLOCK):
-            a_row = tl.sum(tl.where(rows == t, a, 0.0), 1)  # [blocks, SOLVE_BLOCK] over j
+            a_row = tl.load(tile + (first + t) * L + first + i[None, :])  # [blocks, SOLVE_BLOCK] over j
             row = tl.where(i[None, :] == t, 1.0, 0.0) - tl.sum(a_row[:, :, None] * inverse, 1)
             inverse = tl.where(rows == t, row[:, None, :], inverse)
         return offsets, inverse
@@ -453,7 +475,9 @@ if triton is not None:
                               L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                               KEY_TILE: tl.constexpr, STATE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi, head, k): rows v0 .. v0 + STATE_ROWS - 1 of the state, over the chunks in order:
-        stores H_c, replaces Ub by U = Ub - W H_c^T and steps H_{c+1} = gamma_L H_c + U^T (w o K)."""
+        stores H_c, replaces Ub by U = Ub - W H_c^T and steps H_{c+1} = gamma_L H_c + U^T (w o K). The
+        products take their operands in the buffers' dtype (16-bit with 16-bit v), the sums stay fp32."""
+        operand = w.dtype.element_ty
         bi = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         v0 = tl.program_id(2) * STATE_ROWS
@@ -465,12 +489,13 @@ if triton is not None:
             _store_state(states, state, bi, c, head, heads, m, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             w_tile = _load_chunk_tile(w, bi, c, head, heads, m, dk, 0, L, KEY_TILE)
-            u_tile = (_load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
-                      - tl.dot(w_tile, tl.trans(state), input_precision=PRECISION))
+            u_tile = (_load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, STATE_ROWS).to(tl.float32)
+                      - _dot(w_tile, tl.trans(state).to(operand), PRECISION))
             _store_chunk_tile(u, u_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
             G, last = _load_cum(cum, bi, c, head, heads, m, L)
             to_end = tl.exp(last - G)
-            state = tl.exp(last) * state + tl.dot(tl.trans(u_tile * to_end[:, None]), k_tile, input_precision=PRECISION)
+            state = tl.exp(last) * state + _dot(tl.trans(u_tile * to_end[:, None]).to(operand), k_tile.to(operand),
+                                                PRECISION)
         _store_state(final, state, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
 
     @triton.jit
@@ -484,11 +509,11 @@ if triton is not None:
         for v0 in range(0, dv, BLOCK_V):
             earlier = tl.zeros([L, BLOCK_V], tl.float32)
             for k0 in range(0, dk, BLOCK_K):
-                q_tile = load_tokens(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                q_tile = _load_tokens_as_stored(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                earlier += tl.dot(q_tile, tl.trans(entering), input_precision=PRECISION)
+                earlier += _dot(q_tile, tl.trans(entering), PRECISION)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-            out = tl.exp(G)[:, None] * earlier + tl.dot(scores, u_tile, input_precision=PRECISION)
+            out = tl.exp(G)[:, None] * earlier + _dot(scores, u_tile, PRECISION)
             store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
 
     @triton.jit
@@ -509,7 +534,9 @@ if triton is not None:
                                        KEY_TILE: tl.constexpr, STATE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
         """Program (bi, head, k): rows v0 .. of the state's gradient, the chunks in reverse: stores dH'
         (the leaving state's gradient) of each chunk, completes dU with (w o K) dH'^T, replaces it by
-        drhs = T^T dU, and steps dH = gamma_L dH' + (gamma o dO)^T Q - (beta gamma o drhs)^T K."""
+        drhs = T^T dU, and steps dH = gamma_L dH' + (gamma o dO)^T Q - (beta gamma o drhs)^T K (the
+        products of dH and its steps on operands in dH's buffer dtype, as the forward's)."""
+        operand = dstates.dtype.element_ty
         bi = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         v0 = tl.program_id(2) * STATE_ROWS
@@ -521,16 +548,16 @@ if triton is not None:
             gamma = tl.exp(G)
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             q_tile = load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
-            du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
-                  + tl.dot(k_tile * tl.exp(last - G)[:, None], tl.trans(dstate), input_precision=PRECISION))
+            du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS).to(tl.float32)
+                  + _dot((k_tile * tl.exp(last - G)[:, None]).to(operand), tl.trans(dstate).to(operand), PRECISION))
             inverse = _load_solve(solve, bi, c, head, heads, m, L)
             drhs_tile = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
             _store_chunk_tile(drhs, drhs_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
             do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)
             key_weight = _load_scalars(beta, bi, c, head, s, heads, L) * gamma
             dstate = (tl.exp(last) * dstate
-                      + tl.dot(tl.trans(do_tile * gamma[:, None]), q_tile, input_precision=PRECISION)
-                      - tl.dot(tl.trans(drhs_tile * key_weight[:, None]), k_tile, input_precision=PRECISION))
+                      + _dot(tl.trans(do_tile * gamma[:, None]).to(operand), q_tile.to(operand), PRECISION)
+                      - _dot(tl.trans(drhs_tile * key_weight[:, None]).to(operand), k_tile.to(operand), PRECISION))
         _store_state(dinitial, dstate, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
 
     @triton.jit
@@ -554,12 +581,12 @@ if triton is not None:
         for v0 in range(0, dv, BLOCK_V):
             drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-            do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            do_tile = _load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-            store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
-            dbeta_c += tl.sum(drhs_tile * v_tile, 1)
-            do_u += tl.dot(do_tile, tl.trans(u_tile), input_precision=PRECISION)
-            drhs_u += tl.dot(drhs_tile, tl.trans(u_tile), input_precision=PRECISION)
+            store_tokens(dv_out, beta_c[:, None] * drhs_tile.to(tl.float32), bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            dbeta_c += tl.sum(drhs_tile.to(tl.float32) * v_tile, 1)
+            do_u += _dot(do_tile, tl.trans(u_tile), PRECISION)
+            drhs_u += _dot(drhs_tile, tl.trans(u_tile), PRECISION)
 
         # The [L, L] terms, one product of the chunk's keys at a time.
         key_keys = _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
@@ -585,13 +612,13 @@ if triton is not None:
             for v0 in range(0, dv, BLOCK_V):
                 drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
                 u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-                do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+                do_tile = _load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                do_entering += tl.dot(do_tile, entering, input_precision=PRECISION)
-                drhs_entering += tl.dot(drhs_tile, entering, input_precision=PRECISION)
-                u_dleaving += tl.dot(u_tile, dleaving, input_precision=PRECISION)
-                dstate_state += tl.sum(tl.sum(entering * dleaving, 1), 0)
+                do_entering += _dot(do_tile, entering, PRECISION)
+                drhs_entering += _dot(drhs_tile, entering, PRECISION)
+                u_dleaving += _dot(u_tile, dleaving, PRECISION)
+                dstate_state += tl.sum(tl.sum(entering.to(tl.float32) * dleaving.to(tl.float32), 1), 0)
             keys_drhs_entering = tl.sum(k_tile * drhs_entering, 1)  # this block's part of rowsum(drhs * K H^T)
             dbeta_c -= gamma * keys_drhs_entering
             dG += gamma * tl.sum(q_tile * do_entering, 1) - key_weight * keys_drhs_entering

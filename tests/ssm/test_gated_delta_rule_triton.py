@@ -45,14 +45,15 @@ def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype, dk):
     assert "\n" not in str(error.value)
 
 
-# Each kernel's tensors: those of the inputs' dtype (q, k, v, beta, dO and their gradients), the others fp32.
+# Each kernel's tensors: those of the inputs' dtype (q, k, v, beta, dO, their gradients and the buffers W, U,
+# the states and their gradients: kernels._buffer_dtype), the others fp32.
 KERNEL_TENSORS = {
-    "_chunk_solve_kernel": ("k v beta", "g cum solve w u"),
-    "_state_passing_kernel": ("k", "w u cum states initial final"),
-    "_chunk_output_kernel": ("q k o", "u cum states"),
+    "_chunk_solve_kernel": ("k v beta w u", "g cum solve"),
+    "_state_passing_kernel": ("k w u states", "cum initial final"),
+    "_chunk_output_kernel": ("q k o u states", "cum"),
     "_chunk_output_backward_kernel": ("q k do", "cum du"),
-    "_state_passing_backward_kernel": ("q k beta do", "cum solve drhs dstates dfinal dinitial"),
-    "_chunk_backward_kernel": ("q k v beta do dq dk_out dv_out dbeta", "cum u states dstates drhs dg"),
+    "_state_passing_backward_kernel": ("q k beta do dstates", "cum solve drhs dfinal dinitial"),
+    "_chunk_backward_kernel": ("q k v beta do dq dk_out dv_out dbeta u states dstates", "cum drhs dg"),
 }
 # Each kernel's key in kernels.LAUNCH (the solve's second use, rebuilding W and U from T: "solved").
 KERNEL_LAUNCH = {"_chunk_solve_kernel": "solve", "_state_passing_kernel": "state_passing",
@@ -83,11 +84,13 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
         shape = kernels._Shape(batch=1, seq=chunk, heads=1, key_dim=kernels.MAX_KEY_DIM, value_dim=kernels.MAX_KEY_DIM,
                                chunk=chunk, chunks=1)
         for solved in (False, True) if "SOLVED" in kernel.arg_names else (False,):  # the solve's two uses
-            constexprs = dict(L=chunk, BLOCK_K=kernels.MAX_BLOCK, BLOCK_V=kernels.MAX_BLOCK,
+            launch = "solved" if solved else KERNEL_LAUNCH[name]
+            block = shape.block(kernels.MAX_KEY_DIM, launch)
+            constexprs = dict(L=chunk, BLOCK_K=block, BLOCK_V=block,
                               KEY_TILE=kernels.MAX_KEY_DIM, STATE_ROWS=kernels.STATE_ROWS,
                               PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_INITIAL=True, SOLVED=solved)
             compiled = compile_for_sm90(kernel, dtype, activations, fp32, constexprs=constexprs,
-                                        options=shape.launch("solved" if solved else KERNEL_LAUNCH[name]))
+                                        options=shape.launch(launch))
             assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, solved, compiled.shared)
 
 
