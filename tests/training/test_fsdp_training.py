@@ -84,8 +84,10 @@ def test_hybrid_sharding_and_its_checkpoint_continued_at_dp2(reference, tmp_path
 
 @pytest.mark.parametrize("optimizer", ["muon", "lion"])
 def test_muon_and_lion(tmp_path, optimizer):
-    """Muon orthogonalises whole matrices: it gathers each FSDP shard's matrix over the shard group."""
-    flags = ["--optimizer", optimizer]
+    """Muon orthogonalises whole matrices: it gathers each FSDP shard's matrix over the shard group.
+    Its Newton-Schulz iterations run in fp32 here, as in the other Muon equivalence tests: in bf16
+    (the default) the runs' fp32-rounding differences in the gradients flip bf16 roundings."""
+    flags = ["--optimizer", optimizer] + (["--muon-fp32-matmul-prec", "highest"] if optimizer == "muon" else [])
     _assert_equal(_train(flags, tmp_path, "single"), _train(flags + FSDP2, tmp_path, "fsdp", 2), optimizer)
 
 
