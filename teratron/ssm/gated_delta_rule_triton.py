@@ -68,7 +68,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import load_tokens, program_chunk, store_tokens, token_offsets
+    from teratron.ssm.triton_tiles import load_tokens, load_tokens_as_stored, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,8 +97,9 @@ STATE_ROWS = 16
 # 2-16 warps x 1-4 stages, each kernel timed alone at 32 heads, dk = dv = 128, 1 x 8,192 bf16 tokens
 # on an H200 (bench/scan_launch_sweep.py --scan rule; bench/RESULTS.md, session 17: 7.42 -> 5.14 ms
 # of kernels per forward + backward); with the 16-bit buffers the forward state passing and the
-# per-chunk backward take a third stage (H100, session 25: 3.66 -> 3.49 ms). The solve runs twice: solving (forward) and rebuilding W and U
-# from the kept T (backward, `solved`). Chunks of 32 and less: 4 warps, Triton's default stages.
+# per-chunk backward take a third stage (H100, session 25: 3.66 -> 3.49 ms). The solve runs twice:
+# solving (forward) and rebuilding W and U from the kept T (backward, `solved`). Chunks of 32 and
+# less: 4 warps, Triton's default stages.
 LAUNCH = dict(solve=(4, 3), solved=(2, 4), state_passing=(4, 3), output=(2, 4), output_backward=(2, 4),
               state_passing_backward=(4, 1), backward=(4, 3))
 
@@ -260,19 +261,13 @@ def _(do, dfinal, q, k, v, g, beta, initial_state, cum, solve, chunk_size):
 _gated_delta_rule.register_autograd(_rule_autograd, setup_context=_setup_rule)
 
 
-def _buffer_dtype(v):
-    """W, U, the chunks' states and their gradients are kept in v's dtype when it is 16-bit (half the
-    memory traffic of the kernels that pass them), else in fp32."""
-    return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
 def _forward_states(k, v, g, beta, initial_state, shape, solved=None):
     """G [b, h, m * L] and T [b, m, h, L, L] (fp32), U [b, m, h, L, dv] and the states entering each
-    chunk [b, m, h, dv, dk] (`_buffer_dtype`), and the final state [b, h, dv, dk] (fp32). `solved`:
+    chunk [b, m, h, dv, dk] (v's dtype: 16-bit or fp32), and the final state [b, h, dv, dk] (fp32). `solved`:
     (G, T) of an earlier call on the same inputs, taken instead of solving again."""
     b, h, m, L, dk, dv = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.key_dim, shape.value_dim
     fp32 = dict(device=v.device, dtype=torch.float32)
-    buffers = dict(device=v.device, dtype=_buffer_dtype(v))
+    buffers = dict(device=v.device, dtype=v.dtype)  # one of SUPPORTED_DTYPES
     if solved is None:
         cum, solve = torch.empty(b, h, m * L, **fp32), torch.empty(b, m, h, L, L, **fp32)
     else:
@@ -310,12 +305,6 @@ if triton is not None:
         lanes = first + tl.arange(0, WIDTH)
         offsets = ((bi * m + c) * heads + head) * L * width + rows[:, None] * width + lanes[None, :]
         return offsets, (rows[:, None] < L) & (lanes[None, :] < width)
-
-    @triton.jit
-    def _load_tokens_as_stored(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """`load_tokens` in the tensor's own dtype (a 16-bit tile for `_dot`)."""
-        offsets, mask = token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
-        return tl.load(ptr + offsets, mask=mask, other=0.0)
 
     @triton.jit
     def _dot(x, y, PRECISION: tl.constexpr):
@@ -385,8 +374,8 @@ if triton is not None:
         multiply as they are: their products are exact in the fp32 sums (as tf32's of the same values)."""
         out = tl.zeros([L, L], tl.float32)
         for k0 in range(0, dk, BLOCK_K):
-            x_tile = _load_tokens_as_stored(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            y_tile = _load_tokens_as_stored(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            x_tile = load_tokens_as_stored(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+            y_tile = load_tokens_as_stored(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             out += _dot(x_tile, tl.trans(y_tile), PRECISION)
         return out
 
@@ -509,7 +498,7 @@ if triton is not None:
         for v0 in range(0, dv, BLOCK_V):
             earlier = tl.zeros([L, BLOCK_V], tl.float32)
             for k0 in range(0, dk, BLOCK_K):
-                q_tile = _load_tokens_as_stored(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
+                q_tile = load_tokens_as_stored(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 earlier += _dot(q_tile, tl.trans(entering), PRECISION)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
@@ -581,7 +570,7 @@ if triton is not None:
         for v0 in range(0, dv, BLOCK_V):
             drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-            do_tile = _load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+            do_tile = load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             dbeta_c += tl.sum(drhs_tile * v_tile, 1)
@@ -612,7 +601,7 @@ if triton is not None:
             for v0 in range(0, dv, BLOCK_V):
                 drhs_tile = _load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
                 u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-                do_tile = _load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
+                do_tile = load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 do_entering += _dot(do_tile, entering, PRECISION)

@@ -37,10 +37,15 @@ if triton is not None:
         return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
-        """The tile of `token_offsets` in fp32, zeros where masked."""
+    def load_tokens_as_stored(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """The tile of `token_offsets` in the tensor's own dtype, zeros where masked."""
         offsets, mask = token_offsets(bi, c, column, s, columns, width, first, L, WIDTH)
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def load_tokens(ptr, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
+        """`load_tokens_as_stored` in fp32."""
+        return load_tokens_as_stored(ptr, bi, c, column, s, columns, width, first, L, WIDTH).to(tl.float32)
 
     @triton.jit
     def store_tokens(ptr, tile, bi, c, column, s, columns, width, first, L: tl.constexpr, WIDTH: tl.constexpr):

@@ -46,7 +46,7 @@ def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype, dk):
 
 
 # Each kernel's tensors: those of the inputs' dtype (q, k, v, beta, dO, their gradients and the buffers W, U,
-# the states and their gradients: kernels._buffer_dtype), the others fp32.
+# the states and their gradients, kept in v's dtype), the others fp32.
 KERNEL_TENSORS = {
     "_chunk_solve_kernel": ("k v beta w u", "g cum solve"),
     "_state_passing_kernel": ("k w u states", "cum initial final"),
