@@ -68,7 +68,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import load_tokens, load_tokens_as_stored, program_chunk, store_tokens
+    from teratron.ssm.triton_tiles import dot, load_tokens, load_tokens_as_stored, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,9 +78,6 @@ CHUNK_SIZES = (16, 32, 64)
 # join by products (`_blocked_unit_lower_inverse`). Compiled kernels read globals only as
 # constexprs; the interpreter takes the int.
 SOLVE_BLOCK = tl.constexpr(16) if triton is not None and not INTERPRETED else 16
-# Triton's interpreter multiplies bfloat16 tiles as their raw bits: it takes Q K^T's tiles in fp32 (the
-# same products: a 16-bit value's is exact in fp32).
-NATIVE_16BIT_DOTS = tl.constexpr(True) if triton is not None and not INTERPRETED else False
 # Largest tile side over dk and dv in the chunk kernels (each loops over blocks of this), and lower caps
 # for some kernels (by LAUNCH key): beside its accumulators and [L, L] tiles the per-chunk backward is
 # fastest on tiles of 32, the output kernels on tiles of 64 (H100, 16-bit buffers: 1.36 vs 1.51 ms a
@@ -307,16 +304,6 @@ if triton is not None:
         return offsets, (rows[:, None] < L) & (lanes[None, :] < width)
 
     @triton.jit
-    def _dot(x, y, PRECISION: tl.constexpr):
-        """x y accumulated in fp32: two 16-bit tiles of one dtype multiply as they are (exact products),
-        any other pair in fp32 at PRECISION."""
-        if NATIVE_16BIT_DOTS and x.dtype == y.dtype and x.dtype != tl.float32:
-            out = tl.dot(x, y)
-        else:
-            out = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PRECISION)
-        return out
-
-    @triton.jit
     def _load_chunk_tile(ptr, bi, c, head, heads, m, width, first, L: tl.constexpr, WIDTH: tl.constexpr):
         offsets, mask = _chunk_tile_offsets(bi, c, head, heads, m, width, first, L, WIDTH)
         return tl.load(ptr + offsets, mask=mask, other=0.0)
@@ -376,7 +363,7 @@ if triton is not None:
         for k0 in range(0, dk, BLOCK_K):
             x_tile = load_tokens_as_stored(x, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
             y_tile = load_tokens_as_stored(y, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
-            out += _dot(x_tile, tl.trans(y_tile), PRECISION)
+            out += dot(x_tile, tl.trans(y_tile), PRECISION)
         return out
 
     @triton.jit
@@ -479,11 +466,11 @@ if triton is not None:
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             w_tile = _load_chunk_tile(w, bi, c, head, heads, m, dk, 0, L, KEY_TILE)
             u_tile = (_load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, STATE_ROWS).to(tl.float32)
-                      - _dot(w_tile, tl.trans(state).to(operand), PRECISION))
+                      - dot(w_tile, tl.trans(state).to(operand), PRECISION))
             _store_chunk_tile(u, u_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
             G, last = _load_cum(cum, bi, c, head, heads, m, L)
             to_end = tl.exp(last - G)
-            state = tl.exp(last) * state + _dot(tl.trans(u_tile * to_end[:, None]).to(operand), k_tile.to(operand),
+            state = tl.exp(last) * state + dot(tl.trans(u_tile * to_end[:, None]).to(operand), k_tile.to(operand),
                                                 PRECISION)
         _store_state(final, state, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
 
@@ -500,9 +487,9 @@ if triton is not None:
             for k0 in range(0, dk, BLOCK_K):
                 q_tile = load_tokens_as_stored(q, bi, c, head, s, heads, dk, k0, L, BLOCK_K)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                earlier += _dot(q_tile, tl.trans(entering), PRECISION)
+                earlier += dot(q_tile, tl.trans(entering), PRECISION)
             u_tile = _load_chunk_tile(u, bi, c, head, heads, m, dv, v0, L, BLOCK_V)
-            out = tl.exp(G)[:, None] * earlier + _dot(scores, u_tile, PRECISION)
+            out = tl.exp(G)[:, None] * earlier + dot(scores, u_tile, PRECISION)
             store_tokens(o, out, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
 
     @triton.jit
@@ -538,15 +525,15 @@ if triton is not None:
             k_tile = load_tokens(k, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             q_tile = load_tokens(q, bi, c, head, s, heads, dk, 0, L, KEY_TILE)
             du = (_load_chunk_tile(drhs, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
-                  + _dot((k_tile * tl.exp(last - G)[:, None]).to(operand), tl.trans(dstate).to(operand), PRECISION))
+                  + dot((k_tile * tl.exp(last - G)[:, None]).to(operand), tl.trans(dstate).to(operand), PRECISION))
             inverse = _load_solve(solve, bi, c, head, heads, m, L)
             drhs_tile = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
             _store_chunk_tile(drhs, drhs_tile, bi, c, head, heads, m, dv, v0, L, STATE_ROWS)
             do_tile = load_tokens(do, bi, c, head, s, heads, dv, v0, L, STATE_ROWS)
             key_weight = _load_scalars(beta, bi, c, head, s, heads, L) * gamma
             dstate = (tl.exp(last) * dstate
-                      + _dot(tl.trans(do_tile * gamma[:, None]).to(operand), q_tile.to(operand), PRECISION)
-                      - _dot(tl.trans(drhs_tile * key_weight[:, None]).to(operand), k_tile.to(operand), PRECISION))
+                      + dot(tl.trans(do_tile * gamma[:, None]).to(operand), q_tile.to(operand), PRECISION)
+                      - dot(tl.trans(drhs_tile * key_weight[:, None]).to(operand), k_tile.to(operand), PRECISION))
         _store_state(dinitial, dstate, bi, 0, head, heads, 1, dk, dv, v0, 0, STATE_ROWS, KEY_TILE)
 
     @triton.jit
@@ -574,8 +561,8 @@ if triton is not None:
             v_tile = load_tokens(v, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             store_tokens(dv_out, beta_c[:, None] * drhs_tile, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
             dbeta_c += tl.sum(drhs_tile * v_tile, 1)
-            do_u += _dot(do_tile, tl.trans(u_tile), PRECISION)
-            drhs_u += _dot(drhs_tile, tl.trans(u_tile), PRECISION)
+            do_u += dot(do_tile, tl.trans(u_tile), PRECISION)
+            drhs_u += dot(drhs_tile, tl.trans(u_tile), PRECISION)
 
         # The [L, L] terms, one product of the chunk's keys at a time.
         key_keys = _products(k, k, bi, c, head, s, heads, dk, L, BLOCK_K, PRECISION)
@@ -604,9 +591,9 @@ if triton is not None:
                 do_tile = load_tokens_as_stored(do, bi, c, head, s, heads, dv, v0, L, BLOCK_V)
                 entering = _load_state(states, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
                 dleaving = _load_state(dstates, bi, c, head, heads, m, dk, dv, v0, k0, BLOCK_V, BLOCK_K)
-                do_entering += _dot(do_tile, entering, PRECISION)
-                drhs_entering += _dot(drhs_tile, entering, PRECISION)
-                u_dleaving += _dot(u_tile, dleaving, PRECISION)
+                do_entering += dot(do_tile, entering, PRECISION)
+                drhs_entering += dot(drhs_tile, entering, PRECISION)
+                u_dleaving += dot(u_tile, dleaving, PRECISION)
                 dstate_state += tl.sum(tl.sum(entering.to(tl.float32) * dleaving.to(tl.float32), 1), 0)
             keys_drhs_entering = tl.sum(k_tile * drhs_entering, 1)  # this block's part of rowsum(drhs * K H^T)
             dbeta_c -= gamma * keys_drhs_entering
