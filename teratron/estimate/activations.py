@@ -387,8 +387,8 @@ def _mamba_storages(config, d: Dims, compiled: bool) -> list:
     in_proj's input [T, h] (gathered under SP); the convolution's input, in_proj's whole output
     [T, z + xBC + dt] (xBC is a view of it); softplus's fp32 input [T, heads]; -exp(A_log) (exp's
     output and its negation); the scan's x, B and C (views of the convolution's output [T, xBC]),
-    dt (fp32), the fp32 cum [b, heads, m L], C B^T [b, m, groups, L, L] and entering states
-    [b, m, heads, p, n]; the gated norm's y [T, d_inner] and fp32 1/rms [T, groups]; out_proj's
+    dt (fp32), the fp32 cum [b, heads, m L] and C B^T [b, m, groups, L, L], the entering states
+    [b, m, heads, p, n] in the activations' dtype; the gated norm's y [T, d_inner] and fp32 1/rms [T, groups]; out_proj's
     input [T, d_inner] (a contiguous copy of the norm's [b, s] output). Compiled, Inductor keeps one
     of softplus's input and output and one of exp(A_log) and its negation, except that with fp32
     activations (no cast between in_proj's output and the gate's arithmetic) it keeps both of the
@@ -416,7 +416,7 @@ def _mamba_storages(config, d: Dims, compiled: bool) -> list:
         _saved("mamba convolution output", a * Ts * share_xbc, Ts * share_xbc),
         _saved("mamba scan", 4 * d.b * share_heads * m * L, d.b * share_heads * m * L),
         _saved("mamba scan", 4 * d.b * m * share_groups * L * L, d.b * m * share_groups * L * L),
-        _saved("mamba scan", 4 * d.b * m * share_heads * p * n, d.b * m * share_heads * p * n),
+        _saved("mamba scan", a * d.b * m * share_heads * p * n, d.b * m * share_heads * p * n),
         _saved("mamba gated norm", a * T * d_inner + 4 * T * groups, T * d_inner),
         _saved("mamba out_proj input", a * T * d_inner, T * d_inner)]
 

@@ -46,15 +46,20 @@ x, B, C and the output's gradient are read by their strides: any [b, s, columns,
 columns x width are contiguous (the mixer's slices of its convolution's output) goes in without a
 copy. Outputs and gradients are written contiguous.
 
-Every tile is converted to fp32 and every sum accumulates in fp32; products run on tensor cores in
-tf32 for bf16 and fp16 inputs (which tf32 holds exactly) and in full fp32 ("ieee") for fp32 inputs.
+Every sum accumulates in fp32. With 16-bit inputs (bf16, fp16) the chunks' states S_c / H_c and
+their gradients G_c / dS_c are kept in that dtype (summed in fp32 by the state passings, rounded
+once when stored: half the bytes the kernels that pass them move), and the products take 16-bit
+operands on tensor cores (`triton_tiles.dot`): x, B, C, dY and the states as stored, the fp32
+tiles M = (C B^T) o decay dt, dCB and (u o w) rounded once to that dtype; dt scales the products'
+rows or columns after them, not x before (dY xw^T = (dY x^T) dt, xw dS^T = dt (x dS^T)).
+fp32 inputs keep every buffer and product in fp32 ("ieee").
 Tiles: [L, L] for the scores, and sides of p and n in blocks of at most MAX_BLOCK (padded to a
 power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p per program and
 loop over n (C H^T and B dS^T are sums over n; ddt, dA and dD sum the p blocks' shares
 afterwards), the chunk states a block of p (looping over n), dB and dC one block of n (looping
 over p), CB and dCB loop over n and p: a program's
-registers stay near what the [L, L] tiles take whatever p and n are. The dCB and dB/dC kernels, whose
-loops over p run inside a program, take p in smaller blocks (`KERNEL_BLOCKS`): the same work in
+registers stay near what the [L, L] tiles take whatever p and n are. The dB/dC kernel, whose
+loop over p runs inside a program, takes p in smaller blocks (`KERNEL_BLOCKS`): the same work in
 more, smaller products, with fewer registers spilled.
 """
 
@@ -72,7 +77,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import load_rows, program_chunk, store_tokens
+    from teratron.ssm.triton_tiles import dot, load_rows, load_rows_as_stored, program_chunk, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,23 +91,25 @@ CHUNK_SIZES = (16, 32, 64, 128)
 # (half the loop trips and programs; bench/RESULTS.md session 14), and every kernel's shared memory
 # stays within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 64
-# Caps on (BLOCK_P, BLOCK_N) below MAX_BLOCK for kernels that loop over p inside a program (the dCB
-# and dB/dC kernels: their grids do not depend on BLOCK_P): smaller tiles of x and dY beside their
-# [L, L] and accumulator tiles spill fewer registers (sm_90, bf16, 8 warps, L = 128: dCB 1,876 / 1,696
-# -> 844 / 840 bytes a thread stored / loaded, dB/dC 2,544 / 3,940 -> 852 / 924) at the same work.
-KERNEL_BLOCKS = dict(dcb=(32, 64), dbc=(32, 64))
+# Caps on (BLOCK_P, BLOCK_N) below MAX_BLOCK for kernels that loop over p inside a program (their
+# grids do not depend on BLOCK_P): the dB/dC kernel's smaller tiles of x and dY beside its [L, L] and
+# accumulator tiles spill fewer registers (sm_90, bf16, 8 warps, L = 128: 2,544 / 3,940 -> 852 / 924
+# bytes a thread stored / loaded, fp32 tiles) at the same work. The dCB kernel, on 16-bit tiles of x and
+# dY, is fastest on blocks of 64 (H100: 322 µs against 353 at 32, bench/RESULTS.md session 26).
+KERNEL_BLOCKS = dict(dbc=(32, 64))
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
 DCB_PROGRAMS = 512
 # (warps, software-pipelining stages) of each kernel at chunks of 64 tokens and more: the fastest of
 # 2-16 warps x 1-4 stages, each kernel timed alone at chunk 128, tiles of 64, 64 heads x 64, d_state
 # 128, 8 groups, 4 x 2,048 bf16 tokens on an H200 (bench/scan_launch_sweep.py; bench/RESULTS.md,
-# session 16: 2.65 -> 2.03 ms of kernels per forward + backward). One stage (no pipelining of a
-# loop's loads) gives the backward's [L, L] kernels the shared memory and registers back; two warps
-# suit the chunk states' single product a block. Applied from chunk 64 up (timed at chunk 128 only);
-# chunks of 32 and less: 4 warps, Triton's default stages.
-LAUNCH = dict(cumsum=(4, 1), chunk_state=(2, 2), state_passing=(4, 3), state_passing_backward=(2, 4),
-              scores=(4, 1), scan=(8, 3), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
+# session 16: 2.65 -> 2.03 ms of kernels per forward + backward); the chunk states, the output and
+# the dCB kernel swept again on 16-bit operands (4-8 warps x 1-3 stages, H100, session 26). One stage
+# (no pipelining of a loop's loads) gives the [L, L] kernels the shared memory and registers back.
+# Applied from chunk 64 up (timed at chunk 128 only); chunks of 32 and less: 4 warps, Triton's default
+# stages.
+LAUNCH = dict(cumsum=(4, 1), chunk_state=(4, 2), state_passing=(4, 3), state_passing_backward=(2, 4),
+              scores=(4, 1), scan=(8, 1), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seq_idx=None):
@@ -147,7 +154,8 @@ class _Shape:
         """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
         block_p, block_n = self.blocks(kernel)
         return dict(L=self.chunk, BLOCK_P=block_p, BLOCK_N=block_n,
-                    # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; tf32 holds bf16/fp16
+                    # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; with 16-bit inputs
+                    # products of 16-bit tiles ignore it (`dot`), a pair of mixed dtypes takes tf32
                     PRECISION="ieee" if dtype == torch.float32 else "tf32", **self.launch(kernel))
 
     def launch(self, kernel: str):
@@ -219,7 +227,8 @@ def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
               seq_idx: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]:
     """(y, final state in x's dtype, and what the backward keeps: the chunks' cumulative decays cum
-    (their documents' starts included), C B^T per group and the states entering each chunk, fp32)."""
+    (their documents' starts included) and C B^T per group in fp32, the states entering each chunk
+    in x's dtype)."""
     shape = _Shape.of(x, B, chunk_size)
     x, B, C = _token_inputs(x, B, C)
     dt = dt.contiguous()
@@ -234,8 +243,8 @@ def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     _chunk_scan_kernel[(b * m, shape.heads, shape.p_blocks)](
         x, dt, C, D32, cum, scores, states, y, **_row_strides(x=x, bc=B), **shape.sizes(), HAS_D=D is not None,
         **shape.meta(x.dtype, "scan"))
-    # The entering states are kept (fp32 [b, m, h, p, n]: 2 d_state / chunk times a bf16 x's bytes,
-    # twice x at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
+    # The entering states are kept ([b, m, h, p, n] in x's dtype: d_state / chunk times x's bytes,
+    # as many at d_state 128 and chunk 128): recomputing them cost the backward a chunk-state and a
     # state-passing pass, a fifth of its time (H200, the hybrid benchmark's shape). C B^T is kept
     # too (fp32 [b, m, g, L, L]: half a bf16 x's bytes at 8 groups of 8 heads of 64, chunk 128).
     return y, final.to(x.dtype), cum, scores, states
@@ -248,7 +257,7 @@ def _(x, dt, A, B, C, D, initial_state, chunk_size, seq_idx):
     g, p, n = shape.groups, shape.head_dim, shape.d_state
     fp32 = dict(device=x.device, dtype=torch.float32)
     return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(b, h, p, n),
-            torch.empty(b, h, m * L, **fp32), torch.empty(b, m, g, L, L, **fp32), torch.empty(b, m, h, p, n, **fp32))
+            torch.empty(b, h, m * L, **fp32), torch.empty(b, m, g, L, L, **fp32), x.new_empty(b, m, h, p, n))
 
 
 def _setup_scan(ctx, inputs, output):
@@ -331,14 +340,14 @@ _ssd_scan.register_autograd(_scan_autograd, setup_context=_setup_scan)
 
 
 def _scan_states(x, dt, A32, B, initial_state, seq_idx, shape):
-    """The chunks' cumulative decays cum [b, h, m * L] and the states entering each chunk
-    [b, m, h, p, n] (fp32), and the final state [b, h, p, n] (fp32)."""
+    """The chunks' cumulative decays cum [b, h, m * L] (fp32), the states entering each chunk
+    [b, m, h, p, n] (x's dtype), and the final state [b, h, p, n] (fp32)."""
     b, h, m, L, p, n = shape.batch, shape.heads, shape.chunks, shape.chunk, shape.head_dim, shape.d_state
     cum = torch.empty(b, h, m * L, device=x.device, dtype=torch.float32)
     _chunk_cumsum_kernel[(b * m, h)](dt, A32, seq_idx if seq_idx is not None else dt, cum, shape.seq, h, m,
                                      START_LOG_DECAY=DOCUMENT_START_LOG_DECAY, HAS_SEQ_IDX=seq_idx is not None,
                                      L=L, **shape.launch("cumsum"))
-    states = torch.empty(b, m, h, p, n, device=x.device, dtype=torch.float32)  # S_c, then H_c in place
+    states = torch.empty(b, m, h, p, n, device=x.device, dtype=x.dtype)  # S_c, then H_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks)](
         x, B, dt, cum, states, **_row_strides(u=x, v=B), **shape.sizes(), FROM_START=False,
         **shape.meta(x.dtype, "chunk_state"))
@@ -351,10 +360,10 @@ def _scan_states(x, dt, A32, B, initial_state, seq_idx, shape):
 
 
 def _state_grads(dy, dt, C, cum, dfinal, shape):
-    """dS_c, the gradient of each chunk's own state (that of the state leaving it) [b, m, h, p, n],
-    and the initial state's gradient [b, h, p, n]."""
+    """dS_c, the gradient of each chunk's own state (that of the state leaving it) [b, m, h, p, n]
+    in dy's dtype, and the initial state's gradient [b, h, p, n] (fp32)."""
     b, h, m, p, n = shape.batch, shape.heads, shape.chunks, shape.head_dim, shape.d_state
-    dstates = torch.empty(b, m, h, p, n, device=dy.device, dtype=torch.float32)  # G_c, then dS_c in place
+    dstates = torch.empty(b, m, h, p, n, device=dy.device, dtype=dy.dtype)  # G_c, then dS_c in place
     _chunk_state_kernel[(b * m, h, shape.p_blocks)](
         dy, C, dt, cum, dstates, **_row_strides(u=dy, v=C), **shape.sizes(), FROM_START=True,
         **shape.meta(dy.dtype, "chunk_state"))
@@ -380,7 +389,7 @@ if triton is not None:
 
     @triton.jit
     def _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The [BLOCK_P, BLOCK_N] tile at (p0, n0) of chunk c's state in [b, m, h, p, n] (fp32)."""
+        """The [BLOCK_P, BLOCK_N] tile at (p0, n0) of chunk c's state in [b, m, h, p, n], as stored."""
         rows = p0 + tl.arange(0, BLOCK_P)
         lanes = n0 + tl.arange(0, BLOCK_N)
         offsets = ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :]
@@ -424,13 +433,14 @@ if triton is not None:
         else:
             weight = tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L)
         u_tile = load_rows(u, bi, c, head, s, u_sb, u_ss, p, p0, L, BLOCK_P) * weight[:, None]
+        u_tile = u_tile.to(states.dtype.element_ty)  # the product's operand: one rounding of u o w
         rows = p0 + tl.arange(0, BLOCK_P)
         for n0 in range(0, n, BLOCK_N):
-            v_tile = load_rows(v, bi, c, head // heads_per_group, s, v_sb, v_ss, n, n0, L, BLOCK_N)
-            state = tl.dot(tl.trans(u_tile), v_tile, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
+            v_tile = load_rows_as_stored(v, bi, c, head // heads_per_group, s, v_sb, v_ss, n, n0, L, BLOCK_N)
+            state = dot(tl.trans(u_tile), v_tile, PRECISION)  # [BLOCK_P, BLOCK_N]
             lanes = n0 + tl.arange(0, BLOCK_N)
-            tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :], state,
-                     mask=(rows[:, None] < p) & (lanes[None, :] < n))
+            tl.store(states + ((bi * m + c) * heads + head) * p * n + rows[:, None] * n + lanes[None, :],
+                     state.to(states.dtype.element_ty), mask=(rows[:, None] < p) & (lanes[None, :] < n))
 
     @triton.jit
     def _state_passing_kernel(states, cum, initial, final, heads, m, pn, L: tl.constexpr, BLOCK: tl.constexpr,
@@ -447,15 +457,15 @@ if triton is not None:
             state = tl.zeros([BLOCK], tl.float32)
         # Chunk c + 1's loads are issued before chunk c's store: two chunks' reads in flight
         # (the loop is one long chain, bound by memory latency, not bandwidth).
-        own = tl.load(states + (bi * m * heads + head) * pn + lanes, mask=ok, other=0.0)
+        own = tl.load(states + (bi * m * heads + head) * pn + lanes, mask=ok, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(cum + (bi * heads + head) * m * L + L - 1))
         for c in range(m):
             ahead = tl.minimum(c + 1, m - 1)  # the last chunk reloads itself (unused)
             next_own = tl.load(states + ((bi * m + ahead) * heads + head) * pn + lanes, mask=ok, other=0.0)
             next_decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + ahead) * L + L - 1))
-            tl.store(states + ((bi * m + c) * heads + head) * pn + lanes, state, mask=ok)
+            tl.store(states + ((bi * m + c) * heads + head) * pn + lanes, state.to(states.dtype.element_ty), mask=ok)
             state = decay * state + own
-            own, decay = next_own, next_decay
+            own, decay = next_own.to(tl.float32), next_decay
         tl.store(final + (bi * heads + head) * pn + lanes, state, mask=ok)
 
     @triton.jit
@@ -468,16 +478,17 @@ if triton is not None:
         lanes = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < pn
         dstate = tl.load(dfinal + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
-        pull = tl.load(dstates + ((bi * m + m - 1) * heads + head) * pn + lanes, mask=ok, other=0.0)
+        pull = tl.load(dstates + ((bi * m + m - 1) * heads + head) * pn + lanes, mask=ok, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + m - 1) * L + L - 1))
         for i in range(m):
             c = m - 1 - i
             ahead = tl.maximum(c - 1, 0)  # the first chunk reloads itself (unused)
             next_pull = tl.load(dstates + ((bi * m + ahead) * heads + head) * pn + lanes, mask=ok, other=0.0)
             next_decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + ahead) * L + L - 1))
-            tl.store(dstates + ((bi * m + c) * heads + head) * pn + lanes, dstate, mask=ok)
+            tl.store(dstates + ((bi * m + c) * heads + head) * pn + lanes, dstate.to(dstates.dtype.element_ty),
+                     mask=ok)
             dstate = decay * dstate + pull
-            pull, decay = next_pull, next_decay
+            pull, decay = next_pull.to(tl.float32), next_decay
         tl.store(dinitial + (bi * heads + head) * pn + lanes, dstate, mask=ok)
 
     @triton.jit
@@ -494,9 +505,9 @@ if triton is not None:
         groups = heads // heads_per_group
         acc = tl.zeros([L, L], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-            C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-            acc += tl.dot(C_tile, tl.trans(B_tile), input_precision=PRECISION)
+            B_tile = load_rows_as_stored(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+            C_tile = load_rows_as_stored(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+            acc += dot(C_tile, tl.trans(B_tile), PRECISION)
         tl.store(scores + _scores_offsets(bi, c, group, groups, m, L), acc)
 
     @triton.jit
@@ -506,9 +517,9 @@ if triton is not None:
         (its rows p0 ...) in [b, m, h, p, n]: C H_c^T, B dS_c^T."""
         out = tl.zeros([L, BLOCK_P], tl.float32)
         for n0 in range(0, n, BLOCK_N):
-            u_tile = load_rows(u, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+            u_tile = load_rows_as_stored(u, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
             state = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-            out += tl.dot(u_tile, tl.trans(state), input_precision=PRECISION)
+            out += dot(u_tile, tl.trans(state), PRECISION)
         return out
 
     @triton.jit
@@ -522,13 +533,13 @@ if triton is not None:
         p0 = tl.program_id(2) * BLOCK_P
         earlier = _times_state(C, states, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0, L, BLOCK_P,
                                BLOCK_N, PRECISION)
-        x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
+        x_tile = load_rows_as_stored(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
         cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
         M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
         M *= _load_dt(dt, bi, c, head, s, heads, L)[None, :]
-        out = tl.dot(M, x_tile, input_precision=PRECISION) + tl.exp(cum_c)[:, None] * earlier
+        out = dot(M.to(x_tile.dtype), x_tile, PRECISION) + tl.exp(cum_c)[:, None] * earlier
         if HAS_D:
-            out += tl.load(D + head) * x_tile
+            out += tl.load(D + head) * x_tile.to(tl.float32)
         store_tokens(y, out, bi, c, head, s, heads, p, p0, L, BLOCK_P)
 
     @triton.jit
@@ -547,14 +558,14 @@ if triton is not None:
         first = group * heads_per_group + split * HEADS_PER_SPLIT
         last = tl.minimum(first + HEADS_PER_SPLIT, (group + 1) * heads_per_group)
         for head in range(first, last):
-            dt_c = _load_dt(dt, bi, c, head, s, heads, L)
-            pair_grads = tl.zeros([L, L], tl.float32)  # dY xw^T, then Q
+            pair_grads = tl.zeros([L, L], tl.float32)  # dY x^T, then Q
             for p0 in range(0, p, BLOCK_P):
-                xw = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P) * dt_c[:, None]
-                dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
-                pair_grads += tl.dot(dy_tile, tl.trans(xw), input_precision=PRECISION)
+                x_tile = load_rows_as_stored(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
+                dy_tile = load_rows_as_stored(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
+                pair_grads += dot(dy_tile, tl.trans(x_tile), PRECISION)
             cum_c, _ = _load_cum(cum, bi, c, head, heads, m, L)
-            pair_grads *= _causal_decay(cum_c, L)
+            # dY xw^T = (dY x^T) o dt over the columns: no rounding of xw
+            pair_grads *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
             dscores += pair_grads
             decay_grads = pair_grads * tl.load(scores + tile)  # R
             tl.store(dcum_intra + ((bi * heads + head) * m + c) * L + tl.arange(0, L),
@@ -579,13 +590,14 @@ if triton is not None:
         B_dstate = _times_state(B, dstates, bc_sb, bc_ss, bi, c, head, group, s, heads, m, p, n, p0, L, BLOCK_P,
                                 BLOCK_N, PRECISION)
         x_tile = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
-        dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
+        dy_stored = load_rows_as_stored(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
+        dy_tile = dy_stored.to(tl.float32)
         dt_c = _load_dt(dt, bi, c, head, s, heads, L)
         cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
         M = tl.load(scores + _scores_offsets(bi, c, group, groups, m, L)) * _causal_decay(cum_c, L)
         xw = x_tile * dt_c[:, None]
         to_end = tl.exp(last - cum_c)
-        dxw = tl.dot(tl.trans(M), dy_tile, input_precision=PRECISION) + to_end[:, None] * B_dstate
+        dxw = dot(tl.trans(M.to(dy_stored.dtype)), dy_stored, PRECISION) + to_end[:, None] * B_dstate
         dx_tile = dt_c[:, None] * dxw
         part = (block * tl.num_programs(0) + bi * m + c) * heads + head  # in [p blocks, b, m, h]
         if HAS_D:
@@ -626,29 +638,29 @@ if triton is not None:
         dscores = tl.zeros([L, L], tl.float32)
         for split in range(SPLITS):  # in order: the same sum every run
             dscores += tl.load(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile)
-        B_tile = load_rows(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-        C_tile = load_rows(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
-        dC_tile = tl.dot(dscores, B_tile, input_precision=PRECISION)
-        dB_tile = tl.dot(tl.trans(dscores), C_tile, input_precision=PRECISION)
+        B_tile = load_rows_as_stored(B, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+        C_tile = load_rows_as_stored(C, bi, c, group, s, bc_sb, bc_ss, n, n0, L, BLOCK_N)
+        dC_tile = dot(dscores.to(B_tile.dtype), B_tile, PRECISION)
+        dB_tile = dot(tl.trans(dscores.to(C_tile.dtype)), C_tile, PRECISION)
         for k in range(heads_per_group):
             head = group * heads_per_group + k
-            dt_c = _load_dt(dt, bi, c, head, s, heads, L)
             dy_entering = tl.zeros([L, BLOCK_N], tl.float32)
-            xw_dstate = tl.zeros([L, BLOCK_N], tl.float32)
+            x_dstate = tl.zeros([L, BLOCK_N], tl.float32)
             state_grads = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)  # dS_c o H_c
             for p0 in range(0, p, BLOCK_P):
-                xw = load_rows(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P) * dt_c[:, None]
-                dy_tile = load_rows(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
+                x_tile = load_rows_as_stored(x, bi, c, head, s, x_sb, x_ss, p, p0, L, BLOCK_P)
+                dy_tile = load_rows_as_stored(dy, bi, c, head, s, dy_sb, dy_ss, p, p0, L, BLOCK_P)
                 entering = _load_state(states, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
                 dstate = _load_state(dstates, bi, c, head, heads, m, p, n, p0, n0, BLOCK_P, BLOCK_N)
-                dy_entering += tl.dot(dy_tile, entering, input_precision=PRECISION)
-                xw_dstate += tl.dot(xw, dstate, input_precision=PRECISION)
-                state_grads += dstate * entering
+                dy_entering += dot(dy_tile, entering, PRECISION)
+                x_dstate += dot(x_tile, dstate, PRECISION)
+                state_grads += dstate.to(tl.float32) * entering.to(tl.float32)
             cum_c, last = _load_cum(cum, bi, c, head, heads, m, L)
             dC_tile += tl.exp(cum_c)[:, None] * dy_entering
             tl.store(dcum_earlier_parts + (tl.program_id(2) * tl.num_programs(0) * heads + (bi * heads + head) * m + c)
-                     * L + tl.arange(0, L), tl.exp(cum_c) * tl.sum(C_tile * dy_entering, 1))
-            dB_tile += tl.exp(last - cum_c)[:, None] * xw_dstate
+                     * L + tl.arange(0, L), tl.exp(cum_c) * tl.sum(C_tile.to(tl.float32) * dy_entering, 1))
+            # xw dS_c = dt o (x dS_c) over the rows: no rounding of xw
+            dB_tile += (tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L))[:, None] * x_dstate
             tl.store(dlast_parts + ((bi * heads + head) * m + c) * tl.num_programs(2) + tl.program_id(2),
                      tl.exp(last) * tl.sum(tl.sum(state_grads, 1), 0))
         store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)

@@ -92,7 +92,7 @@ def main() -> None:
     kernels.MAX_BLOCK = default_blocks
     checked += 1
 
-    # The default tiles with p = 40 (padded to 64): the dCB and dB/dC kernels' smaller blocks of p
+    # The default tiles with p = 40 (padded to 64): the dB/dC kernel's smaller blocks of p
     # (KERNEL_BLOCKS) loop over two, the last partial.
     assert kernels._Shape(1, 20, 4, 40, 2, 40, 16, 2).blocks("dbc")[0] < 64
     inputs = make_inputs(1, 20, 4, 2, 40, 40, True, True, seed=8)

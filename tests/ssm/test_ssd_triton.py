@@ -43,17 +43,17 @@ def test_what_the_kernels_cannot_take_raises_one_line(chunk_size, dtype):
     assert "\n" not in str(error.value)
 
 
-# Each kernel's tensors: those of the activations' dtype (x, B, C and their gradients), the others fp32;
-# and its key in kernels.LAUNCH.
+# Each kernel's tensors: those of the activations' dtype (x, B, C, the chunks' states and their
+# gradients), the others fp32; and its key in kernels.LAUNCH.
 KERNEL_TENSORS = {
-    "_chunk_state_kernel": ("u v", "dt cum states", "chunk_state"),
+    "_chunk_state_kernel": ("u v states", "dt cum", "chunk_state"),
     "_chunk_scores_kernel": ("B C", "scores", "scores"),
-    "_chunk_scan_kernel": ("x C y", "dt D cum scores states", "scan"),
+    "_chunk_scan_kernel": ("x C states y", "dt D cum scores", "scan"),
     "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra", "dcb"),
-    "_chunk_scan_backward_dx_kernel": ("x B dy dx", "dt A D cum scores dstates dlast dcum_intra dcum_earlier_parts "
+    "_chunk_scan_backward_dx_kernel": ("x B dy dstates dx", "dt A D cum scores dlast dcum_intra dcum_earlier_parts "
                                        "ddt_parts dA_parts dD_parts", "dx"),
-    "_chunk_scan_backward_dbc_kernel": ("x B C dy dB dC",
-                                        "dt cum dscores_parts states dstates dlast_parts dcum_earlier_parts", "dbc"),
+    "_chunk_scan_backward_dbc_kernel": ("x B C dy states dstates dB dC",
+                                        "dt cum dscores_parts dlast_parts dcum_earlier_parts", "dbc"),
 }
 
 
@@ -99,7 +99,7 @@ def test_the_cumsum_kernel_compiles_for_an_h100(packed):
 
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq,chunk_size", [(1000, 64), (4096, 128)])
+@pytest.mark.parametrize("seq,chunk_size", [(1000, 32), (1000, 64), (4096, 128)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_triton_on_a_gpu_matches_ssd_chunked(seq, chunk_size, dtype, packed, monkeypatch):
     """A Mamba-2 layer's head shape (p 64, n 128; 8 heads in 2 groups), a ragged last chunk at
