@@ -201,7 +201,8 @@ def state_bytes(model) -> int:
 def test_a_draft_holds_no_more_requests_than_its_state_budget(model):
     """A draft model whose states take more than the target's (12 recurrent layers): under one
     mamba_memory_ratio its context runs fewer requests at once than the target's. It drafts for as many
-    as its budget holds, the others decode without drafts meanwhile; greedy output stays full recompute's."""
+    as its budget holds, the others decode without drafts meanwhile (and without blocks reserved for
+    drafts); greedy output stays full recompute's."""
     torch.manual_seed(1)
     config = TransformerConfig(hybrid_layer_pattern="MG" * 6, **{**HYBRID, "num_layers": 12})
     draft = build_gpt_model(GPTModelConfig(config, vocab_size=VOCAB, max_position_embeddings=64,
@@ -220,9 +221,18 @@ def test_a_draft_holds_no_more_requests_than_its_state_budget(model):
         held.append(len(engine.draft.context.block_tables))
         return proposals
 
-    engine.draft.propose = counting
+    decoding = []  # requests in decode a step
+    schedule = engine._schedule
+
+    def recording():
+        scheduled = schedule()
+        decoding.append(sum(chunk.end - chunk.start <= 1 + engine.num_speculative_tokens and chunk.start > 0
+                            for _, chunk in scheduled))
+        return scheduled
+
+    engine.draft.propose, engine._schedule = counting, recording
     assert generate_all(engine, PROMPTS) == [recompute_greedy(model, p) for p in PROMPTS]
-    assert max(running) > 1 and max(held) == 1 and engine.num_draft_tokens_proposed > 0
+    assert max(decoding) > 1 and max(running) == max(held) == 1 and engine.num_draft_tokens_proposed > 0
 
 
 SYSTEM = [7, 3, 9, 12, 40, 41, 42, 43, 44, 45]  # a shared prefix: two full blocks of 4, then two tokens

@@ -414,10 +414,17 @@ class DynamicInferenceEngine:
         which would only bring back what was just given up)."""
         budget = self.config.max_tokens_per_step
         scheduled, preempted = [], False
+        draft_slots = self.draft.open_slots() if self.draft is not None else 0
         index = 0
         while index < len(self.running) and budget:
             request = self.running[index]
-            wanted = len(request.token_ids) - request.num_computed + self._num_drafts_wanted(request)
+            drafts = self._num_drafts_wanted(request)
+            if drafts and not self.draft.holds(request.request_id):  # room for drafts only where they can come
+                if draft_slots > 0:
+                    draft_slots -= 1
+                else:
+                    drafts = 0
+            wanted = len(request.token_ids) - request.num_computed + drafts
             count = self._fit(request, min(wanted, budget))
             if count == 0:
                 self._preempt(self.running[-1])
@@ -436,7 +443,9 @@ class DynamicInferenceEngine:
         return scheduled
 
     def _num_drafts_wanted(self, request: _Request) -> int:
-        """Draft tokens for a request in decode; none past its last generated token."""
+        """Draft tokens for a request in decode; none past its last generated token. `_schedule`
+        reserves none for a request new to the draft once the draft has no open slot (a hybrid draft
+        may hold fewer requests than the target runs): its blocks would wait for drafts that cannot come."""
         if self.draft is None or request.num_computed < len(request.token_ids) - 1:
             return 0
         left = request.params.num_tokens_to_generate - len(request.generated)

@@ -121,6 +121,14 @@ class MTPProposer:
         if self.histories.pop(request_id, None) is not None:
             self.context.release(request_id)
 
+    def holds(self, request_id: int) -> bool:
+        return request_id in self.histories
+
+    def open_slots(self) -> int:
+        """How many requests new to the MTP layers they can take (every request the target runs is
+        observed, so in decode each is held already)."""
+        return self.context.max_requests - len(self.histories)
+
     # One step.
 
     def _ready(self, request: DraftRequest) -> bool:

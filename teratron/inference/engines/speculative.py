@@ -82,11 +82,19 @@ class DraftProposer:
                                      if request.params.temperature > 0 else None)
                 for request_id, request in plan.items()}
 
+    def holds(self, request_id: int) -> bool:
+        return request_id in self.context.block_tables
+
+    def open_slots(self) -> int:
+        """How many requests new to the draft it can take: its max_requests less those it holds (a hybrid
+        draft's state budget may hold fewer requests than the target's)."""
+        return self.context.max_requests - len(self.context.block_tables)
+
     def _reserve(self, request_id: int, num_tokens: int, count: int) -> int:
         """Blocks for proposing up to `count` tokens after the first `num_tokens` (the last proposal is
-        never fed back); the count that fits. A request new to the draft gets none while the draft runs
-        its max_requests (a hybrid draft's state budget may hold fewer requests than the target's)."""
-        if request_id not in self.context.block_tables and len(self.context.block_tables) >= self.context.max_requests:
+        never fed back); the count that fits. A request new to the draft gets none when it has no
+        open slot."""
+        if not self.holds(request_id) and self.open_slots() <= 0:
             return 0
         table = self.context.block_tables.get(request_id, [])
         room = (len(table) + self.context.num_allocatable_blocks()) * self.context.block_size
