@@ -58,9 +58,7 @@ power of 2 of at least 16, tl.dot's smallest): y, dx and ddt take one block of p
 loop over n (C H^T and B dS^T are sums over n; ddt, dA and dD sum the p blocks' shares
 afterwards), the chunk states a block of p (looping over n), dB and dC one block of n (looping
 over p), CB and dCB loop over n and p: a program's
-registers stay near what the [L, L] tiles take whatever p and n are. The dB/dC kernel, whose
-loop over p runs inside a program, takes p in smaller blocks (`KERNEL_BLOCKS`): the same work in
-more, smaller products, with fewer registers spilled.
+registers stay near what the [L, L] tiles take whatever p and n are.
 """
 
 import os
@@ -88,28 +86,25 @@ CHUNK_SIZES = (16, 32, 64, 128)
 # Largest tile side over p and over n (a program takes a block of p, or of n, and loops over the
 # other). Blocks of 64 spill more registers than blocks of 32 (sm_90, bf16 inputs, 8 warps, L = 128:
 # up to 1.9 KB a thread in the backward kernels against 800 bytes) yet run 12-15 % faster on an H200
-# (half the loop trips and programs; bench/RESULTS.md session 14), and every kernel's shared memory
-# stays within an H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
+# (half the loop trips and programs; bench/RESULTS.md session 14); with 16-bit tiles the dCB and dB/dC
+# kernels, which loop over p inside a program, are fastest on them too (H100, session 26: 322 and
+# 284 µs against 353 and 391 at blocks of 32 over p). Every kernel's shared memory stays within an
+# H100's 227 KiB, fp32 inputs included (tests/ssm/test_ssd_triton.py compiles them).
 MAX_BLOCK = 64
-# Caps on (BLOCK_P, BLOCK_N) below MAX_BLOCK for kernels that loop over p inside a program (their
-# grids do not depend on BLOCK_P): the dB/dC kernel's smaller tiles of x and dY beside its [L, L] and
-# accumulator tiles spill fewer registers (sm_90, bf16, 8 warps, L = 128: 2,544 / 3,940 -> 852 / 924
-# bytes a thread stored / loaded, fp32 tiles) at the same work. The dCB kernel, on 16-bit tiles of x and
-# dY, is fastest on blocks of 64 (H100: 322 µs against 353 at 32, bench/RESULTS.md session 26).
-KERNEL_BLOCKS = dict(dbc=(32, 64))
 # (batch, chunk, group) programs below which the backward's dCB sum over a group's heads is split
 # over several programs (an H200 has 132 SMs; a few programs each keep them busy).
 DCB_PROGRAMS = 512
 # (warps, software-pipelining stages) of each kernel at chunks of 64 tokens and more: the fastest of
 # 2-16 warps x 1-4 stages, each kernel timed alone at chunk 128, tiles of 64, 64 heads x 64, d_state
 # 128, 8 groups, 4 x 2,048 bf16 tokens on an H200 (bench/scan_launch_sweep.py; bench/RESULTS.md,
-# session 16: 2.65 -> 2.03 ms of kernels per forward + backward); the chunk states, the output and
-# the dCB kernel swept again on 16-bit operands (4-8 warps x 1-3 stages, H100, session 26). One stage
+# session 16: 2.65 -> 2.03 ms of kernels per forward + backward); the chunk states, the output, dCB
+# and dB/dC kernels swept again on 16-bit operands (4-8 warps x 1-3 stages, H100, session 26; dB/dC
+# at 4 warps and blocks of 32 over p, not used, hit an illegal memory access there). One stage
 # (no pipelining of a loop's loads) gives the [L, L] kernels the shared memory and registers back.
 # Applied from chunk 64 up (timed at chunk 128 only); chunks of 32 and less: 4 warps, Triton's default
 # stages.
 LAUNCH = dict(cumsum=(4, 1), chunk_state=(4, 2), state_passing=(4, 3), state_passing_backward=(2, 4),
-              scores=(4, 1), scan=(8, 1), dcb=(8, 1), dbc=(8, 1), dx=(8, 1))
+              scores=(4, 1), scan=(8, 1), dcb=(8, 1), dbc=(8, 2), dx=(8, 1))
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seq_idx=None):
@@ -152,7 +147,7 @@ class _Shape:
 
     def meta(self, dtype, kernel: str):
         """The tile sizes and launch configuration of `kernel` (a key of LAUNCH)."""
-        block_p, block_n = self.blocks(kernel)
+        block_p, block_n = self.blocks
         return dict(L=self.chunk, BLOCK_P=block_p, BLOCK_N=block_n,
                     # fp32 inputs need "ieee" to match ssd_chunked to fp32 rounding; with 16-bit inputs
                     # products of 16-bit tiles ignore it (`dot`), a pair of mixed dtypes takes tf32
@@ -164,19 +159,20 @@ class _Shape:
         warps, stages = LAUNCH[kernel]
         return dict(num_warps=warps, num_stages=stages)
 
-    def blocks(self, kernel: str = ""):
-        """(BLOCK_P, BLOCK_N) of `kernel`: p and n padded to a power of 2 of at least 16 (tl.dot's
-        smallest tile side), at most MAX_BLOCK and the kernel's KERNEL_BLOCKS caps."""
-        cap_p, cap_n = KERNEL_BLOCKS.get(kernel, (MAX_BLOCK, MAX_BLOCK))
-        return (min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK, cap_p),
-                min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK, cap_n))
+    @property
+    def blocks(self):
+        """(BLOCK_P, BLOCK_N): p and n padded to a power of 2 of at least 16 (tl.dot's smallest tile
+        side), at most MAX_BLOCK."""
+        return (min(max(16, triton.next_power_of_2(self.head_dim)), MAX_BLOCK),
+                min(max(16, triton.next_power_of_2(self.d_state)), MAX_BLOCK))
 
     @property
-    def p_blocks(self):  # of the kernels whose grids take p in blocks (KERNEL_BLOCKS caps none of them)
-        return triton.cdiv(self.head_dim, self.blocks()[0])
+    def p_blocks(self):
+        return triton.cdiv(self.head_dim, self.blocks[0])
 
-    def n_blocks(self, kernel: str = ""):
-        return triton.cdiv(self.d_state, self.blocks(kernel)[1])
+    @property
+    def n_blocks(self):
+        return triton.cdiv(self.d_state, self.blocks[1])
 
     @property
     def heads_per_split(self):
@@ -305,7 +301,7 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
     # pull on the chunk's decay), summed here
     dB, dC = _empty_tokens(B), _empty_tokens(C)
-    n_parts = shape.n_blocks("dbc")
+    n_parts = shape.n_blocks
     dlast_parts = torch.empty(b, h, m, n_parts, **fp32)
     # ... and each n block's share of the earlier chunks' pull on the decay (dcum), added by the dx kernel
     dcum_earlier_parts = torch.empty(n_parts, *cum.shape, **fp32)
@@ -555,6 +551,7 @@ if triton is not None:
         split = tl.program_id(2)
         tile = _scores_offsets(bi, c, group, groups, m, L)
         dscores = tl.zeros([L, L], tl.float32)
+        scores_tile = tl.load(scores + tile)  # the group's C B^T, once for its heads
         first = group * heads_per_group + split * HEADS_PER_SPLIT
         last = tl.minimum(first + HEADS_PER_SPLIT, (group + 1) * heads_per_group)
         for head in range(first, last):
@@ -567,7 +564,7 @@ if triton is not None:
             # dY xw^T = (dY x^T) o dt over the columns: no rounding of xw
             pair_grads *= _causal_decay(cum_c, L) * _load_dt(dt, bi, c, head, s, heads, L)[None, :]
             dscores += pair_grads
-            decay_grads = pair_grads * tl.load(scores + tile)  # R
+            decay_grads = pair_grads * scores_tile  # R
             tl.store(dcum_intra + ((bi * heads + head) * m + c) * L + tl.arange(0, L),
                      tl.sum(decay_grads, 1) - tl.sum(decay_grads, 0))
         tl.store(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile, dscores)

@@ -19,7 +19,7 @@ from teratron.ssm.ssd_triton import ssd_triton
 
 def test_triton_kernels_in_the_interpreter_match_ssd_chunked():
     assert run_in_the_interpreter(__file__, "ssd_triton_cases.py") == (
-        f"checked {len(CASES) + 9} cases on the Triton path")
+        f"checked {len(CASES) + 8} cases on the Triton path")
 
 
 def test_ssd_on_the_cpu_runs_ssd_chunked(monkeypatch):
@@ -77,10 +77,10 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
     shape = kernels._Shape(batch=1, seq=chunk, heads=1, head_dim=kernels.MAX_BLOCK, groups=1,
                            d_state=kernels.MAX_BLOCK, chunk=chunk, chunks=1)
     for name, (activations, fp32, launch) in KERNEL_TENSORS.items():
-        block_p, block_n = shape.blocks(launch)
+        block_p, block_n = shape.blocks
         constexprs = dict(L=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
                           PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True,
-                          HEADS_PER_SPLIT=4, SPLITS=2, EARLIER_PARTS=shape.n_blocks("dbc"))
+                          HEADS_PER_SPLIT=4, SPLITS=2, EARLIER_PARTS=shape.n_blocks)
         compiled = compile_for_sm90(getattr(kernels, name), dtype, activations, fp32, constexprs=constexprs,
                                     options=shape.launch(launch))
         assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, compiled.shared)
