@@ -394,6 +394,10 @@ def _mamba_storages(config, d: Dims, compiled: bool) -> list:
     activations (no cast between in_proj's output and the gate's arithmetic) it keeps both of the
     former.
 
+    Without context parallelism everything between the projections is one op (teratron.ssm.mamba_core),
+    which keeps the same but no dt: its backward recomputes softplus and -exp(A_log) from in_proj's
+    output and the parameters.
+
     Under context parallelism the convolution and the scan run over whole sequences (S = CP s
     tokens of each row) for the rank's share of the heads and groups; in_proj's output stays (the
     norm's gate z is a view of it), the exchanged [b S, xBC + dt] share its convolution reads and
@@ -410,9 +414,10 @@ def _mamba_storages(config, d: Dims, compiled: bool) -> list:
     s, share_heads, share_groups, share_xbc, _ = _mixer_share(config, d, Symbols.MAMBA)
     Ts, L = s * d.b, MAMBA_CHUNK_SIZE
     m = -(-s // L)
+    if config.context_parallel_size > 1:  # the convolution, the scan and the norm as three ops
+        out += [_saved("mamba dt", _gate_copies(compiled, a) * 4 * Ts * share_heads, Ts * share_heads),
+                _saved("mamba dt", (1 if compiled else 2) * 4 * share_heads, share_heads)]
     return out + [
-        _saved("mamba dt", _gate_copies(compiled, a) * 4 * Ts * share_heads, Ts * share_heads),
-        _saved("mamba dt", (1 if compiled else 2) * 4 * share_heads, share_heads),
         _saved("mamba convolution output", a * Ts * share_xbc, Ts * share_xbc),
         _saved("mamba scan", 4 * d.b * share_heads * m * L, d.b * share_heads * m * L),
         _saved("mamba scan", 4 * d.b * m * share_groups * L * L, d.b * m * share_groups * L * L),

@@ -18,8 +18,10 @@ gate pass (a and dw) and the dx pass alike (`_same_document`), so no document re
 without seq_idx the kernels compile without that work (HAS_SEQ_IDX).
 
 x [b, s, c] may be any view whose channels are contiguous (the mixer's slice of its input projection):
-it is read by its strides; y and dx are contiguous [b, s, c]. A pair of custom ops with autograd between
-them, so a compiled layer traces through them without a graph break.
+it is read by its strides; y and the custom op's dx are contiguous [b, s, c] (`conv_silu_backward_into`
+writes dx into any such view: a slice of the input projection's gradient, in teratron.ssm.mamba_core). A
+pair of custom ops with autograd between them, so a compiled layer traces through them without a graph
+break.
 """
 
 from typing import Optional
@@ -108,6 +110,13 @@ def _autograd(ctx, dy):
 def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                         seq_idx: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, the weight and the bias (the last unused without a bias)."""
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    return (dx, *conv_silu_backward_into(dx, dy, x, weight, bias, seq_idx))
+
+
+def conv_silu_backward_into(dx, dy, x, weight, bias, seq_idx):
+    """Writes x's gradient into dx (any [b, s, c] view whose channels are contiguous: a slice of a
+    wider gradient); returns the weight's and the bias's gradients."""
     x, dy, weight = _channels_contiguous(x), _channels_contiguous(dy), weight.contiguous()
     documents = _documents(seq_idx)
     has_seq_idx, seq_idx_ptr = documents is not None, documents if documents is not None else weight
@@ -121,12 +130,12 @@ def _conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         x, weight, bias if bias is not None else weight, seq_idx_ptr, dy, gate, dweight_parts, dbias_parts, s, c,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), WIDE=_wide(x) or _wide(dy), HAS_BIAS=bias is not None,
         HAS_SEQ_IDX=has_seq_idx, K=k, TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
-    dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
+    assert dx.stride(-1) == 1, "dx's channels must be contiguous"
     _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](
-        weight, seq_idx_ptr, gate, dx, s, c, gate.stride(0), WIDE=_wide(gate), HAS_SEQ_IDX=has_seq_idx, K=k,
-        BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
+        weight, seq_idx_ptr, gate, dx, s, c, gate.stride(0), dx.stride(0), dx.stride(1), WIDE=_wide(gate) or _wide(dx),
+        HAS_SEQ_IDX=has_seq_idx, K=k, BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
     dbias_dtype = bias.dtype if bias is not None else weight.dtype
-    return dx, dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
+    return dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
 
 
 @_conv_silu_backward.register_fake
@@ -257,10 +266,10 @@ if triton is not None:
         tl.store(dbias_parts + part * c + channels, tl.sum(dbias, 0), mask=channel_ok)
 
     @triton.jit
-    def _dx_kernel(weight, seq_idx, gate, dx, s, c, gate_stride_b, WIDE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _dx_kernel(weight, seq_idx, gate, dx, s, c, gate_stride_b, dx_stride_b, dx_stride_s, WIDE: tl.constexpr,
+                   HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """dx of a tile: the outputs at t + j, which x_t feeds through tap K - 1 - j (with HAS_SEQ_IDX,
-        those of x_t's document alone)."""
+        those of x_t's document alone); dx written by its strides (a slice of a wider gradient)."""
         tiles = tl.cdiv(s, BLOCK_T)
         bi, ti = (tl.program_id(0) // tiles).to(tl.int64), tl.program_id(0) % tiles
         t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
@@ -271,5 +280,6 @@ if triton is not None:
             if HAS_SEQ_IDX:
                 gates = tl.where(_same_document(seq_idx, bi, t + j, t, s)[:, None], gates, 0.0)
             dx_tile += gates * tap[None, :]
-        tl.store(dx + (bi * s + t[:, None]) * c + channels[None, :], dx_tile.to(dx.dtype.element_ty),
-                 mask=(t < s)[:, None] & channel_ok[None, :])
+        rows = t.to(tl.int64) if WIDE else t
+        tl.store(dx + bi * dx_stride_b + rows[:, None] * dx_stride_s + channels[None, :],
+                 dx_tile.to(dx.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])

@@ -10,8 +10,9 @@ in fp32, each tile ROWS tokens of one group; out, dy and dz in y's dtype, dw in 
 program (TILES tiles) and then over programs in a fixed order. y, z and dout are read by their strides ([b, s, d]
 views whose channels are contiguous: z a slice of the input projection, dout laid out [s, b] as the
 output projection's gradient comes); out is written laid out [s, b, d] (what the output projection
-reads after the mixer's transpose back), dy and dz contiguous [b, s, d]. A pair of custom ops with
-autograd between them, so a compiled layer traces through them without a graph break.
+reads after the mixer's transpose back), dy and dz by their strides (contiguous from the custom op;
+`gated_rmsnorm_backward_into` takes any). A pair of custom ops with autograd between them, so a
+compiled layer traces through them without a graph break.
 """
 
 import torch
@@ -82,18 +83,25 @@ def _autograd(ctx, dout, _):
 def _gated_rmsnorm_backward(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                             rstd: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of y, z (contiguous [b, s, d]) and the weight."""
+    dy, dz = (torch.empty(y.shape, device=y.device, dtype=y.dtype) for _ in range(2))
+    return dy, dz, gated_rmsnorm_backward_into(dy, dz, dout, y, z, weight, rstd, groups)
+
+
+def gated_rmsnorm_backward_into(dy, dz, dout, y, z, weight, rstd, groups: int):
+    """Writes the gradients of y and z into dy and dz (any [b, s, d] views whose channels are
+    contiguous: dz a slice of the input projection's gradient, in teratron.ssm.mamba_core); returns
+    the weight's gradient."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    assert dy.stride(-1) == dz.stride(-1) == 1, "dy's and dz's channels must be contiguous"
     b, s, d = y.shape
-    dy, dz = torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty(b, s, d, device=y.device,
-                                                                                    dtype=y.dtype)
     programs = triton.cdiv(b * s, ROWS * TILES)
     dweight_parts = torch.empty(programs, d, device=y.device, dtype=torch.float32)
     _backward_kernel[(programs, groups)](
         dout, y, z, weight, rstd, dy, dz, dweight_parts, b, s, d, *dout.stride()[:2], *y.stride()[:2],
-        *z.stride()[:2], *dy.stride()[:2], GROUP=d // groups, BLOCK=triton.next_power_of_2(d // groups), ROWS=ROWS,
-        TILES=TILES, num_warps=WARPS)
-    return dy, dz, dweight_parts.sum(0).to(weight.dtype)
+        *z.stride()[:2], *dy.stride()[:2], *dz.stride()[:2], GROUP=d // groups,
+        BLOCK=triton.next_power_of_2(d // groups), ROWS=ROWS, TILES=TILES, num_warps=WARPS)
+    return dweight_parts.sum(0).to(weight.dtype)
 
 
 @_gated_rmsnorm_backward.register_fake
@@ -144,8 +152,8 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(dout, y, z, weight, rstd, dy, dz, dweight_parts, b, s, d, dout_sb, dout_ss, y_sb, y_ss,
-                         z_sb, z_ss, dy_sb, dy_ss, GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         TILES: tl.constexpr):
+                         z_sb, z_ss, dy_sb, dy_ss, dz_sb, dz_ss, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, TILES: tl.constexpr):
         """Program (TILES tiles of ROWS tokens, group): dy and dz of those tokens, their share of dw."""
         group = tl.program_id(1)
         lanes = tl.arange(0, BLOCK)
@@ -165,8 +173,10 @@ if triton is not None:
             dout_tile = tl.load(dout + dout_offsets, mask=mask, other=0.0).to(tl.float32)
             dnormed = dout_tile * w[None, :]
             dgated = r[:, None] * (dnormed - normed * (tl.sum(dnormed * normed, 1) / GROUP)[:, None])
-            own, _ = _rows(token, b, s, dy_sb, dy_ss, channels, channel_ok, ROWS)  # dy's and dz's (contiguous)
-            tl.store(dy + own, (dgated * silu_z).to(dy.dtype.element_ty), mask=mask)
-            tl.store(dz + own, (dgated * y_tile * sig * (1 + z_tile * (1 - sig))).to(dz.dtype.element_ty), mask=mask)
+            dy_offsets, _ = _rows(token, b, s, dy_sb, dy_ss, channels, channel_ok, ROWS)
+            dz_offsets, _ = _rows(token, b, s, dz_sb, dz_ss, channels, channel_ok, ROWS)
+            tl.store(dy + dy_offsets, (dgated * silu_z).to(dy.dtype.element_ty), mask=mask)
+            tl.store(dz + dz_offsets, (dgated * y_tile * sig * (1 + z_tile * (1 - sig))).to(dz.dtype.element_ty),
+                     mask=mask)
             dweight += dout_tile * normed
         tl.store(dweight_parts + tl.program_id(0).to(tl.int64) * d + channels, tl.sum(dweight, 0), mask=channel_ok)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratron.process_groups import get_pg_rank, get_pg_size
-from teratron.ssm import gated_norm_triton
+from teratron.ssm import gated_norm_triton, mamba_core
 from teratron.ssm.causal_conv1d import causal_conv1d_silu
 from teratron.ssm.context_parallel import HeadShare, heads_to_tokens, set_up_head_exchange, tokens_to_heads
 from teratron.ssm.recurrence import conv_state_bytes, mix_tokens
@@ -166,7 +166,8 @@ class MambaMixer(nn.Module):
         if self.cp_share is not None and inference_context is None:
             y = self._mix_context_parallel(projected, attention_mask)
         else:
-            y = mix_tokens(self._mix, projected, self.layer_number, inference_context, attention_mask)
+            mix = self._mix if inference_context is not None else self._mix_from_zero
+            y = mix_tokens(mix, projected, self.layer_number, inference_context, attention_mask)
         out, _ = self.out_proj(y)  # y [s, b, d_inner / tp]
         return out, None
 
@@ -180,6 +181,16 @@ class MambaMixer(nn.Module):
         z, xbc, dt = (part.transpose(0, 1) for part in parts)  # [b, s, c]
         y, state = self._scan(xbc, dt, self.whole, state, seq_idx)
         return self.norm(y, z), state
+
+    def _mix_from_zero(self, projected, state, seq_idx=None):
+        """`_mix` from zero states (state None) when the state after is not kept (training,
+        evaluation): on the Triton kernels everything between the projections is one custom op,
+        teratron.ssm.mamba_core, which returns no state (None)."""
+        if not mamba_core.runs_here(projected, self.conv1d.weight, self.chunk_size):
+            return self._mix(projected, state, seq_idx)
+        return mamba_core.mamba_core(projected, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log,
+                                     self.D, self.norm.weight, self.head_dim, self.ngroups_local, self.d_state,
+                                     self.chunk_size, self.norm.eps, seq_idx), None
 
     def _mix_context_parallel(self, projected, attention_mask):
         """projected [s, b, parts / tp] of this CP rank's tokens -> the gated, normed scan output

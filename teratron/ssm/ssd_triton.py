@@ -44,7 +44,8 @@ order (deterministic).
 
 x, B, C and the output's gradient are read by their strides: any [b, s, columns, width] view whose
 columns x width are contiguous (the mixer's slices of its convolution's output) goes in without a
-copy. Outputs and gradients are written contiguous.
+copy. Outputs and gradients are written contiguous (`scan_backward_into` writes dx, dB and dC by
+their strides: slices of the gradient of the convolution's output, in teratron.ssm.mamba_core).
 
 Every sum accumulates in fp32. With 16-bit inputs (bf16, fp16) the chunks' states S_c / H_c and
 their gradients G_c / dS_c are kept in that dtype (summed in fp32 by the state passings, rounded
@@ -75,7 +76,7 @@ try:
 except ImportError:  # the PyTorch path serves without Triton
     triton = None
 if triton is not None:
-    from teratron.ssm.triton_tiles import dot, load_rows, load_rows_as_stored, program_chunk, store_tokens
+    from teratron.ssm.triton_tiles import dot, load_rows, load_rows_as_stored, program_chunk, store_rows, store_tokens
 # Triton reads TRITON_INTERPRET when it defines the kernels (at import): then they run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -283,6 +284,17 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
                        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, dt, A, B, C, D and the initial state (the last two unused without them)."""
+    dx, dB, dC = _empty_tokens(x), _empty_tokens(B), _empty_tokens(C)
+    ddt, dA, dD, dinitial = scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores,
+                                               states, chunk_size)
+    return dx, ddt, dA, dB, dC, dD, dinitial
+
+
+def scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores, states, chunk_size):
+    """Writes the gradients of x, B and C into dx, dB and dC (views laid out as `_rows` takes an input,
+    dB and dC with the same strides: slices of the gradient of the convolution's output, in
+    teratron.ssm.mamba_core); returns those of dt, A, D and the initial state."""
+    assert dB.stride() == dC.stride() and _rows(dx) is dx and _rows(dB) is dB, "dx, dB, dC: rows of contiguous heads"
     shape = _Shape.of(x, B, chunk_size)
     b, h, m = shape.batch, shape.heads, shape.chunks
     x, B, C = _token_inputs(x, B, C)
@@ -300,27 +312,25 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
         HEADS_PER_SPLIT=shape.heads_per_split, **shape.meta(x.dtype, "dcb"))
     # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
     # pull on the chunk's decay), summed here
-    dB, dC = _empty_tokens(B), _empty_tokens(C)
     n_parts = shape.n_blocks
     dlast_parts = torch.empty(b, h, m, n_parts, **fp32)
     # ... and each n block's share of the earlier chunks' pull on the decay (dcum), added by the dx kernel
     dcum_earlier_parts = torch.empty(n_parts, *cum.shape, **fp32)
     _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, n_parts)](
         x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, dcum_earlier_parts,
-        **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
+        **_row_strides(x=x, bc=B, dy=dy, dbc=dB), **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
     dlast = dlast_parts.sum(-1)
-    dx = _empty_tokens(x)
     # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
     ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
     dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
     _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
         x, dt, A32, B, D32, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts, dx, ddt_parts, dA_parts,
-        dD_parts, **_row_strides(x=x, bc=B, dy=dy), **shape.sizes(), HAS_D=D is not None, EARLIER_PARTS=n_parts,
+        dD_parts, **_row_strides(x=x, bc=B, dy=dy, dx=dx), **shape.sizes(), HAS_D=D is not None, EARLIER_PARTS=n_parts,
         **shape.meta(x.dtype, "dx"))
     ddt = ddt_parts.sum(0).to(dt.dtype)
     dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
     dD = dD_parts.sum((0, 1, 2)).to(D.dtype if D is not None else torch.float32)
-    return dx, ddt, dA, dB, dC, dD, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
+    return ddt, dA, dD, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 
 @_ssd_scan_backward.register_fake
@@ -571,8 +581,8 @@ if triton is not None:
 
     @triton.jit
     def _chunk_scan_backward_dx_kernel(x, dt, A, B, D, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts,
-                                       dx, ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s,
-                                       heads, heads_per_group, m, p, n,
+                                       dx, ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, dx_sb,
+                                       dx_ss, s, heads, heads_per_group, m, p, n,
                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                        PRECISION: tl.constexpr, HAS_D: tl.constexpr,
                                        EARLIER_PARTS: tl.constexpr):
@@ -600,7 +610,7 @@ if triton is not None:
         if HAS_D:
             dx_tile += tl.load(D + head) * dy_tile
             tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
-        store_tokens(dx, dx_tile, bi, c, head, s, heads, p, p0, L, BLOCK_P)
+        store_rows(dx, dx_tile, bi, c, head, s, dx_sb, dx_ss, p, p0, L, BLOCK_P)
 
         own_state = to_end * tl.sum(xw * B_dstate, 1)
         dcum = -own_state
@@ -620,8 +630,8 @@ if triton is not None:
 
     @triton.jit
     def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts,
-                                        dcum_earlier_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, s, heads,
-                                        heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
+                                        dcum_earlier_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, dbc_sb, dbc_ss, s,
+                                        heads, heads_per_group, m, p, n, L: tl.constexpr, BLOCK_P: tl.constexpr,
                                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
         """Program (bi * m + c, group, k): block k of n of dB and dC in chunk c: dCB's products
         with C and B, and the state terms summed over the group's heads (each a loop over blocks of p);
@@ -660,5 +670,5 @@ if triton is not None:
             dB_tile += (tl.exp(last - cum_c) * _load_dt(dt, bi, c, head, s, heads, L))[:, None] * x_dstate
             tl.store(dlast_parts + ((bi * heads + head) * m + c) * tl.num_programs(2) + tl.program_id(2),
                      tl.exp(last) * tl.sum(tl.sum(state_grads, 1), 0))
-        store_tokens(dB, dB_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
-        store_tokens(dC, dC_tile, bi, c, group, s, groups, n, n0, L, BLOCK_N)
+        store_rows(dB, dB_tile, bi, c, group, s, dbc_sb, dbc_ss, n, n0, L, BLOCK_N)
+        store_rows(dC, dC_tile, bi, c, group, s, dbc_sb, dbc_ss, n, n0, L, BLOCK_N)

@@ -1,7 +1,8 @@
 """Tile addressing shared by the Triton scans (`ssd_triton`, `gated_delta_rule_triton`): a
 program's (batch, chunk, head), the [L, WIDTH] token tiles of [b, s, columns, width] tensors,
-contiguous (`load_tokens`) or with any batch and token strides (`load_rows`: a slice of a wider
-tensor, as a mixer's projections are), and their products (`dot`)."""
+contiguous (`load_tokens`, `store_tokens`) or with any batch and token strides (`load_rows`,
+`store_rows`: a slice of a wider tensor, as a mixer's projections and their gradients are), and their
+products (`dot`)."""
 
 import os
 
@@ -53,6 +54,15 @@ if triton is not None:
         offsets = bi * stride_b + t[:, None].to(tl.int64) * stride_s + column * width + lanes[None, :]
         mask = (t[:, None] < s) & (lanes[None, :] < width)
         return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def store_rows(ptr, tile, bi, c, column, s, stride_b, stride_s, width, first, L: tl.constexpr,
+                   WIDTH: tl.constexpr):
+        """`store_tokens` into a tensor laid out as `load_rows` reads one."""
+        t = c * L + tl.arange(0, L)
+        lanes = first + tl.arange(0, WIDTH)
+        offsets = bi * stride_b + t[:, None].to(tl.int64) * stride_s + column * width + lanes[None, :]
+        tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=(t[:, None] < s) & (lanes[None, :] < width))
 
     @triton.jit
     def load_rows(ptr, bi, c, column, s, stride_b, stride_s, width, first, L: tl.constexpr, WIDTH: tl.constexpr):

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from ssm.mamba_core_cases import EPS, reference
 from teratron import cli
 from teratron.inference.config import InferenceConfig
 from teratron.inference.contexts.dynamic_context import DynamicInferenceContext
@@ -19,6 +20,8 @@ from teratron.inference.engines import DynamicInferenceEngine
 from teratron.inference.sampling_params import SamplingParams
 from teratron.models.gpt.builder import build_gpt_model
 from teratron.models.gpt.gpt_config import GPTModelConfig
+from teratron.ssm import mamba_core
+from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.tokenizers.null_tokenizer import NullTokenizer
 from teratron.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -126,6 +129,26 @@ def test_decode_tokens_run_as_one_batch(model, monkeypatch):
     assert generate_all(engine_for(model, buffer_size_gb=0.01), PROMPTS) == reference
     assert len(PROMPTS) in calls  # a decode step of every request: one call of 4 rows
     assert len(calls) < len(PROMPTS) * NEW_TOKENS  # fewer calls than one per request and token
+
+
+def test_prefill_keeps_the_states_where_training_takes_the_mamba_core(model, monkeypatch):
+    """Where Mamba-2's mixer core op runs (the Triton kernels; here its definition stands in for it),
+    full recompute takes it and the engine does not: the op keeps no state after the tokens, and
+    decoding continues from the state its request's prefill left."""
+    calls = []
+
+    def core_by_its_definition(*args):
+        *inputs, eps, seq_idx = args
+        calls.append(eps)
+        return reference(*inputs, seq_idx=seq_idx)
+
+    monkeypatch.setattr(mamba_core, "runs_here", lambda *args: True)
+    monkeypatch.setattr(mamba_core, "mamba_core", core_by_its_definition)
+    want = [recompute_greedy(model, p) for p in PROMPTS]
+    assert set(calls) == ({EPS} if any(isinstance(m, MambaMixer) for m in model.modules()) else set())
+    calls.clear()
+    assert generate_all(engine_for(model, buffer_size_gb=0.01), PROMPTS) == want
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
