@@ -7,7 +7,8 @@ has the definition), as Triton kernels, forward and backward, for training from 
                dx_t = sum_j w_{k-1-j} g_{t+j}                               one pass over g (_dx_kernel)
 
 Each program takes tiles of tokens by channels of one sequence; the k - 1 neighbouring
-rows of a tile are read again from the cache, not from memory. The pre-activation a and the gate's
+rows of a tile are read again from the cache, not from memory (the gate pass reads each tap's
+inputs once, for a and for dw). The pre-activation a and the gate's
 gradient g are rounded to x's dtype, as the PyTorch path's convolution and SiLU return them; sums run
 in fp32. The weight and bias gradients are summed per program of the gate pass (TILES tiles of tokens
 in turn), then over the programs in a fixed order (deterministic).
@@ -34,11 +35,12 @@ if triton is not None:
     import triton.language as tl
 
 # Tiles (tokens x channels) of each pass, timed on an H200 at the Mamba layer's 4 x 2,048 tokens x 6,144
-# channels (bench/RESULTS.md, session 16). The gate pass keeps a [tokens, channels] fp32 sum per tap in
-# registers: small tiles, many of them a program.
+# channels (bench/RESULTS.md, session 16). The gate pass keeps a [tokens, channels] fp32 sum per tap and
+# the taps' inputs in registers: small tiles, many of them a program (re-timed on an H100, session 27: the
+# backward 315 -> 272 µs with the taps' inputs loaded once, at 16 x 32 tiles, 64 a program, 4 warps).
 BLOCK_T, BLOCK_C = 64, 64  # the forward's
 # the gate pass's tile, tiles a program and warps
-GATE_BLOCK_T, GATE_BLOCK_C, TILES, GATE_WARPS = 32, 64, 32, 8
+GATE_BLOCK_T, GATE_BLOCK_C, TILES, GATE_WARPS = 16, 32, 64, 4
 DX_BLOCK_T, DX_BLOCK_C = 32, 256  # the dx pass's
 MAX_TAPS = 4  # the gate pass keeps a sum per tap (Mamba's and Gated DeltaNet's 4; longer kernels: PyTorch path)
 
@@ -186,6 +188,11 @@ if triton is not None:
         return inputs
 
     @triton.jit
+    def _tap(weight, channels, channel_ok, i, K: tl.constexpr):
+        """[BLOCK_C] fp32: tap i's weight of each channel."""
+        return tl.load(weight + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _preactivation(x, weight, bias, seq_idx, bi, rows, channels, channel_ok, s, stride_b, stride_s,
                        WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -232,8 +239,21 @@ if triton is not None:
         tl.static_assert(K <= 4, "the gate pass keeps a sum for each of at most 4 taps (MAX_TAPS)")
         for ti in range(first_tile, tl.minimum(first_tile + TILES, tl.cdiv(s, BLOCK_T))):
             t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-            a = _preactivation(x, weight, bias, seq_idx, bi, t, channels, channel_ok, s, stride_b, stride_s, WIDE,
-                               HAS_BIAS, HAS_SEQ_IDX, K, BLOCK_T, BLOCK_C)
+            # the taps' inputs, loaded once for a and for dw (x_{t-K+1+i}: tap i; K - 1 the token's own)
+            x0 = _taps_of(x, seq_idx, bi, t, 0, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX, K)
+            a = x0 * _tap(weight, channels, channel_ok, 0, K)[None, :]
+            if K > 1:
+                x1 = _taps_of(x, seq_idx, bi, t, 1, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX, K)
+                a += x1 * _tap(weight, channels, channel_ok, 1, K)[None, :]
+            if K > 2:
+                x2 = _taps_of(x, seq_idx, bi, t, 2, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX, K)
+                a += x2 * _tap(weight, channels, channel_ok, 2, K)[None, :]
+            if K > 3:
+                x3 = _taps_of(x, seq_idx, bi, t, 3, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX, K)
+                a += x3 * _tap(weight, channels, channel_ok, 3, K)[None, :]
+            if HAS_BIAS:
+                a += tl.load(bias + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
+            a = a.to(x.dtype.element_ty).to(tl.float32)
             sig = tl.sigmoid(a)
             g = _load_rows(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s, WIDE)
             g = g * sig * (1 + a * (1 - sig))
@@ -242,17 +262,13 @@ if triton is not None:
             tl.store(gate + offsets, g, mask=(t < s)[:, None] & channel_ok[None, :])
             g = g.to(tl.float32)  # the rounded g, as dx's pass reads it
             dbias += g
-            for i in tl.static_range(K):
-                tap_grads = _taps_of(x, seq_idx, bi, t, i, channels, channel_ok, s, stride_b, stride_s, WIDE,
-                                     HAS_SEQ_IDX, K) * g
-                if i == 0:
-                    dw0 += tap_grads
-                elif i == 1:
-                    dw1 += tap_grads
-                elif i == 2:
-                    dw2 += tap_grads
-                else:
-                    dw3 += tap_grads
+            dw0 += x0 * g
+            if K > 1:
+                dw1 += x1 * g
+            if K > 2:
+                dw2 += x2 * g
+            if K > 3:
+                dw3 += x3 * g
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         channel_ok = channels < c
         row = dweight_parts + (part * c + channels) * K  # this program's [c, K] part
