@@ -239,7 +239,9 @@ if triton is not None:
         tl.static_assert(K <= 4, "the gate pass keeps a sum for each of at most 4 taps (MAX_TAPS)")
         for ti in range(first_tile, tl.minimum(first_tile + TILES, tl.cdiv(s, BLOCK_T))):
             t, channels, channel_ok = _tile(ti, c, BLOCK_T, BLOCK_C)
-            # the taps' inputs, loaded once for a and for dw (x_{t-K+1+i}: tap i; K - 1 the token's own)
+            # the taps' inputs, loaded once for a and for dw (x_{t-K+1+i}: tap i; K - 1 the token's own); a is
+            # _preactivation's sum in its order, so it equals the forward's to the bit (sharing a function that
+            # also returned the taps made ptxas spill the packed forward: 8 -> 212 bytes a thread on sm_90)
             x0 = _taps_of(x, seq_idx, bi, t, 0, channels, channel_ok, s, stride_b, stride_s, WIDE, HAS_SEQ_IDX, K)
             a = x0 * _tap(weight, channels, channel_ok, 0, K)[None, :]
             if K > 1:
