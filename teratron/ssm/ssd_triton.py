@@ -287,13 +287,14 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
     dx, dB, dC = _empty_tokens(x), _empty_tokens(B), _empty_tokens(C)
     ddt, dA, dD, dinitial = scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores,
                                                states, chunk_size)
-    return dx, ddt, dA, dB, dC, dD, dinitial
+    return dx, ddt, dA.clone(), dB, dC, dD, dinitial  # an op's outputs may not alias: dA and dD may be views
 
 
 def scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores, states, chunk_size):
     """Writes the gradients of x, B and C into dx, dB and dC (views laid out as `_rows` takes an input,
     dB and dC with the same strides: slices of the gradient of the convolution's output, in
-    teratron.ssm.mamba_core); returns those of dt, A, D and the initial state."""
+    teratron.ssm.mamba_core); returns those of dt, A, D and the initial state (dA and dD may be views
+    of one tensor)."""
     assert dB.stride() == dC.stride() and _rows(dx) is dx and _rows(dB) is dB, "dx, dB, dC: rows of contiguous heads"
     shape = _Shape.of(x, B, chunk_size)
     b, h, m = shape.batch, shape.heads, shape.chunks
@@ -311,7 +312,7 @@ def scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state,
         x, dt, dy, cum, scores, dscores_parts, dcum_intra, **_row_strides(x=x, dy=dy), **shape.sizes(),
         HEADS_PER_SPLIT=shape.heads_per_split, **shape.meta(x.dtype, "dcb"))
     # dB and dC, and each n block's share of dLam_c = exp(Lam_c) <dS_c, H_c> (the state passing's
-    # pull on the chunk's decay), summed here
+    # pull on the chunk's decay), summed by the dx kernel
     n_parts = shape.n_blocks
     dlast_parts = torch.empty(b, h, m, n_parts, **fp32)
     # ... and each n block's share of the earlier chunks' pull on the decay (dcum), added by the dx kernel
@@ -319,17 +320,17 @@ def scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state,
     _chunk_scan_backward_dbc_kernel[(b * m, shape.groups, n_parts)](
         x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts, dcum_earlier_parts,
         **_row_strides(x=x, bc=B, dy=dy, dbc=dB), **shape.sizes(), SPLITS=shape.splits, **shape.meta(x.dtype, "dbc"))
-    dlast = dlast_parts.sum(-1)
-    # Each block of p adds its share of ddt, dA and dD: summed here, in a fixed order.
+    # Each block of p adds its share of ddt, and of dA and dD ([2, p blocks, b, m, h], summed in one
+    # reduction): summed here, in a fixed order (ddt's a copy when p is one block: none made).
     ddt_parts = torch.empty(shape.p_blocks, b, shape.seq, h, **fp32)
-    dA_parts, dD_parts = (torch.empty(shape.p_blocks, b, m, h, **fp32) for _ in range(2))
+    dAD_parts = torch.empty(2, shape.p_blocks, b, m, h, **fp32)
     _chunk_scan_backward_dx_kernel[(b * m, h, shape.p_blocks)](
-        x, dt, A32, B, D32, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts, dx, ddt_parts, dA_parts,
-        dD_parts, **_row_strides(x=x, bc=B, dy=dy, dx=dx), **shape.sizes(), HAS_D=D is not None, EARLIER_PARTS=n_parts,
+        x, dt, A32, B, D32, dy, cum, scores, dstates, dlast_parts, dcum_intra, dcum_earlier_parts, dx, ddt_parts,
+        dAD_parts, **_row_strides(x=x, bc=B, dy=dy, dx=dx), **shape.sizes(), HAS_D=D is not None, N_PARTS=n_parts,
         **shape.meta(x.dtype, "dx"))
-    ddt = ddt_parts.sum(0).to(dt.dtype)
-    dA = dA_parts.sum((0, 1, 2)).to(A.dtype)
-    dD = dD_parts.sum((0, 1, 2)).to(D.dtype if D is not None else torch.float32)
+    ddt = (ddt_parts[0] if shape.p_blocks == 1 else ddt_parts.sum(0)).to(dt.dtype)
+    dA, dD = dAD_parts.flatten(1, 3).sum(1)  # views of one tensor
+    dA, dD = dA.to(A.dtype), dD.to(D.dtype if D is not None else torch.float32)
     return ddt, dA, dD, dinitial.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 
@@ -580,16 +581,16 @@ if triton is not None:
         tl.store(dscores_parts + split * tl.num_programs(0) * groups * L * L + tile, dscores)
 
     @triton.jit
-    def _chunk_scan_backward_dx_kernel(x, dt, A, B, D, dy, cum, scores, dstates, dlast, dcum_intra, dcum_earlier_parts,
-                                       dx, ddt_parts, dA_parts, dD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb, dy_ss, dx_sb,
-                                       dx_ss, s, heads, heads_per_group, m, p, n,
+    def _chunk_scan_backward_dx_kernel(x, dt, A, B, D, dy, cum, scores, dstates, dlast_parts, dcum_intra,
+                                       dcum_earlier_parts, dx, ddt_parts, dAD_parts, x_sb, x_ss, bc_sb, bc_ss, dy_sb,
+                                       dy_ss, dx_sb, dx_ss, s, heads, heads_per_group, m, p, n,
                                        L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       PRECISION: tl.constexpr, HAS_D: tl.constexpr,
-                                       EARLIER_PARTS: tl.constexpr):
+                                       PRECISION: tl.constexpr, HAS_D: tl.constexpr, N_PARTS: tl.constexpr):
         """Program (bi * m + c, head, k): dx of block k of p in chunk c, and this block's shares of
-        ddt ([p blocks, b, s, h]), dA and dD ([p blocks, b, m, h]): every dcum term is a sum over p
-        (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, the earlier chunks',
-        dcum_earlier_parts' EARLIER_PARTS blocks of n, and the state passing's)."""
+        ddt ([p blocks, b, s, h]), dA and dD ([2, p blocks, b, m, h]): every dcum term is a sum over p
+        (block 0 adds the terms summed elsewhere: the decay's, dcum_intra, and the dB/dC kernel's
+        N_PARTS blocks of n's shares of the earlier chunks' (dcum_earlier_parts) and of the state
+        passing's (dlast_parts))."""
         bi, c, head = program_chunk(m)
         group, groups = head // heads_per_group, heads // heads_per_group
         block = tl.program_id(2)
@@ -609,24 +610,26 @@ if triton is not None:
         part = (block * tl.num_programs(0) + bi * m + c) * heads + head  # in [p blocks, b, m, h]
         if HAS_D:
             dx_tile += tl.load(D + head) * dy_tile
-            tl.store(dD_parts + part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
+            dD_part = part + tl.num_programs(2) * tl.num_programs(0) * heads  # dAD_parts[1]
+            tl.store(dAD_parts + dD_part, tl.sum(tl.sum(dy_tile * x_tile, 1), 0))
         store_rows(dx, dx_tile, bi, c, head, s, dx_sb, dx_ss, p, p0, L, BLOCK_P)
 
         own_state = to_end * tl.sum(xw * B_dstate, 1)
         dcum = -own_state
-        dlast_c = tl.sum(own_state, 0) + tl.where(block == 0, tl.load(dlast + (bi * heads + head) * m + c), 0.0)
-        dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
+        dlast_c = tl.sum(own_state, 0)
         row = ((bi * heads + head) * m + c) * L + tl.arange(0, L)
         if block == 0:
             dcum += tl.load(dcum_intra + row)
             part_size = tl.num_programs(0).to(tl.int64) * heads * L  # one n block's [b, h, m * L]
-            for share in range(EARLIER_PARTS):  # in order: the same sum every run
+            for share in range(N_PARTS):  # in order: the same sums every run
                 dcum += tl.load(dcum_earlier_parts + share * part_size + row)
+                dlast_c += tl.load(dlast_parts + ((bi * heads + head) * m + c) * N_PARTS + share)
+        dcum += tl.where(tl.arange(0, L) == L - 1, dlast_c, 0.0)
         da = tl.cumsum(dcum, 0, reverse=True)
         ddt_c = tl.sum(x_tile * dxw, 1) + tl.load(A + head) * da
         t = c * L + tl.arange(0, L)
         tl.store(ddt_parts + ((block * (tl.num_programs(0) // m) + bi) * s + t) * heads + head, ddt_c, mask=t < s)
-        tl.store(dA_parts + part, tl.sum(dt_c * da, 0))
+        tl.store(dAD_parts + part, tl.sum(dt_c * da, 0))
 
     @triton.jit
     def _chunk_scan_backward_dbc_kernel(x, dt, B, C, dy, cum, dscores_parts, states, dstates, dB, dC, dlast_parts,

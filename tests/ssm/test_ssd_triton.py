@@ -50,8 +50,8 @@ KERNEL_TENSORS = {
     "_chunk_scores_kernel": ("B C", "scores", "scores"),
     "_chunk_scan_kernel": ("x C states y", "dt D cum scores", "scan"),
     "_chunk_scan_backward_dcb_kernel": ("x dy", "dt cum scores dscores_parts dcum_intra", "dcb"),
-    "_chunk_scan_backward_dx_kernel": ("x B dy dstates dx", "dt A D cum scores dlast dcum_intra dcum_earlier_parts "
-                                       "ddt_parts dA_parts dD_parts", "dx"),
+    "_chunk_scan_backward_dx_kernel": ("x B dy dstates dx", "dt A D cum scores dlast_parts dcum_intra "
+                                       "dcum_earlier_parts ddt_parts dAD_parts", "dx"),
     "_chunk_scan_backward_dbc_kernel": ("x B C dy states dstates dB dC",
                                         "dt cum dscores_parts dlast_parts dcum_earlier_parts", "dbc"),
 }
@@ -80,7 +80,7 @@ def test_the_tile_kernels_compile_for_an_h100_within_its_shared_memory(dtype):
         block_p, block_n = shape.blocks
         constexprs = dict(L=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
                           PRECISION="ieee" if dtype == "fp32" else "tf32", FROM_START=False, HAS_D=True,
-                          HEADS_PER_SPLIT=4, SPLITS=2, EARLIER_PARTS=shape.n_blocks)
+                          HEADS_PER_SPLIT=4, SPLITS=2, N_PARTS=shape.n_blocks)
         compiled = compile_for_sm90(getattr(kernels, name), dtype, activations, fp32, constexprs=constexprs,
                                     options=shape.launch(launch))
         assert 0 < compiled.shared <= H100_SHARED_MEMORY, (name, compiled.shared)
