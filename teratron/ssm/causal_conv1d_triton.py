@@ -11,7 +11,7 @@ rows of a tile are read again from the cache, not from memory (the gate pass rea
 inputs once, for a and for dw). The pre-activation a and the gate's
 gradient g are rounded to x's dtype, as the PyTorch path's convolution and SiLU return them; sums run
 in fp32. The weight and bias gradients are summed per program of the gate pass (TILES tiles of tokens
-in turn), then over the programs in a fixed order (deterministic).
+in turn), then over the programs in a fixed order (deterministic), both in one reduction.
 
 Packed documents (seq_idx [b, s], the document of every token, passed to the kernels as contiguous
 int32): a tap whose token is in another document than the output's counts as zero, in the forward, the
@@ -126,18 +126,19 @@ def conv_silu_backward_into(dx, dy, x, weight, bias, seq_idx):
     k = weight.shape[1]
     gate = torch.empty(b, s, c, device=x.device, dtype=x.dtype)  # g: the gradient of a
     programs = b * triton.cdiv(s, GATE_BLOCK_T * TILES)
-    dweight_parts = torch.empty(programs, c, k, device=x.device, dtype=torch.float32)
-    dbias_parts = torch.empty(programs, c, device=x.device, dtype=torch.float32)
+    # each program's share of dw and dbias: [programs, c, k + 1], summed in one reduction
+    parts = torch.empty(programs, c, k + 1, device=x.device, dtype=torch.float32)
     _gate_kernel[(programs, triton.cdiv(c, GATE_BLOCK_C))](
-        x, weight, bias if bias is not None else weight, seq_idx_ptr, dy, gate, dweight_parts, dbias_parts, s, c,
+        x, weight, bias if bias is not None else weight, seq_idx_ptr, dy, gate, parts, s, c,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), WIDE=_wide(x) or _wide(dy), HAS_BIAS=bias is not None,
         HAS_SEQ_IDX=has_seq_idx, K=k, TILES=TILES, BLOCK_T=GATE_BLOCK_T, BLOCK_C=GATE_BLOCK_C, num_warps=GATE_WARPS)
     assert dx.stride(-1) == 1, "dx's channels must be contiguous"
     _dx_kernel[_grid(b, s, c, DX_BLOCK_T, DX_BLOCK_C)](
         weight, seq_idx_ptr, gate, dx, s, c, gate.stride(0), dx.stride(0), dx.stride(1), WIDE=_wide(gate) or _wide(dx),
         HAS_SEQ_IDX=has_seq_idx, K=k, BLOCK_T=DX_BLOCK_T, BLOCK_C=DX_BLOCK_C, num_warps=4)
+    sums = parts.sum(0)  # [c, k + 1]
     dbias_dtype = bias.dtype if bias is not None else weight.dtype
-    return dweight_parts.sum(0).to(weight.dtype), dbias_parts.sum(0).to(dbias_dtype)
+    return sums[:, :k].to(weight.dtype, copy=True), sums[:, k].to(dbias_dtype, copy=True)  # no views of one tensor
 
 
 @_conv_silu_backward.register_fake
@@ -220,11 +221,11 @@ if triton is not None:
         tl.store(y + offsets, out.to(y.dtype.element_ty), mask=(t < s)[:, None] & channel_ok[None, :])
 
     @triton.jit
-    def _gate_kernel(x, weight, bias, seq_idx, dy, gate, dweight_parts, dbias_parts, s, c, stride_b, stride_s,
-                     dy_stride_b, dy_stride_s, WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                     K: tl.constexpr, TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _gate_kernel(x, weight, bias, seq_idx, dy, gate, parts, s, c, stride_b, stride_s, dy_stride_b, dy_stride_s,
+                     WIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, K: tl.constexpr,
+                     TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program (bi and TILES tiles of tokens, block of channels): g of those tokens, and their
-        share of dw and dbias."""
+        share of dw and dbias (parts [programs, c, K + 1]: dw's K taps, then dbias)."""
         programs = tl.cdiv(s, BLOCK_T * TILES)
         part = tl.program_id(0)
         bi, first_tile = (part // programs).to(tl.int64), (part % programs) * TILES
@@ -273,7 +274,7 @@ if triton is not None:
                 dw3 += x3 * g
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         channel_ok = channels < c
-        row = dweight_parts + (part * c + channels) * K  # this program's [c, K] part
+        row = parts + (part * c + channels) * (K + 1)  # this program's [c, K + 1] part
         tl.store(row, tl.sum(dw0, 0), mask=channel_ok)
         if K > 1:
             tl.store(row + 1, tl.sum(dw1, 0), mask=channel_ok)
@@ -281,7 +282,7 @@ if triton is not None:
             tl.store(row + 2, tl.sum(dw2, 0), mask=channel_ok)
         if K > 3:
             tl.store(row + 3, tl.sum(dw3, 0), mask=channel_ok)
-        tl.store(dbias_parts + part * c + channels, tl.sum(dbias, 0), mask=channel_ok)
+        tl.store(row + K, tl.sum(dbias, 0), mask=channel_ok)
 
     @triton.jit
     def _dx_kernel(weight, seq_idx, gate, dx, s, c, gate_stride_b, dx_stride_b, dx_stride_s, WIDE: tl.constexpr,

@@ -32,7 +32,7 @@ def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype, wide, p
     taps = dict(WIDE=wide, HAS_BIAS=True, HAS_SEQ_IDX=packed, K=kernels.MAX_TAPS)
     for kernel, activations, fp32, constexprs, warps in [
         (kernels._forward_kernel, "x weight bias y", "", dict(BLOCK_T=kernels.BLOCK_T, BLOCK_C=kernels.BLOCK_C), 4),
-        (kernels._gate_kernel, "x weight bias dy gate", "dweight_parts dbias_parts",
+        (kernels._gate_kernel, "x weight bias dy gate", "parts",
          dict(TILES=kernels.TILES, BLOCK_T=kernels.GATE_BLOCK_T, BLOCK_C=kernels.GATE_BLOCK_C), kernels.GATE_WARPS),
         (kernels._dx_kernel, "weight gate dx", "", dict(BLOCK_T=kernels.DX_BLOCK_T, BLOCK_C=kernels.DX_BLOCK_C), 4),
     ]:
