@@ -3,7 +3,8 @@ training (MambaMixer's definition, from zero states):
 
     projected [b, s, d | d + 2 g n | h] = z | xBC | dt_raw       (the input projection's output)
     xBC' = silu(causal_conv1d(xBC))                               causal_conv1d_triton
-    y = ssd(x, softplus(dt_raw + dt_bias), -exp(A_log), B, C, D)  ssd_triton (x, B, C: views of xBC')
+    y = ssd(x, softplus(dt_raw + dt_bias), -exp(A_log), B, C, D)  ssd_triton (x, B, C: views of xBC'),
+                                                                  mamba_dt_triton (dt, A)
     out = gated_rmsnorm(y, z) * norm_weight                       gated_norm_triton
 
 Composed of the three ops, autograd hands the input projection a gradient concatenated from z's,
@@ -18,9 +19,8 @@ the three modules.
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from teratron.ssm import causal_conv1d_triton, gated_norm_triton, ssd_triton
+from teratron.ssm import causal_conv1d_triton, gated_norm_triton, mamba_dt_triton, ssd_triton
 
 
 def runs_here(projected, conv_weight, chunk_size: int) -> bool:
@@ -64,15 +64,6 @@ def _scan_inputs(xbc, heads: int, head_dim: int, groups: int, d_state: int):
     return (x.unflatten(-1, (heads, head_dim)), *(t.unflatten(-1, (groups, d_state)) for t in (B, C)))
 
 
-def _dt_and_A(dt_pre, A_log):
-    """dt = softplus(dt_pre) [b, s, h] from dt_pre = dt_raw + dt_bias (fp32, `_dt_pre`), and A = -exp(A_log)."""
-    return F.softplus(dt_pre), -torch.exp(A_log.float())
-
-
-def _dt_pre(dt_raw, dt_bias):
-    return dt_raw.float() + dt_bias.float()
-
-
 @torch.library.custom_op("teratron::mamba_core", mutates_args=())
 def _mamba_core(projected: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, dt_bias: torch.Tensor,
                 A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, seq_idx: Optional[torch.Tensor],
@@ -84,7 +75,7 @@ def _mamba_core(projected: torch.Tensor, conv_weight: torch.Tensor, conv_bias: t
     z, xbc, dt_raw = _split(projected, heads, head_dim, groups, d_state)
     xbc_act = causal_conv1d_triton.causal_conv1d_silu_triton(xbc, conv_weight, conv_bias, seq_idx)
     x, B, C = _scan_inputs(xbc_act, heads, head_dim, groups, d_state)
-    dt, A = _dt_and_A(_dt_pre(dt_raw, dt_bias), A_log)
+    dt, A = mamba_dt_triton.dt_and_A(dt_raw, dt_bias, A_log)
     y, _, cum, scores, states = ssd_triton._ssd_scan(x, dt, A, B, C, D, None, chunk_size, seq_idx)
     out, rstd = gated_norm_triton._gated_rmsnorm(y.flatten(-2), z, norm_weight, groups, eps)
     return out, xbc_act, y, cum, scores, states, rstd
@@ -136,18 +127,15 @@ def _mamba_core_backward(dout: torch.Tensor, projected: torch.Tensor, conv_weigh
     dnorm_weight = gated_norm_triton.gated_rmsnorm_backward_into(dy.flatten(-2), dz, dout, y.flatten(-2), z,
                                                                  norm_weight, rstd, groups)
     dxbc_act = torch.empty(xbc_act.shape, device=xbc_act.device, dtype=xbc_act.dtype)
-    dt_pre = _dt_pre(dt_raw, dt_bias)
-    dt, A = _dt_and_A(dt_pre, A_log)
+    dt, A = mamba_dt_triton.dt_and_A(dt_raw, dt_bias, A_log)
     x, B, C = _scan_inputs(xbc_act, *sizes)
     dfinal = x.new_zeros(x.shape[0], heads, head_dim, d_state)
     ddt, dA, dD, _ = ssd_triton.scan_backward_into(*_scan_inputs(dxbc_act, *sizes), dy, dfinal, x, dt, A, B, C, D,
                                                    None, cum, scores, states, chunk_size)
     dconv_weight, dconv_bias = causal_conv1d_triton.conv_silu_backward_into(dxbc, dxbc_act, xbc, conv_weight,
                                                                            conv_bias, seq_idx)
-    ddt_pre = ddt * torch.sigmoid(dt_pre)  # softplus' derivative
-    ddt_raw.copy_(ddt_pre)
-    return (dprojected, dconv_weight, dconv_bias, ddt_pre.sum((0, 1)).to(dt_bias.dtype),
-            (dA.float() * A).to(A_log.dtype), dD, dnorm_weight)
+    ddt_bias, dA_log = mamba_dt_triton.dt_backward_into(ddt_raw, ddt, dA, dt_raw, dt_bias, A_log)
+    return dprojected, dconv_weight, dconv_bias, ddt_bias, dA_log, dD, dnorm_weight
 
 
 @_mamba_core_backward.register_fake

@@ -85,6 +85,7 @@ def main():
         assert got[0].stride() == (got[0].shape[2], got[0].shape[0] * got[0].shape[2], 1), "out is laid out [s, b]"
         checked += 1
     checked += check_the_mixer_takes_the_op()
+    checked += check_dt_and_A()
     print(f"checked {checked} cases on the Triton path")
 
 
@@ -117,6 +118,37 @@ def check_the_mixer_takes_the_op() -> int:
         composed = run()
     for i, (f, c) in enumerate(zip(fused, composed)):
         torch.testing.assert_close(f, c, rtol=1e-5, atol=1e-5, msg=lambda m: f"mixer result {i}: {m}")
+    return 1
+
+
+def check_dt_and_A() -> int:
+    """The op's dt = softplus(dt_raw + dt_bias) and A = -exp(A_log), and their gradients, against
+    the definition in float64, over pre-activations from -40 to 40 (softplus' both tails, torch's
+    threshold 20, zero), dt_raw a slice of a wider [s, b] tensor as in the projection."""
+    from teratron.ssm import mamba_dt_triton
+
+    b, s, heads = 2, 70, 5
+    gen = torch.Generator().manual_seed(3)
+    dt_bias, A_log = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    wide = torch.randn(s, b, heads + 3, generator=gen).transpose(0, 1)
+    wide[..., 1:heads + 1] = torch.linspace(-40, 40, b * s * heads).reshape(b, s, heads) - dt_bias
+    dt_raw = wide[..., 1:heads + 1]
+    dt, A = mamba_dt_triton.dt_and_A(dt_raw, dt_bias, A_log)
+    leaves = [t.double().requires_grad_() for t in (dt_raw, dt_bias, A_log)]
+    want_dt, want_A = F.softplus(leaves[0] + leaves[1]), -torch.exp(leaves[2])
+    preactivation = (dt_raw + dt_bias).double()  # rounded to fp32 as the kernel adds them: softplus' own error
+    # within 4 fp32 roundings (exp, log, a division and a product; torch's own fp32 softplus is within one)
+    ulps = 4 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(dt.double(), F.softplus(preactivation), rtol=ulps, atol=0, msg=lambda m: f"dt: {m}")
+    torch.testing.assert_close(A.double(), want_A.detach(), rtol=ulps, atol=0, msg=lambda m: f"A: {m}")
+
+    ddt, dA = torch.randn(b, s, heads, generator=gen), torch.randn(heads, generator=gen)
+    want = torch.autograd.grad((want_dt * ddt.double()).sum() + (want_A * dA.double()).sum(), leaves)
+    ddt_raw = torch.zeros(s, b, heads + 3).transpose(0, 1)
+    ddt_bias, dA_log = mamba_dt_triton.dt_backward_into(ddt_raw[..., 1:heads + 1], ddt, dA, dt_raw, dt_bias, A_log)
+    assert ddt_raw[..., 0].eq(0).all() and ddt_raw[..., heads + 1:].eq(0).all(), "wrote outside dt_raw's slice"
+    for name, g, w in zip(("dt_raw", "dt_bias", "A_log"), (ddt_raw[..., 1:heads + 1], ddt_bias, dA_log), want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-6, atol=1e-6, msg=lambda m: f"d{name}: {m}")
     return 1
 
 

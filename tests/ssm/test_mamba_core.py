@@ -4,16 +4,30 @@ PyTorch paths (in Triton's interpreter on the CPU, compiled on a GPU), and the m
 import pytest
 import torch
 
-from kernel_tests import gpu_test, run_in_the_interpreter
+from kernel_tests import H100_SHARED_MEMORY, compile_for_sm90, gpu_test, run_in_the_interpreter
 from ssm.mamba_core_cases import CASES, EPS, make_inputs, output_and_grads, reference
-from teratron.ssm import mamba_core
+from teratron.ssm import mamba_core, mamba_dt_triton
 from teratron.ssm.mamba_mixer import MambaMixer
 from teratron.transformer.transformer_config import TransformerConfig
 
 
 def test_the_op_in_the_interpreter_matches_the_definition():
     assert run_in_the_interpreter(__file__, "mamba_core_cases.py") == (
-        f"checked {len(CASES) + 2} cases on the Triton path")
+        f"checked {len(CASES) + 3} cases on the Triton path")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_dt_kernels_compile_for_an_h100(dtype):
+    """Triton and ptxas compile dt's and A's forward and backward kernels for sm_90 without a GPU, at 64
+    heads."""
+    constexprs = dict(ROWS=mamba_dt_triton.ROWS, BLOCK_H=64)
+    forward = compile_for_sm90(mamba_dt_triton._dt_kernel, dtype, "dt_raw dt_bias A_log", "dt A",
+                               constexprs=constexprs)
+    backward = compile_for_sm90(mamba_dt_triton._dt_backward_kernel, dtype, "ddt_raw dt_raw dt_bias A_log dA_log",
+                                "ddt dA dbias_parts", constexprs=constexprs)
+    for compiled in (forward, backward):
+        assert compiled.shared <= H100_SHARED_MEMORY
 
 
 def test_on_the_cpu_the_mixer_composes_the_pytorch_paths(monkeypatch):
