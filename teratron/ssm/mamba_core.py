@@ -129,8 +129,7 @@ def _mamba_core_backward(dout: torch.Tensor, projected: torch.Tensor, conv_weigh
     dxbc_act = torch.empty(xbc_act.shape, device=xbc_act.device, dtype=xbc_act.dtype)
     dt, A = mamba_dt_triton.dt_and_A(dt_raw, dt_bias, A_log)
     x, B, C = _scan_inputs(xbc_act, *sizes)
-    dfinal = x.new_zeros(x.shape[0], heads, head_dim, d_state)
-    ddt, dA, dD, _ = ssd_triton.scan_backward_into(*_scan_inputs(dxbc_act, *sizes), dy, dfinal, x, dt, A, B, C, D,
+    ddt, dA, dD, _ = ssd_triton.scan_backward_into(*_scan_inputs(dxbc_act, *sizes), dy, None, x, dt, A, B, C, D,
                                                    None, cum, scores, states, chunk_size)
     dconv_weight, dconv_bias = causal_conv1d_triton.conv_silu_backward_into(dxbc, dxbc_act, xbc, conv_weight,
                                                                            conv_bias, seq_idx)

@@ -293,8 +293,8 @@ def _ssd_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, 
 def scan_backward_into(dx, dB, dC, dy, dfinal, x, dt, A, B, C, D, initial_state, cum, scores, states, chunk_size):
     """Writes the gradients of x, B and C into dx, dB and dC (views laid out as `_rows` takes an input,
     dB and dC with the same strides: slices of the gradient of the convolution's output, in
-    teratron.ssm.mamba_core); returns those of dt, A, D and the initial state (dA and dD may be views
-    of one tensor)."""
+    teratron.ssm.mamba_core; dfinal None: the final state is discarded); returns those of dt, A, D and the
+    initial state (dA and dD may be views of one tensor)."""
     assert dB.stride() == dC.stride() and _rows(dx) is dx and _rows(dB) is dB, "dx, dB, dC: rows of contiguous heads"
     shape = _Shape.of(x, B, chunk_size)
     b, h, m = shape.batch, shape.heads, shape.chunks
@@ -376,8 +376,8 @@ def _state_grads(dy, dt, C, cum, dfinal, shape):
         **shape.meta(dy.dtype, "chunk_state"))
     dinitial = torch.empty(b, h, p, n, device=dy.device, dtype=torch.float32)
     _state_passing_backward_kernel[(b, h, triton.cdiv(p * n, STATE_BLOCK))](
-        dstates, cum, dfinal.float().contiguous(), dinitial, h, m, p * n, L=shape.chunk, BLOCK=STATE_BLOCK,
-        **shape.launch("state_passing_backward"))
+        dstates, cum, dfinal.float().contiguous() if dfinal is not None else dinitial, dinitial, h, m, p * n,
+        L=shape.chunk, BLOCK=STATE_BLOCK, HAS_DFINAL=dfinal is not None, **shape.launch("state_passing_backward"))
     return dstates, dinitial
 
 
@@ -477,14 +477,18 @@ if triton is not None:
 
     @triton.jit
     def _state_passing_backward_kernel(dstates, cum, dfinal, dinitial, heads, m, pn, L: tl.constexpr,
-                                       BLOCK: tl.constexpr):
+                                       BLOCK: tl.constexpr, HAS_DFINAL: tl.constexpr):
         """Program (bi, head, k), the chunks in reverse: replaces G_c by dS_c = dH_{c+1}, and writes
-        dH_0 (chunk c - 1's loads issued before chunk c's store, as in the forward)."""
+        dH_0 (chunk c - 1's loads issued before chunk c's store, as in the forward). Without
+        HAS_DFINAL the final state's gradient is zero (the state is discarded)."""
         bi = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         lanes = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < pn
-        dstate = tl.load(dfinal + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
+        if HAS_DFINAL:
+            dstate = tl.load(dfinal + (bi * heads + head) * pn + lanes, mask=ok, other=0.0)
+        else:
+            dstate = tl.zeros([BLOCK], tl.float32)
         pull = tl.load(dstates + ((bi * m + m - 1) * heads + head) * pn + lanes, mask=ok, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(cum + ((bi * heads + head) * m + m - 1) * L + L - 1))
         for i in range(m):

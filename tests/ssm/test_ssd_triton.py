@@ -97,6 +97,21 @@ def test_the_cumsum_kernel_compiles_for_an_h100(packed):
                      options=shape.launch("cumsum"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("given", [False, True])
+def test_the_state_passing_kernels_compile_for_an_h100(dtype, given):
+    """The state passings forward and backward, with and without an initial state / a final state's
+    gradient (HAS_INITIAL, HAS_DFINAL: the mixer core discards the final state)."""
+    chunk = max(kernels.CHUNK_SIZES)
+    shape = kernels._Shape(batch=1, seq=chunk, heads=1, head_dim=1, groups=1, d_state=1, chunk=chunk, chunks=1)
+    sizes = dict(L=chunk, BLOCK=kernels.STATE_BLOCK)
+    compile_for_sm90(kernels._state_passing_kernel, dtype, "states", "cum initial final",
+                     constexprs=dict(sizes, HAS_INITIAL=given), options=shape.launch("state_passing"))
+    compile_for_sm90(kernels._state_passing_backward_kernel, dtype, "dstates", "cum dfinal dinitial",
+                     constexprs=dict(sizes, HAS_DFINAL=given), options=shape.launch("state_passing_backward"))
+
+
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq,chunk_size", [(1000, 32), (1000, 64), (4096, 128)])
