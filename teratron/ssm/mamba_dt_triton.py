@@ -7,8 +7,8 @@
 
 dt_raw [b, s, h] is read, and its gradient written, by its batch and token strides (a slice of the
 projection laid out [s, b]). Sums run in fp32: each program's rows of d(dt_bias), then over the
-programs in a fixed order (deterministic). softplus is log1p(exp(x)) as torch computes it (to fp32
-rounding; log1p by Goldberg's correction of log(1 + e), Triton's interpreter lacking libdevice).
+programs in a fixed order (deterministic). softplus is max(x, 0) + log1p(exp(-|x|)), torch's value within
+a few fp32 roundings (log1p by Goldberg's correction of log(1 + e), Triton's interpreter lacking libdevice).
 """
 
 import torch
