@@ -89,21 +89,23 @@ def main():
     assert not runs_here(x, weight, torch.zeros(1, 4, 3)), "a decoding step's state takes the PyTorch path"
     assert not runs_here(x, torch.zeros(4, 5), None), "a kernel of more than MAX_TAPS takes the PyTorch path"
     checked = 0
-    tiles = kernels.TILES
+    walks = kernels.WALKS
+    short = {name: (4, 16, 1) for name in walks}  # walks of 4 tokens, blocks of 16 channels
     wide = kernels._wide
-    # the CASES, then the second with one tile per program of the gate pass (several programs a
-    # sequence: the weight and bias gradients summed over programs), then the first with offsets
-    # computed in int64 (what sequences past 2**31 elements take); then the DOCUMENT_CASES (seq_idx of
-    # int64, int32 and uint8), the first again with one tile per program and with int64 offsets
+    # the CASES, then the second with walks of 4 tokens (several programs a sequence, the rows before
+    # and after a walk carried in from the next programs' tokens, the weight and bias gradients summed
+    # over programs), then the first with offsets computed in int64 (what sequences past 2**31 elements
+    # take); then the DOCUMENT_CASES (seq_idx of int64, int32 and uint8), the first again with walks of 4
+    # tokens and with int64 offsets
     def int64_offsets(t) -> bool:
         return True
 
-    runs = [(case, None, tiles, wide) for case in CASES] + [(CASES[1], None, 1, wide),
-                                                            (CASES[0], None, tiles, int64_offsets)]
-    runs += [(case, lengths, tiles, wide) for case, lengths in DOCUMENT_CASES]
-    runs += [(*DOCUMENT_CASES[0], 1, wide), (*DOCUMENT_CASES[0], tiles, int64_offsets)]
+    runs = [(case, None, walks, wide) for case in CASES] + [(CASES[1], None, short, wide),
+                                                            (CASES[0], None, walks, int64_offsets)]
+    runs += [(case, lengths, walks, wide) for case, lengths in DOCUMENT_CASES]
+    runs += [(*DOCUMENT_CASES[0], short, wide), (*DOCUMENT_CASES[0], walks, int64_offsets)]
     index_dtypes = [torch.int64, torch.int32, torch.uint8]
-    for run, (case, lengths, kernels.TILES, kernels._wide) in enumerate(runs):
+    for run, (case, lengths, kernels.WALKS, kernels._wide) in enumerate(runs):
         inputs = make_inputs(*case)
         seq_idx = seq_idx_of(*lengths, dtype=index_dtypes[run % 3]) if lengths is not None else None
         got_all = output_and_grads(partial(triton_path, seq_idx=seq_idx), *inputs)
@@ -116,7 +118,7 @@ def main():
         torch.testing.assert_close(causal_conv1d_silu(*inputs, seq_idx=seq_idx)[1],
                                    causal_conv1d(*inputs, seq_idx=seq_idx)[1], rtol=0, atol=0)
         checked += 1
-    kernels.TILES, kernels._wide = tiles, wide
+    kernels.WALKS, kernels._wide = walks, wide
     # float16 inputs against the PyTorch path in float16 (the pre-activation rounded to float16 in both):
     # within one rounding, relative to each result's largest entry. (bfloat16 is checked on a GPU: the
     # interpreter truncates to bfloat16 where GPUs round to nearest.)

@@ -25,18 +25,18 @@ def test_triton_kernels_in_the_interpreter_match_the_definition():
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_kernels_compile_for_an_h100_within_its_shared_memory(dtype, wide, packed):
-    """Triton and ptxas compile the three passes for sm_90 without a GPU, with their tiles and warps, 4
+    """Triton and ptxas compile the three passes for sm_90 without a GPU, with their walks and warps, 4
     taps, in the int32 and the int64 (WIDE) offsets, with and without packed documents (HAS_SEQ_IDX)."""
     import teratron.ssm.causal_conv1d_triton as kernels
 
     taps = dict(WIDE=wide, HAS_BIAS=True, HAS_SEQ_IDX=packed, K=kernels.MAX_TAPS)
-    for kernel, activations, fp32, constexprs, warps in [
-        (kernels._forward_kernel, "x weight bias y", "", dict(BLOCK_T=kernels.BLOCK_T, BLOCK_C=kernels.BLOCK_C), 4),
-        (kernels._gate_kernel, "x weight bias dy gate", "parts",
-         dict(TILES=kernels.TILES, BLOCK_T=kernels.GATE_BLOCK_T, BLOCK_C=kernels.GATE_BLOCK_C), kernels.GATE_WARPS),
-        (kernels._dx_kernel, "weight gate dx", "", dict(BLOCK_T=kernels.DX_BLOCK_T, BLOCK_C=kernels.DX_BLOCK_C), 4),
+    for kernel, activations, fp32, name in [
+        (kernels._forward_kernel, "x weight bias y", "", "forward"),
+        (kernels._gate_kernel, "x weight bias dy gate", "parts", "gate"),
+        (kernels._dx_kernel, "weight gate dx", "", "dx"),
     ]:
-        compiled = compile_for_sm90(kernel, dtype, activations, fp32, constexprs={**taps, **constexprs},
+        walk, block_c, warps = kernels.WALKS[name]
+        compiled = compile_for_sm90(kernel, dtype, activations, fp32, constexprs=dict(taps, WALK=walk, BLOCK_C=block_c),
                                     options=dict(num_warps=warps), ints="seq_idx")
         assert compiled.shared <= H100_SHARED_MEMORY, (kernel.fn.__name__, compiled.shared)
 
