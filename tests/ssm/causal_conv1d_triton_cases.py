@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from ssm.packed_documents import seq_idx_of
 
-# (b, s, c, k, with bias, transposed: x a [s, b] tensor seen as [b, s]): tiles cut mid-sequence
-# and mid-channels, a sequence shorter than the kernel, kernels of 2 and 4 taps.
+# (b, s, c, k, with bias, transposed: x a [s, b] tensor seen as [b, s]): walks cut mid-sequence and
+# channel blocks mid-channels, a sequence shorter than the kernel, kernels of 2 and 4 taps.
 CASES = [
     (2, 37, 10, 4, True, False),
     (1, 130, 70, 4, False, True),
@@ -26,9 +26,10 @@ CASES = [
     (1, 65, 66, 2, True, False),
 ]
 
-# (a case as above, each row's document lengths): packed documents against the forward's 64-token
-# tiles and the gate's and dx's 32: documents across 32, 64 and 96 and starting at 32 or 64, of length 1
-# (first, mid-row, last, two in a row) and 2, a row of one document; kernels of 4, 3 and 2 taps.
+# (a case as above, each row's document lengths): packed documents against the walks' ends (WALKS:
+# 16, 32 and 64 tokens; 4 in the short-walk runs): documents across 32, 64 and 96 and starting at 32 or
+# 64, of length 1 (first, mid-row, last, two in a row) and 2, a row of one document; kernels of 4, 3 and
+# 2 taps.
 DOCUMENT_CASES = [
     ((2, 130, 10, 4, True, False), [[1, 31, 33, 1, 2, 62], [64, 1, 1, 3, 61]]),
     ((2, 100, 70, 3, False, True), [[2, 30, 1, 67], [100]]),
