@@ -4,9 +4,11 @@ engine (concurrent requests, chat, streaming, a disconnecting client); a draft m
 (--draft-load) leaves greedy text unchanged; bad input is one line."""
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -237,12 +239,27 @@ def test_disconnect_frees_the_engine(imported):
 
 
 def _free_ports(count: int) -> list[int]:
-    """Distinct free ports (held open together while chosen, so the OS cannot hand one out twice)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """Distinct free ports below the OS's ephemeral range, held open together while chosen (so none
+    is handed out twice). Below that range no process's connect() or bind(port 0) can take one
+    between the choice and the server's bind: a gloo rank starting up does both."""
+    first_ephemeral = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    candidates = random.Random().sample(range(10_000, first_ephemeral), 200)
+    sockets = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"no {count} free ports among 200 tried below {first_ephemeral}")
     finally:
         for s in sockets:
             s.close()
