@@ -9,10 +9,12 @@ Ranks are forked, so `fn` may be any function, including one defined inside a te
 GPU, also on a machine that has one (tests/conftest.py hides it from tests without the gpu mark).
 """
 
+import contextlib
 import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import random
 import socket
 import traceback
 
@@ -20,10 +22,33 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports below the OS's ephemeral range, held open together while chosen (so none
+    is handed out twice). Below that range no process's connect() or bind(port 0) can take one
+    between the choice and the listener's bind: a gloo rank starting up does both. Where the range
+    starts too low to leave room, the OS picks (port 0)."""
+    first_ephemeral = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    low_enough = first_ephemeral > 10_200
+    candidates = random.Random().sample(range(10_000, first_ephemeral), 200) if low_enough else [0] * count
+    sockets = []
+    try:
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"no {count} free ports among {len(candidates)} tried below {first_ephemeral}")
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _rank_main(rank, world_size, port, fn, args, kwargs, conn):
@@ -51,7 +76,7 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, conn):
 
 def run_distributed(fn, world_size, *args, timeout=300, **kwargs):
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port, = free_ports(1)
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)

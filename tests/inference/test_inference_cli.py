@@ -4,11 +4,9 @@ engine (concurrent requests, chat, streaming, a disconnecting client); a draft m
 (--draft-load) leaves greedy text unchanged; bad input is one line."""
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -21,6 +19,7 @@ import torch
 import transformers
 
 from convert.hf_testing import save_random_hf_model
+from dist import free_ports
 from inference.server_testing import (WORD_VOCAB, default_ctrl_c, running_server, write_byte_tokenizer,
                                      write_word_tokenizer)
 from teratron import cli
@@ -238,43 +237,12 @@ def test_disconnect_frees_the_engine(imported):
         assert aborted == [0] and engine.context.allocator.num_free == engine.context.num_blocks  # every block back
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct free ports below the OS's ephemeral range, held open together while chosen (so none
-    is handed out twice). Below that range no process's connect() or bind(port 0) can take one
-    between the choice and the server's bind: a gloo rank starting up does both."""
-    first_ephemeral = 32768
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            first_ephemeral = int(f.read().split()[0])
-    candidates = random.Random().sample(range(10_000, first_ephemeral), 200)
-    sockets = []
-    try:
-        for port in candidates:
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                s.close()
-                continue
-            sockets.append(s)
-            if len(sockets) == count:
-                return [s.getsockname()[1] for s in sockets]
-        raise RuntimeError(f"no {count} free ports among 200 tried below {first_ephemeral}")
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _free_port() -> int:
-    return _free_ports(1)[0]
-
-
 @pytest.mark.parametrize("stop, returncode, last_words", [(signal.SIGINT, 130, "teratron: interrupted"),
                                                           (signal.SIGTERM, 0, "teratron serve: stopped")])
 def test_serve_command(imported, stop, returncode, last_words):
     """`teratron serve` in a process of its own: answers, then stops on Ctrl+C or SIGTERM."""
     ckpt, _ = imported
-    port = _free_port()
+    port, = free_ports(1)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "teratron", "serve", "--load", ckpt, "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from dist import run_distributed
+from dist import free_ports, run_distributed
 from inference.server_testing import default_ctrl_c
-from inference.test_inference_cli import ENGINE, _free_ports, _post, drafts, imported, served  # noqa: F401 - fixtures
+from inference.test_inference_cli import ENGINE, _post, drafts, imported, served  # noqa: F401 - fixtures
 from teratron import cli
 from teratron import parallel_state as ps
 from teratron.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -127,7 +127,7 @@ def _disconnect_mid_stream(url) -> None:
 def test_tensor_parallel_server_answers_as_tp1(imported, served, stop):
     ckpt, _ = imported
     tp1_url, _ = served
-    port, master = _free_ports(2)  # one call: a master port equal to the server's would take it first
+    port, master = free_ports(2)  # one call: a master port equal to the server's would take it first
     ranks = _launch_tp2_server(ckpt, port, master)
     url = f"http://127.0.0.1:{port}"
     try:
