@@ -251,13 +251,19 @@ if triton is not None:
                 _weights(weight, channels, channel_ok, 3, K), bias_row)
 
     @triton.jit
+    def _dot4(q0, q1, q2, q3, w0, w1, w2, w3):
+        """[BLOCK_C] fp32: q0 w0 + q1 w1 + q2 w2 + q3 w3, summed in that order."""
+        out = q0 * w0
+        out += q1 * w1
+        out += q2 * w2
+        out += q3 * w3
+        return out
+
+    @triton.jit
     def _preactivation(q0, q1, q2, q3, w0, w1, w2, w3, bias_row, x_dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
         """a_t from x_{t-3} .. x_t (each zero outside a_t's document), rounded to x's dtype; the forward and
         the gate pass sum it alike, to the bit."""
-        a = q0 * w0
-        a += q1 * w1
-        a += q2 * w2
-        a += q3 * w3
+        a = _dot4(q0, q1, q2, q3, w0, w1, w2, w3)
         if HAS_BIAS:
             a += bias_row
         return a.to(x_dtype).to(tl.float32)
@@ -280,14 +286,14 @@ if triton is not None:
                                                    WIDE, HAS_SEQ_IDX, 4)
             for j in tl.static_range(4):  # output row t + j
                 q0, q1, q2, q3 = _taps(j, p3, p2, p1, r0, r1, r2, r3, d3, d2, d1, e0, e1, e2, e3, True, HAS_SEQ_IDX)
-                _store_silu(y, _preactivation(q0, q1, q2, q3, w0, w1, w2, w3, bias_row, x.dtype.element_ty, HAS_BIAS),
-                            bi, t + j, channels, channel_ok, s, c)
+                a = _preactivation(q0, q1, q2, q3, w0, w1, w2, w3, bias_row, x.dtype.element_ty, HAS_BIAS)
+                _store_row(y, a * tl.sigmoid(a), bi, t + j, channels, channel_ok, s, c)
             p3, p2, p1, d3, d2, d1 = r1, r2, r3, e1, e2, e3
 
     @triton.jit
-    def _store_silu(y, a, bi, t, channels, channel_ok, s, c):
-        """Row t of y = silu(a) (contiguous [b, s, c]); nothing past the sequence."""
-        tl.store(y + (bi * s + t) * c + channels, (a * tl.sigmoid(a)).to(y.dtype.element_ty),
+    def _store_row(ptr, values, bi, t, channels, channel_ok, s, c):
+        """Row t of a contiguous [b, s, c] tensor (values rounded to its dtype); nothing past the sequence."""
+        tl.store(ptr + (bi * s + t) * c + channels, values.to(ptr.dtype.element_ty),
                  mask=channel_ok & (t + tl.zeros_like(channels) < s))
 
     @triton.jit
@@ -298,9 +304,8 @@ if triton is not None:
         a = _preactivation(q0, q1, q2, q3, w0, w1, w2, w3, bias_row, x_dtype, HAS_BIAS)
         sig = tl.sigmoid(a)
         g = _row(dy, bi, t, channels, channel_ok, s, dy_stride_b, dy_stride_s, WIDE) * sig * (1 + a * (1 - sig))
-        g = g.to(gate.dtype.element_ty)
-        tl.store(gate + (bi * s + t) * c + channels, g, mask=channel_ok & (t + tl.zeros_like(channels) < s))
-        return g.to(tl.float32)
+        _store_row(gate, g, bi, t, channels, channel_ok, s, c)
+        return g.to(gate.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _gate_kernel(x, weight, bias, seq_idx, dy, gate, parts, s, c, stride_b, stride_s, dy_stride_b, dy_stride_s,
@@ -347,15 +352,6 @@ if triton is not None:
         tl.store(row + K, dbias, mask=channel_ok)
 
     @triton.jit
-    def _dx_row(n0, n1, n2, n3, v0, v1, v2, v3):
-        """dx_t from g_t .. g_{t+3} (each zero outside x_t's document)."""
-        out = n0 * v0
-        out += n1 * v1
-        out += n2 * v2
-        out += n3 * v3
-        return out
-
-    @triton.jit
     def _store_dx(dx, tile, bi, t, channels, channel_ok, s, dx_stride_b, dx_stride_s, WIDE: tl.constexpr):
         row = t.to(tl.int64) if WIDE else t
         tl.store(dx + bi * dx_stride_b + row * dx_stride_s + channels, tile.to(dx.dtype.element_ty),
@@ -385,6 +381,6 @@ if triton is not None:
                                                    WIDE, HAS_SEQ_IDX, 4)
             for j in tl.static_range(4):  # dx row t + j
                 q0, q1, q2, q3 = _taps(j, n0, n1, n2, r0, r1, r2, r3, f0, f1, f2, e0, e1, e2, e3, False, HAS_SEQ_IDX)
-                _store_dx(dx, _dx_row(q0, q1, q2, q3, v0, v1, v2, v3), bi, t + j, channels, channel_ok, s,
+                _store_dx(dx, _dot4(q0, q1, q2, q3, v0, v1, v2, v3), bi, t + j, channels, channel_ok, s,
                           dx_stride_b, dx_stride_s, WIDE)
             n0, n1, n2, f0, f1, f2 = r1, r2, r3, e1, e2, e3
