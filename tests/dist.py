@@ -32,6 +32,7 @@ def free_ports(count: int) -> list[int]:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             first_ephemeral = int(f.read().split()[0])
     low_enough = first_ephemeral > 10_200
+    # a generator of its own: tests that seed `random` would give every run the same ports
     candidates = random.Random().sample(range(10_000, first_ephemeral), 200) if low_enough else [0] * count
     sockets = []
     try:
